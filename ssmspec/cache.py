@@ -1,0 +1,201 @@
+"""SpecCache: a transformers `DynamicCache` that can verify a token tree without touching committed state.
+
+Outside verification it is exactly HF's DynamicCache (prefill and plain forwards go through HF's own code).
+Inside `cache.verifying(tree)`:
+- mixers see `is_recording_past() == True`, so they take their multi-token path for any tree size;
+- `update_conv_state` records each node's pre-conv input and returns [committed state | node inputs];
+- the tree ops (called from the rewritten seams) record per-node states or replay inputs;
+- attention `update` appends the nodes' K/V after the committed prefix.
+`commit(last)` then folds each row's accepted root-to-`last` path into the committed states: conv window
+gather, recurrent state (materialized gather or replay along the path), and K/V compaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from ssmspec.ops.commit import conv_window, gather_states
+from ssmspec.tree import TokenTree
+
+COMMIT_STRATEGIES = ("replay", "materialize")
+
+_ACTIVE: contextvars.ContextVar[SpecCache | None] = contextvars.ContextVar("ssmspec_active_cache", default=None)
+
+
+def active_verify_cache() -> SpecCache | None:
+    """The SpecCache currently verifying a tree, or None outside verification."""
+    return _ACTIVE.get()
+
+
+@dataclass
+class RecurrentRecord:
+    """What a tree op left for commit: all node states (materialize) or a replay closure (replay)."""
+
+    states: torch.Tensor | None = None
+    replay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+class SpecCache(DynamicCache):
+    """HF DynamicCache plus tree verification and per-row commit (see module docstring)."""
+
+    def __init__(self, config, *, strategy: str = "replay", state_dtype: torch.dtype | None = None) -> None:
+        if strategy not in COMMIT_STRATEGIES:
+            raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {strategy!r}")
+        super().__init__(config=config)
+        self.strategy = strategy
+        self.state_dtype = state_dtype
+        self.tree: TokenTree | None = None
+        self.current_layer: int | None = None
+        self._pending_conv: dict[tuple[int, int], torch.Tensor] = {}
+        self._pending_rec: dict[tuple[int, int], RecurrentRecord] = {}
+        self._kv_len: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- layer bookkeeping
+    def attention_layers(self) -> list[int]:
+        """Indices of layers that hold attention K/V."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, CacheLayerMixin)]
+
+    def linear_layers(self) -> list[int]:
+        """Indices of layers that hold conv/recurrent states."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def committed_recurrent(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The committed recurrent state of a layer (None before its first update)."""
+        layer = self.layers[layer_idx]
+        if not layer.is_recurrent_states_initialized[state_idx]:
+            return None
+        return layer.recurrent_states[state_idx]
+
+    # ---------------------------------------------------------------- HF Cache API overrides
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self.current_layer = layer_idx
+        return super().get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self.current_layer = layer_idx
+        return super().get_recurrent_state(layer_idx, state_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        if self.tree is not None:
+            return True
+        return super().is_recording_past(layer_idx)
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        self.current_layer = layer_idx
+        if self.tree is None:
+            return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+        layer = self.layers[layer_idx]
+        committed = layer.conv_states[state_idx]
+        if committed is None or not layer.has_previous_state[state_idx]:
+            raise RuntimeError(f"layer {layer_idx}: tree verification needs a prefilled conv state")
+        self._pending_conv[(layer_idx, state_idx)] = conv_states
+        return torch.cat([committed.to(conv_states.dtype), conv_states], dim=-1)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        if self.tree is not None:  # the tree op already recorded what commit needs
+            return recurrent_states
+        if self.state_dtype is not None and recurrent_states.is_floating_point():
+            recurrent_states = recurrent_states.to(torch.promote_types(recurrent_states.dtype, self.state_dtype))
+        return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+    # ---------------------------------------------------------------- verification
+    def record_recurrent(self, record: RecurrentRecord, state_idx: int = 0) -> None:
+        """Called by a tree op seam: remember what commit needs for the current layer."""
+        if self.current_layer is None:
+            raise RuntimeError("a tree op ran before its mixer read its cache state")
+        self._pending_rec[(self.current_layer, state_idx)] = record
+
+    @contextlib.contextmanager
+    def verifying(self, tree: TokenTree) -> Iterator[SpecCache]:
+        """Run model forwards on `tree` without changing committed state; call `commit` afterwards."""
+        if self.tree is not None:
+            raise RuntimeError("SpecCache is already verifying a tree")
+        self.tree = tree
+        self._pending_conv.clear()
+        self._pending_rec.clear()
+        self._kv_len = {i: self.layers[i].get_seq_length() for i in self.attention_layers()}
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+            self.tree = None
+
+    def discard(self) -> None:
+        """Drop a verified tree without committing anything (K/V appended by the tree are removed)."""
+        for i, n0 in self._kv_len.items():
+            layer = self.layers[i]
+            layer.keys = layer.keys[:, :, :n0]
+            layer.values = layer.values[:, :, :n0]
+        self._reset_pending()
+
+    def _reset_pending(self) -> None:
+        self._pending_conv.clear()
+        self._pending_rec.clear()
+        self._kv_len = {}
+
+    def commit(self, tree: TokenTree, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance every row past its accepted path root -> last[b]. Returns (path [B, M], lengths [B]).
+
+        Attention layers keep M new slots per row; slots past a row's length hold stale K/V that the
+        caller must mask out (the engine tracks a per-row validity mask)."""
+        path, lengths = tree.paths(last)
+        for (li, si), nodes in self._pending_conv.items():
+            layer = self.layers[li]
+            new = conv_window(layer.conv_states[si], nodes, path, lengths)
+            layer.conv_states[si].copy_(new)
+        for (li, si), rec in self._pending_rec.items():
+            layer = self.layers[li]
+            if rec.states is not None:
+                new = gather_states(rec.states, last)
+            else:
+                new = rec.replay(path, lengths)
+            layer.recurrent_states[si].copy_(new.to(layer.recurrent_states[si].dtype))
+        for li, n0 in self._kv_len.items():
+            layer = self.layers[li]
+            for name in ("keys", "values"):
+                full = getattr(layer, name)
+                tail = full[:, :, n0:]
+                idx = path[:, None, :, None].expand(full.shape[0], full.shape[1], path.shape[1], full.shape[3])
+                setattr(layer, name, torch.cat([full[:, :, :n0], torch.gather(tail, 2, idx)], dim=2))
+        self._reset_pending()
+        return path, lengths
+
+    # ---------------------------------------------------------------- snapshots (draft models)
+    def snapshot(self) -> list[tuple]:
+        """A copy of all committed states, for a drafter that advances and must roll back."""
+        snap = []
+        for layer in self.layers:
+            item = {}
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                item["conv"] = {k: (v.clone() if v is not None else None) for k, v in layer.conv_states.items()}
+                item["rec"] = {k: (v.clone() if v is not None else None) for k, v in layer.recurrent_states.items()}
+            if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None:
+                item["kv_len"] = layer.get_seq_length()
+            snap.append(item)
+        return snap
+
+    def restore(self, snap: list[dict]) -> None:
+        """Put back the states saved by `snapshot` (in place, keeping tensor addresses)."""
+        for layer, item in zip(self.layers, snap):
+            for k, v in item.get("conv", {}).items():
+                if v is not None:
+                    layer.conv_states[k].copy_(v)
+            for k, v in item.get("rec", {}).items():
+                if v is not None:
+                    layer.recurrent_states[k].copy_(v)
+            if "kv_len" in item:
+                n0 = item["kv_len"]
+                layer.keys = layer.keys[:, :, :n0]
+                layer.values = layer.values[:, :, :n0]

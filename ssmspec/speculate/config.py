@@ -1,0 +1,43 @@
+"""SpecConfig: how a transformed model speculates (drafter, chain or tree, budgets, commit strategy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ssmspec.cache import COMMIT_STRATEGIES
+
+DRAFTERS = ("prompt_lookup", "draft_model", "none")
+
+
+@dataclass
+class SpecConfig:
+    """Speculation settings for `model.generate(..., speculation=SpecConfig(...))`.
+
+    drafter:           "prompt_lookup" (n-gram match in prompt + output), "draft_model" (needs
+                       `assistant_model`), or "none" (plain decoding through the tree path)
+    num_draft_tokens:  maximum draft depth per step (a chain has this many drafted nodes)
+    tree:              False = chain; True = a tree from several matches / candidates
+    tree_budget:       maximum drafted nodes per row in tree mode
+    max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones)
+    commit:            "replay" (re-run the recurrence along the accepted path; small memory) or
+                       "materialize" (keep every node's state; commit is a gather)
+    """
+
+    drafter: str = "prompt_lookup"
+    num_draft_tokens: int = 8
+    tree: bool = False
+    tree_budget: int = 16
+    max_matching_ngram_size: int = 2
+    commit: str = "replay"
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.commit not in COMMIT_STRATEGIES:
+            raise ValueError(f"SpecConfig.commit must be one of {COMMIT_STRATEGIES}, got {self.commit!r}")
+        if self.num_draft_tokens < 0:
+            raise ValueError("SpecConfig.num_draft_tokens must be >= 0")
+        if self.tree_budget < 1:
+            raise ValueError("SpecConfig.tree_budget must be >= 1")
+        if self.max_matching_ngram_size < 1:
+            raise ValueError("SpecConfig.max_matching_ngram_size must be >= 1")

@@ -1,0 +1,108 @@
+"""The speculative decoding loop: prefill, draft, verify, commit; stops exactly where HF generate() stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ssmspec.speculate.drafters import Drafter
+from ssmspec.speculate.runner import ModelRunner
+from ssmspec.speculate.verify import greedy_verify
+from ssmspec.tree import TokenTree
+
+
+@dataclass
+class SpecStats:
+    """Counters of one generate call (all rows together)."""
+
+    verify_steps: int = 0
+    accepted_tokens: int = 0  # drafted tokens accepted, summed over rows
+    emitted_tokens: int = 0  # tokens appended to the outputs (accepted + bonus, after EOS/max truncation)
+    tree_nodes_per_step: list[int] = field(default_factory=list)  # nodes per row verified, per step (max over rows)
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Tokens gained per verify step and row: accepted drafts + the bonus token."""
+        return (self.accepted_tokens + self.row_steps) / max(self.row_steps, 1)
+
+    row_steps: int = 0  # verify steps counted per active row
+
+
+def speculative_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    drafter: Drafter,
+    max_draft_nodes: int,
+    max_draft_depth: int,
+    strategy: str = "replay",
+) -> tuple[torch.Tensor, SpecStats, ModelRunner]:
+    """Greedy speculative decoding. Returns (sequences [B, L + T] as HF generate, stats, the target's runner
+    holding the final committed cache)."""
+    stats = SpecStats()
+    b = input_ids.shape[0]
+    runner = ModelRunner(model, strategy=strategy)
+    if max_new_tokens <= 0:
+        return input_ids.clone(), stats, runner
+    logits = runner.prefill(input_ids, attention_mask)
+    drafter.start(input_ids, attention_mask)
+    mask = attention_mask.bool()
+    contexts = [input_ids[r][mask[r]].tolist() for r in range(b)]
+    generated: list[list[int]] = [[] for _ in range(b)]
+    done = [False] * b
+    eos = set(eos_token_ids)
+
+    def emit(row: int, toks: list[int]) -> None:
+        for t in toks:
+            if done[row]:
+                return
+            generated[row].append(t)
+            contexts[row].append(t)
+            stats.emitted_tokens += 1
+            if t in eos or len(generated[row]) >= max_new_tokens:
+                done[row] = True
+
+    for r, t in enumerate(logits.argmax(-1).tolist()):
+        emit(r, [t])
+    while not all(done):
+        remaining = [max_new_tokens - len(g) for g in generated]
+        depth = min(max_draft_depth, max(remaining) - 1)
+        drafts = drafter.propose(contexts, max_draft_nodes, max(depth, 0))
+        drafts = [_trim(d, remaining[r] - 1) if not done[r] else ([d[0][0]], [-1]) for r, d in enumerate(drafts)]
+        tree = TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=input_ids.device)
+        node_logits = runner.verify(tree)
+        last, emitted = greedy_verify(tree, node_logits)
+        runner.commit(last)
+        stats.verify_steps += 1
+        stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
+        for r in range(b):
+            if done[r]:
+                continue
+            stats.row_steps += 1
+            stats.accepted_tokens += len(emitted[r]) - 1
+            emit(r, emitted[r])
+    width = max(len(g) for g in generated)
+    out = torch.full((b, width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    for r, g in enumerate(generated):
+        out[r, : len(g)] = torch.tensor(g, dtype=input_ids.dtype)
+    return torch.cat([input_ids, out], dim=1), stats, runner
+
+
+def _trim(draft: tuple[list[int], list[int]], max_depth: int) -> tuple[list[int], list[int]]:
+    """Drop drafted nodes deeper than max_depth (no use drafting past max_new_tokens)."""
+    tokens, parents = draft
+    depth = [0] * len(tokens)
+    keep = [0]
+    new_index = {0: 0}
+    for t in range(1, len(tokens)):
+        depth[t] = depth[parents[t]] + 1
+        if depth[t] <= max_depth and parents[t] in new_index:
+            new_index[t] = len(keep)
+            keep.append(t)
+    return [tokens[t] for t in keep], [-1] + [new_index[parents[t]] for t in keep[1:]]

@@ -1,0 +1,196 @@
+"""check_model: the equivalence checker users run in CI on a new architecture.
+
+For each prompt batch and drafter it asserts that speculative greedy output equals Hugging Face's own
+`generate(do_sample=False)` on the untransformed model and ssmspec's own autoregressive decode, that the
+committed states after generation equal those after plain greedy, and that the transformed model's plain
+forward logits equal the original's. In float64 any difference is a failure; in lower precision a token
+divergence is accepted only at a near-tie of the reference (top-2 logit gap < tie_tolerance) and counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.cache_utils import CacheLayerMixin
+
+from ssmspec.speculate.drafters import Drafter, NoDrafter
+from ssmspec.speculate.engine import speculative_generate
+from ssmspec.speculate.runner import ModelRunner
+from ssmspec.transform import transform
+
+
+class EquivalenceError(AssertionError):
+    """Speculative output, states or logits differ from the reference beyond what the dtype allows."""
+
+
+@dataclass
+class CheckReport:
+    """What check_model measured."""
+
+    runs: int = 0
+    tokens_compared: int = 0
+    tie_flips: int = 0
+    max_state_diff: float = 0.0
+    max_logit_diff: float = 0.0
+    mean_accepted_per_step: list[float] = field(default_factory=list)
+
+
+def _eos_pad(model: nn.Module) -> tuple[list[int], int]:
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    pad = model.generation_config.pad_token_id
+    return eos, (pad if pad is not None else (eos[0] if eos else 0))
+
+
+def state_diff(a: ModelRunner, b: ModelRunner, rows: Sequence[int]) -> float:
+    """Max abs difference of committed conv/recurrent states and valid K/V between two runners, on rows."""
+    if not rows:
+        return 0.0
+    idx = torch.tensor(list(rows))
+    worst = 0.0
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        for name in ("conv_states", "recurrent_states"):
+            for k, ta in getattr(la, name, {}).items():
+                tb = getattr(lb, name)[k]
+                if ta is not None and tb is not None:
+                    worst = max(worst, float((ta[idx].double() - tb[idx].double()).abs().max()))
+        if isinstance(la, CacheLayerMixin) and getattr(la, "keys", None) is not None:
+            for r in rows:
+                ka = la.keys[r][:, a.kv_valid[r]]
+                kb = lb.keys[r][:, b.kv_valid[r]]
+                va = la.values[r][:, a.kv_valid[r]]
+                vb = lb.values[r][:, b.kv_valid[r]]
+                if ka.shape != kb.shape:
+                    return float("inf")
+                worst = max(worst, float((ka - kb).abs().max()), float((va - vb).abs().max()))
+    return worst
+
+
+def check_model(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    prompts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    drafters: Sequence[Callable[[torch.Tensor], Drafter]] | None = None,
+    *,
+    max_new_tokens: int = 12,
+    max_draft_nodes: int = 8,
+    max_draft_depth: int = 4,
+    strategies: Sequence[str] = ("replay", "materialize"),
+    tie_tolerance: float | None = None,
+    state_tolerance: float | None = None,
+    logit_tolerance: float | None = None,
+) -> CheckReport:
+    """Run the equivalence checks; raises EquivalenceError on the first violation, else returns a report.
+
+    prompts: (input_ids, attention_mask) pairs. drafters: factories taking the reference sequences
+    (HF greedy output) and returning a Drafter (so oracles can be built); default: NoDrafter only.
+    Tolerances default by dtype: float64 -> no tie flips allowed, states 1e-9, logits 1e-10.
+    """
+    reference = (
+        model_or_factory()
+        if callable(model_or_factory) and not isinstance(model_or_factory, nn.Module)
+        else (model_or_factory)
+    )
+    dtype = next(reference.parameters()).dtype
+    exact = dtype == torch.float64
+    tie_tolerance = (0.0 if exact else 1e-3) if tie_tolerance is None else tie_tolerance
+    state_tolerance = (1e-9 if exact else 1e-3) if state_tolerance is None else state_tolerance
+    logit_tolerance = (1e-10 if exact else 1e-4) if logit_tolerance is None else logit_tolerance
+    target = transform(copy.deepcopy(reference))
+    eos, pad = _eos_pad(reference)
+    drafters = list(drafters or [lambda ref: NoDrafter()])
+    report = CheckReport()
+    for input_ids, attention_mask in prompts:
+        with torch.no_grad():
+            want = reference(input_ids=input_ids, attention_mask=attention_mask).logits
+            got = target(input_ids=input_ids, attention_mask=attention_mask).logits
+        diff = float((want - got).abs().max())
+        report.max_logit_diff = max(report.max_logit_diff, diff)
+        if diff > logit_tolerance:
+            raise EquivalenceError(f"plain forward logits of the transformed model differ by {diff:.3g}")
+        hf = reference.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=pad,
+        )
+        ref_seq = hf.sequences
+        ref_logits = torch.stack(hf.logits, 1) if hf.logits else None  # [B, T, V]
+        mask = attention_mask.bool()
+        ref_rows = [
+            ref_seq[r, : input_ids.shape[1]][mask[r]].tolist() + ref_seq[r, input_ids.shape[1] :].tolist()
+            for r in range(ref_seq.shape[0])
+        ]
+        for strategy in strategies:
+            ar_seq, _, ar_runner = speculative_generate(
+                target,
+                input_ids,
+                attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_ids=eos,
+                pad_token_id=pad,
+                drafter=NoDrafter(),
+                max_draft_nodes=0,
+                max_draft_depth=0,
+                strategy=strategy,
+            )
+            _compare(ar_seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "ssmspec autoregressive")
+            for make in drafters:
+                seq, stats, runner = speculative_generate(
+                    target,
+                    input_ids,
+                    attention_mask,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_ids=eos,
+                    pad_token_id=pad,
+                    drafter=make(ref_rows),
+                    max_draft_nodes=max_draft_nodes,
+                    max_draft_depth=max_draft_depth,
+                    strategy=strategy,
+                )
+                report.runs += 1
+                report.mean_accepted_per_step.append(stats.mean_accepted_per_step)
+                flips = _compare(seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "speculative")
+                if not torch.equal(seq, ar_seq) and not flips:
+                    raise EquivalenceError(f"speculative output differs from ssmspec autoregressive ({strategy})")
+                same = [r for r in range(seq.shape[0]) if int(runner.n_real[r]) == int(ar_runner.n_real[r])]
+                sd = state_diff(runner, ar_runner, same)
+                report.max_state_diff = max(report.max_state_diff, sd)
+                if sd > state_tolerance:
+                    raise EquivalenceError(f"committed states after speculation differ by {sd:.3g} ({strategy})")
+    return report
+
+
+def _compare(seq, ref_seq, ref_logits, prompt_len, tie_tolerance, report, what) -> int:
+    """Token-compare one output with the reference; returns the number of tie flips found."""
+    flips = 0
+    if seq.shape == ref_seq.shape and torch.equal(seq, ref_seq):
+        report.tokens_compared += int(seq[:, prompt_len:].numel())
+        return 0
+    for r in range(ref_seq.shape[0]):
+        a, b = seq[r, prompt_len:].tolist(), ref_seq[r, prompt_len:].tolist()
+        for i in range(max(len(a), len(b))):
+            ta = a[i] if i < len(a) else None
+            tb = b[i] if i < len(b) else None
+            if ta == tb:
+                report.tokens_compared += 1
+                continue
+            gap = float("inf")
+            if ref_logits is not None and i < ref_logits.shape[1]:
+                top2 = ref_logits[r, i].double().topk(2).values
+                gap = float(top2[0] - top2[1])
+            if gap >= tie_tolerance or ta is None or tb is None:
+                raise EquivalenceError(
+                    f"{what} output differs from HF greedy at row {r}, new token {i}: {ta} vs {tb} "
+                    f"(reference top-2 gap {gap:.3g}, tie tolerance {tie_tolerance})"
+                )
+            flips += 1
+            report.tie_flips += 1
+            break
+    return flips

@@ -1,0 +1,154 @@
+"""TokenTree: a batch of draft trees in topological order (node 0 = root, parent[t] < t).
+
+Everything the tree ops, the attention mask and the commit need is derived here once per step:
+depth, ancestor mask, the k nearest ancestors (for tree conv) and root-to-node paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ssmspec.errors import InvalidTreeError
+
+
+@dataclass
+class TokenTree:
+    """A batch of B trees of N nodes each (rows padded to a common N with never-acceptable nodes).
+
+    tokens:     [B, N] token ids; tokens[:, 0] is the root (the last emitted, not yet processed token)
+    parents:    [B, N] parent index, parents[:, 0] == -1 and 0 <= parents[:, t] < t for t >= 1
+    acceptable: [B, N] False for padding nodes that verification must never accept
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    acceptable: torch.Tensor | None = None
+    depth: torch.Tensor = field(init=False)
+    ancestor_mask: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 2 or self.parents.shape != self.tokens.shape:
+            raise InvalidTreeError(
+                f"tokens and parents must both be [batch, nodes]; got {tuple(self.tokens.shape)} and "
+                f"{tuple(self.parents.shape)}"
+            )
+        b, n = self.tokens.shape
+        if n == 0:
+            raise InvalidTreeError("a token tree needs at least its root node")
+        self.parents = self.parents.to(torch.long)
+        if bool((self.parents[:, 0] != -1).any()):
+            raise InvalidTreeError("node 0 is the root: parents[:, 0] must be -1")
+        if n > 1:
+            idx = torch.arange(1, n, device=self.parents.device)
+            rest = self.parents[:, 1:]
+            bad = (rest < 0) | (rest >= idx)
+            if bool(bad.any()):
+                row, col = (int(v) for v in bad.nonzero()[0])
+                raise InvalidTreeError(
+                    f"row {row}: node {col + 1} has parent {int(rest[row, col])}; every node's parent must be an "
+                    "earlier node (topological order, no cycles)"
+                )
+        if self.acceptable is None:
+            self.acceptable = torch.ones_like(self.tokens, dtype=torch.bool)
+        elif self.acceptable.shape != self.tokens.shape:
+            raise InvalidTreeError("acceptable must have the shape of tokens")
+        depth = torch.zeros(b, n, dtype=torch.long, device=self.tokens.device)
+        anc = torch.zeros(b, n, n, dtype=torch.bool, device=self.tokens.device)
+        anc[:, 0, 0] = True
+        rows = torch.arange(b, device=self.tokens.device)
+        for t in range(1, n):
+            p = self.parents[:, t]
+            depth[:, t] = depth[rows, p] + 1
+            anc[:, t] = anc[rows, p]
+            anc[:, t, t] = True
+        self.depth = depth
+        self.ancestor_mask = anc
+
+    @classmethod
+    def from_lists(
+        cls,
+        tokens: Sequence[Sequence[int]],
+        parents: Sequence[Sequence[int]],
+        *,
+        pad_token_id: int = 0,
+        device: torch.device | str | None = None,
+    ) -> TokenTree:
+        """Build a batch from per-row python lists, padding short rows with unacceptable children of the root."""
+        if len(tokens) != len(parents) or len(tokens) == 0:
+            raise InvalidTreeError("tokens and parents need one (non-empty) entry per batch row")
+        n = max(len(t) for t in tokens)
+        tok, par, ok = [], [], []
+        for row_t, row_p in zip(tokens, parents):
+            if len(row_t) != len(row_p):
+                raise InvalidTreeError("each row needs as many parents as tokens")
+            if len(row_t) == 0:
+                raise InvalidTreeError("a token tree needs at least its root node")
+            pad = n - len(row_t)
+            tok.append(list(row_t) + [pad_token_id] * pad)
+            par.append(list(row_p) + [0] * pad)
+            ok.append([True] * len(row_t) + [False] * pad)
+        return cls(
+            torch.tensor(tok, dtype=torch.long, device=device),
+            torch.tensor(par, dtype=torch.long, device=device),
+            torch.tensor(ok, dtype=torch.bool, device=device),
+        )
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> TokenTree:
+        """A chain (each node the child of the previous) for every row of a [B, N] token tensor."""
+        b, n = tokens.shape
+        parents = (torch.arange(n, device=tokens.device) - 1).expand(b, n).clone()
+        return cls(tokens, parents)
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes per row, padding included."""
+        return self.tokens.shape[1]
+
+    def pad_to(self, min_nodes: int, pad_token_id: int = 0) -> TokenTree:
+        """Append never-acceptable children of the root until every row has at least `min_nodes` nodes."""
+        extra = min_nodes - self.num_nodes
+        if extra <= 0:
+            return self
+        b = self.batch_size
+        dev = self.tokens.device
+        return TokenTree(
+            torch.cat([self.tokens, torch.full((b, extra), pad_token_id, dtype=torch.long, device=dev)], 1),
+            torch.cat([self.parents, torch.zeros(b, extra, dtype=torch.long, device=dev)], 1),
+            torch.cat([self.acceptable, torch.zeros(b, extra, dtype=torch.bool, device=dev)], 1),
+        )
+
+    def ancestors(self, k: int) -> torch.Tensor:
+        """[B, N, k]: entry j is node t's j-th ancestor (j = 0 is t itself); past the root, -1, -2, ...
+        count back into the committed history (-1 = the most recent committed input)."""
+        b, n = self.tokens.shape
+        out = torch.empty(b, n, k, dtype=torch.long, device=self.tokens.device)
+        rows = torch.arange(b, device=self.tokens.device)[:, None]
+        cur = torch.arange(n, device=self.tokens.device).expand(b, n).clone()
+        for j in range(k):
+            out[:, :, j] = cur
+            neg = cur < 0
+            par = self.parents[rows, cur.clamp(min=0)]
+            cur = torch.where(neg, cur - 1, torch.where(cur == 0, torch.full_like(cur, -1), par))
+        return out
+
+    def paths(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Root-to-node paths for one node per row: ([B, M] node indices padded with the last node, [B] lengths)."""
+        rows = torch.arange(self.batch_size, device=self.tokens.device)
+        lengths = self.depth[rows, last] + 1
+        m = int(lengths.max())
+        anc = self.ancestor_mask[rows, last]  # [B, N], True on the path
+        # nodes on a path are increasing in index; sort the path's indices to the front
+        idx = torch.arange(self.num_nodes, device=self.tokens.device).expand_as(anc)
+        key = torch.where(anc, idx, idx + self.num_nodes)
+        order = key.sort(dim=1).values[:, :m]
+        order = torch.where(order >= self.num_nodes, last[:, None].expand_as(order), order)
+        return order, lengths

@@ -1,0 +1,156 @@
+"""Each reference tree op on a chain equals the Hugging Face fallback it replaces; on trees it equals a
+sequential per-node evaluation; and the commit ops pick the right states."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+from transformers.models.mamba2.modeling_mamba2 import causal_conv1d_fn, mamba2_chunk_scan
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+from ssmspec.ops import conv_window, gather_states, tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd
+from ssmspec.ops.ssd import ssd_states_ref
+from ssmspec.tree import TokenTree
+
+D64 = torch.float64
+
+
+def _tree() -> TokenTree:
+    return TokenTree.from_lists([[0] * 7, [0] * 5], [[-1, 0, 0, 1, 1, 2, 5], [-1, 0, 1, 0, 3]])
+
+
+def test_conv_chain_matches_hf():
+    g = torch.Generator().manual_seed(0)
+    b, c, k, n, s = 2, 6, 4, 5, 4
+    state = torch.randn(b, c, s, generator=g, dtype=D64)
+    x = torch.randn(b, c, n, generator=g, dtype=D64)
+    w, bias = torch.randn(c, k, generator=g, dtype=D64), torch.randn(c, generator=g, dtype=D64)
+    want = causal_conv1d_fn(torch.cat([state, x], -1), w, bias, activation="silu")[:, :, -n:]
+    chain = TokenTree.chain(torch.zeros(b, n, dtype=torch.long))
+    got = tree_causal_conv1d(torch.cat([state, x], -1), w, bias, chain.ancestors(k), "silu")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_conv_tree_equals_per_path_chain():
+    g = torch.Generator().manual_seed(1)
+    tree = _tree()
+    b, n = tree.tokens.shape
+    c, k, s = 3, 4, 4
+    state = torch.randn(b, c, s, generator=g, dtype=D64)
+    x = torch.randn(b, c, n, generator=g, dtype=D64)
+    w = torch.randn(c, k, generator=g, dtype=D64)
+    got = tree_causal_conv1d(torch.cat([state, x], -1), w, None, tree.ancestors(k), "")
+    for r in range(b):
+        for t in range(n):
+            path, length = tree.paths(torch.tensor([t] * b))
+            seq = torch.cat([state[r], x[r][:, path[r, : length[r]]]], -1)
+            want = F.conv1d(seq[None], w[:, None], groups=c)[0, :, -1]
+            torch.testing.assert_close(got[r, :, t], want, rtol=0, atol=1e-12)
+
+
+def _ssd_inputs(g, b, n, h=4, p=3, grp=2, s=5):
+    x = torch.randn(b, n, h, p, generator=g, dtype=D64)
+    dt = torch.randn(b, n, h, generator=g, dtype=D64)
+    A = -torch.rand(h, generator=g, dtype=D64) - 0.5
+    Bm = torch.randn(b, n, grp, s, generator=g, dtype=D64)
+    Cm = torch.randn(b, n, grp, s, generator=g, dtype=D64)
+    D = torch.randn(h, generator=g, dtype=D64)
+    bias = torch.randn(h, generator=g, dtype=D64)
+    h0 = torch.randn(b, h, p, s, generator=g, dtype=D64)
+    return x, dt, A, Bm, Cm, D, bias, h0
+
+
+def test_ssd_chain_matches_hf_chunk_scan():
+    g = torch.Generator().manual_seed(2)
+    b, n = 2, 6
+    x, dt, A, Bm, Cm, D, bias, h0 = _ssd_inputs(g, b, n)
+    y_hf, final = mamba2_chunk_scan(
+        x, dt, A, Bm, Cm, 4, D=D, dt_bias=bias, initial_states=h0, dt_softplus=True, return_final_states=True
+    )
+    chain = TokenTree.chain(torch.zeros(b, n, dtype=torch.long))
+    y, states = tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, chain.ancestor_mask, True, 0.0, float("inf"), True)
+    # HF's fallback runs the scan in float32 even for float64 inputs: compare at float32 accuracy
+    torch.testing.assert_close(y.float(), y_hf.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states[:, -1].float(), final.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_ssd_masked_form_equals_sequential_tree():
+    g = torch.Generator().manual_seed(3)
+    tree = _tree()
+    x, dt, A, Bm, Cm, D, bias, h0 = _ssd_inputs(g, *tree.tokens.shape)
+    y, states = tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, tree.ancestor_mask, True, 0.0, 3.0, True)
+    want_states = ssd_states_ref(x, dt, A, Bm, Cm, bias, h0, tree.parents, dt_max=3.0)
+    torch.testing.assert_close(states, want_states, rtol=0, atol=1e-12)
+    ch = Cm.repeat_interleave(2, dim=2)
+    want_y = torch.einsum("bthpn,bthn->bthp", want_states, ch) + D[:, None] * x
+    torch.testing.assert_close(y, want_y, rtol=0, atol=1e-12)
+
+
+def test_selective_scan_chain_matches_hf():
+    g = torch.Generator().manual_seed(4)
+    b, d, n, s = 2, 6, 5, 4
+    x = torch.randn(b, d, n, generator=g, dtype=D64)
+    dt = torch.randn(b, d, n, generator=g, dtype=D64)
+    A = -torch.rand(d, s, generator=g, dtype=D64)
+    Bm, Cm = torch.randn(b, s, n, generator=g, dtype=D64), torch.randn(b, s, n, generator=g, dtype=D64)
+    D, z, bias = torch.randn(d, generator=g, dtype=D64), torch.randn(b, d, n, generator=g, dtype=D64), None
+    y_hf, last = mamba_selective_scan(
+        x, dt, A, Bm, Cm, D=D, z=z, delta_bias=bias, delta_softplus=True, return_last_state=True
+    )
+    chain = TokenTree.chain(torch.zeros(b, n, dtype=torch.long))
+    y, states = tree_selective_scan(x, dt, A, Bm, Cm, D, z, bias, None, chain.parents, chain.depth, True, True)
+    # HF's fallback casts B to float32 (`B.float()`) even for float64 inputs: compare at float32 accuracy
+    torch.testing.assert_close(y, y_hf, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[:, -1], last, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_rule_chain_matches_hf():
+    g = torch.Generator().manual_seed(5)
+    b, n, hk, h, k, v = 2, 5, 2, 4, 4, 3
+    q, kk = torch.randn(b, n, hk, k, generator=g), torch.randn(b, n, hk, k, generator=g)
+    vv = torch.randn(b, n, h, v, generator=g)
+    gg = -torch.rand(b, n, h, generator=g)
+    beta = torch.rand(b, n, h, generator=g)
+    h0 = torch.randn(b, h, k, v, generator=g)
+    o_hf, last = torch_recurrent_gated_delta_rule(
+        q, kk, vv, gg, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    chain = TokenTree.chain(torch.zeros(b, n, dtype=torch.long))
+    o, states = tree_delta_rule(q, kk, vv, gg, beta, h0, chain.parents, chain.depth, True, True)
+    torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[:, -1], last, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_states_equal_per_path_chains():
+    """Every node's state (delta rule, per-key-channel gate as in KDA) equals running its root path as a chain."""
+    g = torch.Generator().manual_seed(6)
+    tree = _tree()
+    b, n = tree.tokens.shape
+    q, kk = torch.randn(b, n, 2, 4, generator=g, dtype=D64), torch.randn(b, n, 2, 4, generator=g, dtype=D64)
+    vv = torch.randn(b, n, 2, 3, generator=g, dtype=D64)
+    gg = -torch.rand(b, n, 2, 4, generator=g, dtype=D64)
+    beta = torch.rand(b, n, 2, generator=g, dtype=D64)
+    _, states = tree_delta_rule(q, kk, vv, gg, beta, None, tree.parents, tree.depth, True, True)
+    for t in range(n):
+        path, lengths = tree.paths(torch.tensor([min(t, n - 1)] * b))
+        for r in range(b):
+            if t >= int((tree.acceptable[r]).sum()):
+                continue
+            idx = path[r, : lengths[r]]
+            chain = TokenTree.chain(torch.zeros(1, len(idx), dtype=torch.long))
+            sel = [a[r : r + 1, idx] for a in (q, kk, vv, gg, beta)]
+            _, st = tree_delta_rule(*sel, None, chain.parents, chain.depth, True, True)
+            torch.testing.assert_close(states[r, t], st[0, -1], rtol=0, atol=1e-12)
+
+
+def test_commit_ops():
+    committed = torch.arange(8.0).view(1, 2, 4)
+    nodes = 100 + torch.arange(10.0).view(1, 2, 5)
+    path, lengths = torch.tensor([[0, 2, 4]]), torch.tensor([3])
+    got = conv_window(committed, nodes, path, lengths)
+    assert got[0, 0].tolist() == [3.0, 100.0, 102.0, 104.0]
+    got = conv_window(committed, nodes, torch.tensor([[0, 0, 0]]), torch.tensor([1]))
+    assert got[0, 1].tolist() == [5.0, 6.0, 7.0, 105.0]
+    states = torch.arange(24.0).view(2, 3, 4)
+    assert gather_states(states, torch.tensor([2, 0])).tolist() == [states[0, 2].tolist(), states[1, 0].tolist()]
