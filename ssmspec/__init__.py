@@ -2,6 +2,7 @@
 
 from ssmspec.cache import SpecCache
 from ssmspec.errors import InvalidTreeError, SSMSpecError, UnsupportedModelError, VocabMismatchError
+from ssmspec.speculate import generate as _generate  # noqa: F401  (registers speculative generate)
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.transform import transform
 from ssmspec.tree import TokenTree

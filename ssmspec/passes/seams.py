@@ -10,6 +10,7 @@ records what `SpecCache.commit` needs. Projections, norms and gates around the s
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import types
@@ -24,6 +25,8 @@ from ssmspec.errors import UnsupportedModelError
 from ssmspec.ops import tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd
 from ssmspec.ops._common import gather_nodes
 from ssmspec.tree import TokenTree
+
+_CURRENT_MODULE: contextvars.ContextVar[str] = contextvars.ContextVar("ssmspec_current_mixer", default="?")
 
 # Every seam name transformers uses for SSM-like recurrences (the kernel name given to the decorator).
 KNOWN_SEAMS = (
@@ -65,8 +68,25 @@ def _replay_with(run: Callable[[torch.Tensor, TokenTree], torch.Tensor]) -> Call
     return replay
 
 
-def _committed(cache: SpecCache) -> torch.Tensor | None:
-    return cache.committed_recurrent(cache.current_layer)
+def _committed(cache: SpecCache, seam: str, expected: tuple[int, ...]) -> torch.Tensor | None:
+    """The current layer's committed state, checked against the shape the seam call implies."""
+    h0 = cache.committed_recurrent(cache.current_layer)
+    if h0 is not None and tuple(h0.shape) != tuple(expected):
+        raise UnsupportedModelError(
+            _CURRENT_MODULE.get(),
+            f"calls `{seam}` on a state of shape {tuple(expected)} but its cached recurrent state is "
+            f"{tuple(h0.shape)} (e.g. one call per head on a slice of the state); ssmspec cannot tell which part "
+            "of the state a call owns",
+        )
+    return h0
+
+
+def _record(cache: SpecCache, seam: str, record: RecurrentRecord) -> None:
+    if (cache.current_layer, 0) in cache._pending_rec:
+        raise UnsupportedModelError(
+            _CURRENT_MODULE.get(), f"calls the recurrence seam `{seam}` more than once per forward; not supported"
+        )
+    cache.record_recurrent(record)
 
 
 def _conv_fn(cache: SpecCache, a: dict[str, Any]) -> torch.Tensor:
@@ -82,10 +102,10 @@ def _ssd(cache: SpecCache, a: dict[str, Any]):
     if a.get("z") is not None:
         raise UnsupportedModelError("mamba_chunk_scan_combined", "gated (z) chunk scan is not supported yet")
     tree = cache.tree
-    h0 = _committed(cache)
     lo, hi = a.get("dt_limit", (0.0, float("inf")))
     keep = cache.strategy == "materialize"
     x, dt, A, Bm, Cm = a["hidden_states"], a["dt"], a["A"], a["B"], a["C"]
+    h0 = _committed(cache, "mamba_chunk_scan_combined", (x.shape[0], x.shape[2], x.shape[3], Bm.shape[-1]))
     D, bias, sp = a.get("D"), a.get("dt_bias"), bool(a.get("dt_softplus", False))
     y, states = tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, tree.ancestor_mask, sp, float(lo), float(hi), keep)
 
@@ -93,15 +113,19 @@ def _ssd(cache: SpecCache, a: dict[str, Any]):
         g = functools.partial(gather_nodes, idx=path)
         return tree_ssd(g(x), g(dt), A, g(Bm), g(Cm), None, bias, h0, chain.ancestor_mask, sp, lo, hi, True)[1]
 
-    cache.record_recurrent(RecurrentRecord(states=states) if keep else RecurrentRecord(replay=_replay_with(run)))
+    _record(
+        cache,
+        "mamba_chunk_scan_combined",
+        RecurrentRecord(states=states) if keep else RecurrentRecord(replay=_replay_with(run)),
+    )
     return (y, h0) if a.get("return_final_states", False) else y
 
 
 def _selective_scan(cache: SpecCache, a: dict[str, Any]):
     tree = cache.tree
-    h0 = _committed(cache)
     keep = cache.strategy == "materialize"
     x, dt, A, Bm, Cm = a["hidden_states"], a["dt"], a["A"], a["B"], a["C"]
+    h0 = _committed(cache, "selective_scan_fn", (x.shape[0], x.shape[1], A.shape[-1]))
     bias, sp = a.get("delta_bias"), bool(a.get("delta_softplus", False))
     y, states = tree_selective_scan(
         x, dt, A, Bm, Cm, a.get("D"), a.get("z"), bias, h0, tree.parents, tree.depth, sp, keep
@@ -113,7 +137,11 @@ def _selective_scan(cache: SpecCache, a: dict[str, Any]):
             g(x), g(dt), A, g(Bm), g(Cm), None, None, bias, h0, chain.parents, chain.depth, sp, True
         )[1]
 
-    cache.record_recurrent(RecurrentRecord(states=states) if keep else RecurrentRecord(replay=_replay_with(run)))
+    _record(
+        cache,
+        "selective_scan_fn",
+        RecurrentRecord(states=states) if keep else RecurrentRecord(replay=_replay_with(run)),
+    )
     return (y, h0) if a.get("return_last_state", False) else y
 
 
@@ -124,9 +152,9 @@ def _gather_last(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def _delta_rule(cache: SpecCache, a: dict[str, Any]):
     tree = cache.tree
-    h0 = _committed(cache)
     keep = cache.strategy == "materialize"
     q, k, v, g_, beta = a["query"], a["key"], a["value"], a["g"], a["beta"]
+    h0 = _committed(cache, "chunk_gated_delta_rule", (q.shape[0], v.shape[2], k.shape[3], v.shape[3]))
     l2 = bool(a.get("use_qk_l2norm_in_kernel", False))
     o, states = tree_delta_rule(q, k, v, g_, beta, h0, tree.parents, tree.depth, l2, keep)
 
@@ -134,7 +162,11 @@ def _delta_rule(cache: SpecCache, a: dict[str, Any]):
         g = functools.partial(gather_nodes, idx=path)
         return tree_delta_rule(g(q), g(k), g(v), g(g_), g(beta), h0, chain.parents, chain.depth, l2, True)[1]
 
-    cache.record_recurrent(RecurrentRecord(states=states) if keep else RecurrentRecord(replay=_replay_with(run)))
+    _record(
+        cache,
+        "chunk_gated_delta_rule",
+        RecurrentRecord(states=states) if keep else RecurrentRecord(replay=_replay_with(run)),
+    )
     return o, (h0 if a.get("output_final_state", False) else None)
 
 
@@ -190,6 +222,20 @@ def _rebuild(fn: types.FunctionType, replacements: dict[str, Callable]) -> types
     return new
 
 
+def _tracked(forward: Callable, path: str) -> Callable:
+    """Remember which mixer is running, so that errors raised inside seams can name the module."""
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        token = _CURRENT_MODULE.set(path)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _CURRENT_MODULE.reset(token)
+
+    return run
+
+
 def seams_called_by(module: nn.Module) -> dict[str, Callable]:
     """Global names in the module's forward body that are HF kernel seams -> the seam function."""
     fn = inspect.unwrap(type(module).forward)
@@ -212,8 +258,7 @@ def rewrite_mixers(model: nn.Module) -> dict[str, list[str]]:
         if not seams:
             continue
         replacements = {g: tree_aware(f, seam_name(f)) for g, f in seams.items()}
-        new_forward = _rebuild(type(module).forward, replacements)
-        module.forward = types.MethodType(new_forward, module)
+        module.forward = types.MethodType(_tracked(_rebuild(type(module).forward, replacements), path), module)
         module.__ssmspec_rewritten__ = True
         module.__ssmspec_rewritten_seams__ = sorted(seam_name(f) for f in seams.values())
         rewritten[path] = module.__ssmspec_rewritten_seams__

@@ -13,6 +13,9 @@ import torch
 from torch import nn
 
 from ssmspec.errors import VocabMismatchError
+from ssmspec.speculate.runner import ModelRunner
+from ssmspec.transform import transform
+from ssmspec.tree import TokenTree
 
 Draft = tuple[list[int], list[int]]
 
@@ -92,9 +95,6 @@ class DraftModelDrafter(Drafter):
     its state back exactly (snapshot/restore around drafting, catch-up through tree verification)."""
 
     def __init__(self, draft_model: nn.Module, target_vocab_size: int, strategy: str = "replay") -> None:
-        from ssmspec.speculate.runner import ModelRunner
-        from ssmspec.transform import transform
-
         draft_vocab = getattr(draft_model.config.get_text_config(), "vocab_size", None)
         if draft_vocab != target_vocab_size:
             raise VocabMismatchError(
@@ -110,8 +110,6 @@ class DraftModelDrafter(Drafter):
         self._device = input_ids.device
 
     def propose(self, contexts, max_nodes, max_depth):
-        from ssmspec.tree import TokenTree
-
         depth = min(max_nodes, max_depth)
         if depth <= 0:
             return [([int(c[-1])], [-1]) for c in contexts]

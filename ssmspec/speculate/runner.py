@@ -74,8 +74,9 @@ class ModelRunner:
         self._pending_tree = tree
         attention = None
         if self.cache.attention_layers():
-            attention = _LayerMasks({"full_attention": self._tree_mask(tree)})
-            attention.update(dict.fromkeys(_RECURRENT_MASK_KEYS))
+            attention = self._tree_mask(tree)
+            if self.cache.linear_layers():  # hybrids take per-layer-type masks; recurrent layers need none
+                attention = _LayerMasks({"full_attention": attention}, **dict.fromkeys(_RECURRENT_MASK_KEYS))
         positions = self.n_real[:, None] + tree.depth
         with self.cache.verifying(tree):
             logits = self._call(tree.tokens, attention, positions)

@@ -82,12 +82,14 @@ def check_model(
     tie_tolerance: float | None = None,
     state_tolerance: float | None = None,
     logit_tolerance: float | None = None,
+    eos_token_id: int | list[int] | None = None,
 ) -> CheckReport:
     """Run the equivalence checks; raises EquivalenceError on the first violation, else returns a report.
 
     prompts: (input_ids, attention_mask) pairs. drafters: factories taking the reference sequences
     (HF greedy output) and returning a Drafter (so oracles can be built); default: NoDrafter only.
     Tolerances default by dtype: float64 -> no tie flips allowed, states 1e-9, logits 1e-10.
+    eos_token_id overrides the model's generation config for both sides (to test stopping exactly).
     """
     reference = (
         model_or_factory()
@@ -101,6 +103,8 @@ def check_model(
     logit_tolerance = (1e-10 if exact else 1e-4) if logit_tolerance is None else logit_tolerance
     target = transform(copy.deepcopy(reference))
     eos, pad = _eos_pad(reference)
+    if eos_token_id is not None:
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     drafters = list(drafters or [lambda ref: NoDrafter()])
     report = CheckReport()
     for input_ids, attention_mask in prompts:
@@ -119,6 +123,7 @@ def check_model(
             return_dict_in_generate=True,
             output_logits=True,
             pad_token_id=pad,
+            eos_token_id=eos or None,
         )
         ref_seq = hf.sequences
         ref_logits = torch.stack(hf.logits, 1) if hf.logits else None  # [B, T, V]

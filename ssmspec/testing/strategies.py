@@ -1,0 +1,90 @@
+"""Public Hypothesis strategies: tiny models per family, prompts, token trees and drafters.
+
+Users testing a new architecture combine these with `check_model`; ssmspec's own property suite
+(tests/property/) is built from the same pieces.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from hypothesis import strategies as st
+
+from ssmspec.speculate.drafters import Drafter, NoDrafter, PromptLookupDrafter
+from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
+from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
+from ssmspec.tree import TokenTree
+
+DrafterFactory = Callable[[list[list[int]]], Drafter]
+
+
+@functools.lru_cache(maxsize=64)
+def cached_tiny_model(family: str, variant: int = 0, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """build_tiny_model, memoised: property tests draw many examples per model (check_model copies it)."""
+    return build_tiny_model(family, dtype=dtype, seed=seed, seed_variant=variant)
+
+
+def families() -> st.SearchStrategy[str]:
+    """One of the supported model families."""
+    return st.sampled_from(SUPPORTED_FAMILIES)
+
+
+def tiny_models(family: str | None = None, dtype: torch.dtype = torch.float64) -> st.SearchStrategy:
+    """A tiny random-init causal LM of the family (or any family), in a few structural variants."""
+    fam = st.just(family) if family else families()
+    return st.builds(lambda f, v: cached_tiny_model(f, v, dtype), fam, st.integers(0, 2))
+
+
+@st.composite
+def prompts(draw, vocab_size: int, max_batch: int = 3, max_len: int = 10, allow_all_padding: bool = False):
+    """(input_ids, attention_mask): a left-padded batch; tokens avoid 0-2 (pad/bos/eos) except padding.
+    Prompts often repeat a motif so that prompt lookup finds matches."""
+    b = draw(st.integers(1, max_batch))
+    length = draw(st.integers(1, max_len))
+    rows, masks = [], []
+    for _ in range(b):
+        real = draw(st.integers(0 if allow_all_padding else 1, length))
+        if draw(st.booleans()) and real >= 2:
+            motif = draw(st.lists(st.integers(3, vocab_size - 1), min_size=1, max_size=3))
+            toks = (motif * length)[:real]
+        else:
+            toks = draw(st.lists(st.integers(3, vocab_size - 1), min_size=real, max_size=real))
+        rows.append([0] * (length - real) + toks)
+        masks.append([0] * (length - real) + [1] * real)
+    return torch.tensor(rows), torch.tensor(masks)
+
+
+@st.composite
+def trees(draw, batch_size: int = 1, max_nodes: int = 16, vocab_size: int = 96) -> TokenTree:
+    """A batch of random token trees (topological order, node 0 the root), rows of different sizes."""
+    tokens, parents = [], []
+    for _ in range(batch_size):
+        n = draw(st.integers(1, max_nodes))
+        tokens.append(draw(st.lists(st.integers(0, vocab_size - 1), min_size=n, max_size=n)))
+        parents.append([-1] + [draw(st.integers(0, t - 1)) for t in range(1, n)])
+    return TokenTree.from_lists(tokens, parents)
+
+
+def drafter_factories(vocab_size: int) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
+    """(description, factory(reference_rows) -> Drafter), adversarial ones included: no drafts, random
+    tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
+    not the first child, and prompt lookup chains and trees."""
+    seeds = st.integers(0, 2**16)
+    return st.one_of(
+        st.just(("none", lambda ref: NoDrafter())),
+        seeds.map(lambda s: (f"random(seed={s})", lambda ref: RandomDrafter(vocab_size, seed=s))),
+        st.integers(0, 2).map(
+            lambda d: (f"oracle(distractors={d})", lambda ref: OracleDrafter(ref, vocab_size=vocab_size, distractors=d))
+        ),
+        st.tuples(st.integers(0, 4), st.integers(0, 2), seeds).map(
+            lambda a: (
+                f"oracle(right_prefix={a[0]}, distractors={a[1]})",
+                lambda ref: OracleDrafter(ref, vocab_size=vocab_size, right_prefix=a[0], distractors=a[1], seed=a[2]),
+            )
+        ),
+        st.tuples(st.integers(1, 3), st.booleans()).map(
+            lambda a: (f"prompt_lookup(n={a[0]}, tree={a[1]})", lambda ref: PromptLookupDrafter(a[0], tree=a[1]))
+        ),
+    )

@@ -1,0 +1,19 @@
+"""Hypothesis profiles: `ci` (fast, derandomized; the default) and `thorough` (local runs).
+
+Select with HYPOTHESIS_PROFILE=thorough.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+settings.register_profile(
+    "ci", max_examples=25, derandomize=True, deadline=None, suppress_health_check=_SUPPRESS, print_blob=True
+)
+settings.register_profile("thorough", max_examples=60, deadline=None, suppress_health_check=_SUPPRESS, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

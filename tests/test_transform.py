@@ -1,0 +1,72 @@
+"""transform(): supported families keep their plain behaviour; unsupported ones get a clear error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ssmspec
+from ssmspec import UnsupportedModelError
+from ssmspec.testing.configs import SUPPORTED_FAMILIES, UNSUPPORTED_FAMILIES, build_tiny_model
+from ssmspec.testing.strategies import cached_tiny_model
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_transform_keeps_plain_forward_and_generate(family):
+    ref = cached_tiny_model(family)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    info = model.ssmspec_info
+    assert info.mixers, "no mixer was rewritten"
+    assert set(info.recurrent_layers) <= {getattr(model.get_submodule(p), "layer_idx", None) for p in info.mixers}
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)  # HF's own path
+    assert isinstance(model, type(ref))
+
+
+@pytest.mark.parametrize("family", UNSUPPORTED_FAMILIES)
+def test_unsupported_family_names_the_module(family):
+    model = build_tiny_model(family)
+    with pytest.raises(UnsupportedModelError) as err:
+        ssmspec.transform(model)
+    assert err.value.module_path and err.value.module_path in str(err.value)
+    assert "seam" in str(err.value) or "cache" in str(err.value)
+
+
+def test_transformer_without_state_is_accepted():
+    """A plain transformer (e.g. as a draft model) needs no seams: only tree attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    ref = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.randint(3, 96, (2, 6))
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    got = model.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+
+
+def test_flash_attention_is_refused():
+    model = copy.deepcopy(cached_tiny_model("bamba"))
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(UnsupportedModelError, match="tree mask"):
+        ssmspec.transform(model)
+
+
+def test_transform_rejects_non_models():
+    with pytest.raises(TypeError, match="causal LM"):
+        ssmspec.transform(torch.nn.Linear(2, 2))

@@ -1,0 +1,65 @@
+"""TokenTree: validation errors, derived depth / ancestors / paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ssmspec import InvalidTreeError, TokenTree
+from ssmspec.testing.strategies import trees
+
+
+def test_rejects_malformed_trees():
+    with pytest.raises(InvalidTreeError, match="at least its root"):
+        TokenTree(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(InvalidTreeError, match="parents\\[:, 0\\] must be -1"):
+        TokenTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[0, 0]]))
+    with pytest.raises(InvalidTreeError, match="earlier node"):
+        TokenTree(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 2, 0]]))  # parent after child
+    with pytest.raises(InvalidTreeError, match="earlier node"):
+        TokenTree(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 1, 1]]))  # self loop / cycle
+    with pytest.raises(InvalidTreeError, match="as many parents"):
+        TokenTree.from_lists([[1, 2]], [[-1]])
+    with pytest.raises(InvalidTreeError, match="\[batch, nodes\]"):
+        TokenTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([-1, 0]))
+
+
+def test_from_lists_pads_with_unacceptable_nodes():
+    tree = TokenTree.from_lists([[5, 6, 7], [8]], [[-1, 0, 1], [-1]], pad_token_id=0)
+    assert tree.tokens.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert tree.acceptable.tolist() == [[True, True, True], [True, False, False]]
+    assert tree.depth.tolist() == [[0, 1, 2], [0, 1, 1]]
+
+
+@given(tree=trees(batch_size=2, max_nodes=12))
+def test_derived_structure(tree):
+    b, n = tree.tokens.shape
+    for r in range(b):
+        for t in range(n):
+            # ancestors by walking parents
+            chain, cur = [], t
+            while cur >= 0:
+                chain.append(cur)
+                cur = int(tree.parents[r, cur])
+            assert int(tree.depth[r, t]) == len(chain) - 1
+            assert set(tree.ancestor_mask[r, t].nonzero().flatten().tolist()) == set(chain)
+            anc = tree.ancestors(4)[r, t].tolist()
+            want = chain[:4] + [-(i + 1) for i in range(max(0, 4 - len(chain)))]
+            assert anc == want
+    last = torch.randint(0, n, (b,))
+    path, lengths = tree.paths(last)
+    for r in range(b):
+        got = path[r, : lengths[r]].tolist()
+        chain, cur = [], int(last[r])
+        while cur >= 0:
+            chain.append(cur)
+            cur = int(tree.parents[r, cur])
+        assert got == chain[::-1]
+
+
+@given(st.integers(1, 6))
+def test_chain(n):
+    tree = TokenTree.chain(torch.arange(n)[None])
+    assert tree.depth.tolist() == [list(range(n))]
