@@ -22,7 +22,7 @@ def test_rejects_malformed_trees():
         TokenTree(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 1, 1]]))  # self loop / cycle
     with pytest.raises(InvalidTreeError, match="as many parents"):
         TokenTree.from_lists([[1, 2]], [[-1]])
-    with pytest.raises(InvalidTreeError, match="\[batch, nodes\]"):
+    with pytest.raises(InvalidTreeError, match=r"\[batch, nodes\]"):
         TokenTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([-1, 0]))
 
 
