@@ -115,7 +115,8 @@ class DraftModelDrafter(Drafter):
             return [([int(c[-1])], [-1]) for c in contexts]
         dev = self._device
         # 1. catch up: feed each row's unprocessed tokens (root last) as a chain and commit them
-        pending = [list(ctx[self.processed[b] :]) for b, ctx in enumerate(contexts)]
+        # a finished row stops growing; re-feeding its last token only disturbs that row's (unused) draft state
+        pending = [list(ctx[self.processed[b] :]) or [ctx[-1]] for b, ctx in enumerate(contexts)]
         tree = TokenTree.from_lists(pending, [list(range(-1, len(p) - 1)) for p in pending], device=dev)
         logits = self.runner.verify(tree)
         last = torch.tensor([len(p) - 1 for p in pending], device=dev)

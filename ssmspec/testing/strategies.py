@@ -6,13 +6,14 @@ Users testing a new architecture combine these with `check_model`; ssmspec's own
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
 import torch
 from hypothesis import strategies as st
 
-from ssmspec.speculate.drafters import Drafter, NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
 from ssmspec.tree import TokenTree
@@ -70,8 +71,13 @@ def trees(draw, batch_size: int = 1, max_nodes: int = 16, vocab_size: int = 96) 
 def drafter_factories(vocab_size: int) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
     """(description, factory(reference_rows) -> Drafter), adversarial ones included: no drafts, random
     tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
-    not the first child, and prompt lookup chains and trees."""
+    not the first child, prompt lookup chains and trees, and draft models (SSM, hybrid, short-conv)."""
     seeds = st.integers(0, 2**16)
+
+    def draft_model(family: str) -> tuple[str, DrafterFactory]:
+        draft = cached_tiny_model(family, 0, torch.float64, 5)
+        return f"draft_model({family})", lambda ref: DraftModelDrafter(copy.deepcopy(draft), vocab_size)
+
     return st.one_of(
         st.just(("none", lambda ref: NoDrafter())),
         seeds.map(lambda s: (f"random(seed={s})", lambda ref: RandomDrafter(vocab_size, seed=s))),
@@ -87,4 +93,5 @@ def drafter_factories(vocab_size: int) -> st.SearchStrategy[tuple[str, DrafterFa
         st.tuples(st.integers(1, 3), st.booleans()).map(
             lambda a: (f"prompt_lookup(n={a[0]}, tree={a[1]})", lambda ref: PromptLookupDrafter(a[0], tree=a[1]))
         ),
+        st.sampled_from(["mamba2", "lfm2", "qwen3_next"]).map(draft_model),
     )

@@ -1,0 +1,132 @@
+"""The HF-style API on a transformed model: every speculation entry point equals HF greedy, and bad
+arguments raise clear errors before generating."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import ssmspec
+from ssmspec import SpecConfig, VocabMismatchError
+from ssmspec.testing.strategies import cached_tiny_model
+
+
+def _pair(family: str, seed: int = 0):
+    ref = cached_tiny_model(family, 0, torch.float64, seed)
+    return ref, ssmspec.transform(copy.deepcopy(ref))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    motif = torch.randint(3, 96, (4,), generator=g)
+    ids = torch.stack([motif.repeat(3), torch.randint(3, 96, (12,), generator=g)])
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    return ids, mask
+
+
+def _llama_draft(vocab: int = 96) -> LlamaForCausalLM:
+    torch.manual_seed(3)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_next"])
+def test_every_entry_point_equals_hf_greedy(family):
+    ref, model = _pair(family)
+    ids, mask = _batch()
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=10, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want)
+    for spec in (
+        SpecConfig(tree=True, tree_budget=12, num_draft_tokens=5),
+        SpecConfig(commit="materialize"),
+        SpecConfig(drafter="none"),
+    ):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, speculation=spec), want)
+    ssm_draft = cached_tiny_model("mamba2", 0, torch.float64, 1)
+    for draft in (ssm_draft, _llama_draft()):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=10, assistant_model=copy.deepcopy(draft))
+        assert torch.equal(got, want)
+
+
+def test_draft_model_that_is_the_target_accepts_everything():
+    ref, model = _pair("mamba2")
+    ids, mask = _batch()
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        assistant_model=copy.deepcopy(ref),
+        num_assistant_tokens=4,
+        return_dict_in_generate=True,
+    )
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, want)
+    stats = out.spec_stats
+    assert stats["mean_accepted_per_step"] == pytest.approx(5.0, abs=1.5)  # 4 drafts + bonus, minus the tail
+    assert stats["verify_steps"] <= 4
+
+
+def test_return_dict_has_spec_stats():
+    _, model = _pair("mamba2")
+    ids, mask = _batch()
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3, return_dict_in_generate=True
+    )
+    for key in ("verify_steps", "accepted_tokens", "mean_accepted_per_step", "tree_nodes_per_step"):
+        assert key in out.spec_stats
+    assert len(out.spec_stats["tree_nodes_per_step"]) == out.spec_stats["verify_steps"]
+    assert out.sequences.shape == (2, ids.shape[1] + 8)
+
+
+def test_edge_cases_behave_as_hf():
+    ref, model = _pair("bamba")
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ref.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(ids, max_new_tokens=0, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.generate(ids[:, :0], max_new_tokens=3, prompt_lookup_num_tokens=3)
+    all_pad = mask.clone()
+    all_pad[1] = 0
+    want = ref.generate(ids, attention_mask=all_pad, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, attention_mask=all_pad, max_new_tokens=5, prompt_lookup_num_tokens=3), want)
+    long_ids = torch.randint(3, 96, (1, ref.config.max_position_embeddings))
+    want = ref.generate(long_ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(model.generate(long_ids, max_new_tokens=3, prompt_lookup_num_tokens=3), want)
+    want = ref.generate(ids, attention_mask=mask, max_length=ids.shape[1] + 4, do_sample=False)
+    got = model.generate(ids, attention_mask=mask, max_length=ids.shape[1] + 4, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+
+
+def test_bad_arguments_raise_clear_errors():
+    _, model = _pair("mamba2")
+    ids, mask = _batch()
+    with pytest.raises(NotImplementedError, match="sampling"):
+        model.generate(ids, do_sample=True, max_new_tokens=3, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="beam"):
+        model.generate(ids, num_beams=2, max_new_tokens=3, prompt_lookup_num_tokens=3)
+    with pytest.raises(NotImplementedError, match="repetition_penalty"):
+        model.generate(ids, repetition_penalty=1.3, max_new_tokens=3, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="does not take"):
+        model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=3, not_an_argument=1)
+    with pytest.raises(VocabMismatchError, match="vocab_size 50"):
+        model.generate(ids, max_new_tokens=3, assistant_model=_llama_draft(vocab=50))
+    with pytest.raises(ValueError, match="commit strategy|SpecConfig.commit"):
+        SpecConfig(commit="gather-everything")
+    with pytest.raises(ValueError, match="drafter"):
+        SpecConfig(drafter="magic")

@@ -1,0 +1,49 @@
+"""SpecCache: verification never touches committed state; discard and snapshot/restore roll back exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ssmspec
+from ssmspec.speculate.runner import ModelRunner
+from ssmspec.testing.strategies import cached_tiny_model
+from ssmspec.tree import TokenTree
+
+
+def _states(cache):
+    out = []
+    for layer in cache.layers:
+        for name in ("conv_states", "recurrent_states"):
+            out += [t.clone() for t in getattr(layer, name, {}).values() if t is not None]
+        if getattr(layer, "keys", None) is not None and torch.is_tensor(layer.keys):
+            out += [layer.keys.clone(), layer.values.clone()]
+    return out
+
+
+@pytest.mark.parametrize("family", ["mamba", "bamba", "qwen3_next", "lfm2"])
+def test_verify_then_discard_or_restore_is_a_no_op(family):
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model(family)))
+    runner = ModelRunner(model)
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(0))
+    runner.prefill(ids, torch.ones_like(ids))
+    before = _states(runner.cache)
+    tree = TokenTree.from_lists([[5, 6, 7, 8], [9, 10]], [[-1, 0, 0, 1], [-1, 0]])
+    logits = runner.verify(tree)
+    assert logits.shape[:2] == (2, 4)
+    runner.cache.discard()
+    for a, b in zip(before, _states(runner.cache)):
+        assert torch.equal(a, b)
+    snap = runner.snapshot()
+    runner.verify(tree)
+    runner.commit(torch.tensor([3, 1]))
+    runner.restore(snap)
+    for a, b in zip(before, _states(runner.cache)):
+        assert torch.equal(a, b)
+
+
+def test_commit_strategy_is_validated():
+    with pytest.raises(ValueError, match="commit strategy"):
+        ssmspec.SpecCache(cached_tiny_model("mamba2").config, strategy="nope")
