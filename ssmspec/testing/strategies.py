@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from ssmspec.speculate.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
 from ssmspec.tree import TokenTree
