@@ -2,7 +2,8 @@
 
 Outside verification it is exactly HF's DynamicCache (prefill and plain forwards go through HF's own code).
 Inside `cache.verifying(tree)`:
-- mixers see `is_recording_past() == True`, so they take their multi-token path for any tree size;
+- mixers see no previous state and `is_recording_past() == True`, so they take their multi-token path
+  for any tree size (the tree ops read the committed state themselves);
 - `update_conv_state` records each node's pre-conv input and returns [committed state | node inputs];
 - the tree ops (called from the rewritten seams) record per-node states or replay inputs;
 - attention `update` appends the nodes' K/V after the committed prefix.
@@ -39,7 +40,7 @@ class RecurrentRecord:
     """What a tree op left for commit: all node states (materialize) or a replay closure (replay)."""
 
     states: torch.Tensor | None = None
-    replay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    replay: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (last, path, lengths)
 
 
 class SpecCache(DynamicCache):
@@ -74,13 +75,16 @@ class SpecCache(DynamicCache):
         return layer.recurrent_states[state_idx]
 
     # ---------------------------------------------------------------- HF Cache API overrides
+    # While verifying, mixers are told there is no previous state: then every family takes its multi-token
+    # path (update_conv_state + the chunked seams) even for a one-node tree, never the in-place decode path.
+    # The tree ops read the committed state from the cache themselves.
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         self.current_layer = layer_idx
-        return super().get_conv_state(layer_idx, state_idx)
+        return None if self.tree is not None else super().get_conv_state(layer_idx, state_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         self.current_layer = layer_idx
-        return super().get_recurrent_state(layer_idx, state_idx)
+        return None if self.tree is not None else super().get_recurrent_state(layer_idx, state_idx)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         if self.tree is not None:
@@ -160,7 +164,7 @@ class SpecCache(DynamicCache):
             if rec.states is not None:
                 new = gather_states(rec.states, last)
             else:
-                new = rec.replay(path, lengths)
+                new = rec.replay(last, path, lengths)
             layer.recurrent_states[si].copy_(new.to(layer.recurrent_states[si].dtype))
         for li, n0 in self._kv_len.items():
             layer = self.layers[li]

@@ -26,20 +26,34 @@ def levelwise_states(
     h0: torch.Tensor,
     parents: torch.Tensor,
     depth: torch.Tensor,
-    step: Callable[[torch.Tensor], torch.Tensor],
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Node states of a recurrence h_t = step(h_parent(t))_t, evaluated one tree level at a time.
+    """Node states of a recurrence h_t = step(h_parent(t), t), evaluated one tree level at a time.
 
-    h0: [B, *S] committed state; parents/depth: [B, N]; step maps parent states [B, N, *S] to the
-    states of every node [B, N, *S] (each node applying its own inputs). Returns [B, N, *S].
+    h0: [B, *S] committed state; parents/depth: [B, N]; step(prev [B, K, *S], idx [B, K]) returns the
+    states of nodes idx given their parents' states. Each level processes only its own nodes (rows with
+    fewer nodes on a level repeat one of them), so a tree costs O(N) node steps. Returns [B, N, *S].
     """
     b, n = parents.shape
-    states = h0.unsqueeze(1).expand(b, n, *h0.shape[1:]).clone()
-    max_depth = int(depth.max()) if n else 0
-    par = parents.clamp(min=0)
-    shape = (b, n) + (1,) * (h0.ndim - 1)
+    states = h0.new_empty(b, n, *h0.shape[1:])
+    rows = torch.arange(b, device=parents.device)[:, None]
+    order = torch.argsort(depth, dim=1, stable=True)  # nodes sorted by level
+    sorted_depth = torch.gather(depth, 1, order)
+    max_depth = int(depth.max())
+    counts = torch.stack([(depth == d).sum(1) for d in range(max_depth + 1)], 1)  # [B, D+1]
+    starts = torch.cumsum(counts, 1) - counts
     for d in range(max_depth + 1):
-        prev = h0.unsqueeze(1).expand_as(states) if d == 0 else gather_nodes(states, par)
-        new = step(prev)
-        states = torch.where((depth == d).view(shape), new, states)
+        k = int(counts[:, d].max())
+        slot = torch.arange(k, device=parents.device)[None, :].expand(b, k)
+        slot = torch.minimum(slot, counts[:, d : d + 1] - 1).clamp(min=0)  # repeat within the level
+        pos = starts[:, d : d + 1] + slot
+        idx = torch.gather(order, 1, pos.clamp(max=n - 1))
+        valid = torch.gather(sorted_depth, 1, pos.clamp(max=n - 1)) == d  # rows with no node at this level
+        if d == 0:
+            prev = h0.unsqueeze(1).expand(b, k, *h0.shape[1:])
+        else:
+            prev = states[rows, parents[rows, idx].clamp(min=0)]
+        new = step(prev, idx)
+        keep = valid.view(b, k, *([1] * (h0.ndim - 1)))
+        states[rows, idx] = torch.where(keep, new, states[rows, idx])
     return states

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmspec.ops._common import compute_dtype, levelwise_states
+from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -44,11 +44,12 @@ def tree_delta_rule(
     b = q.shape[0]
     start = h0.to(cd) if h0 is not None else q.new_zeros(b, h, k.shape[-1], v.shape[-1], dtype=cd)
 
-    def step(prev: torch.Tensor) -> torch.Tensor:
-        s = prev * decay
-        kv_mem = (s * kc[..., None]).sum(-2)
-        delta = (vc - kv_mem) * bc[..., None]
-        return s + kc[..., None] * delta[..., None, :]
+    def step(prev: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        kt, vt, bt = gather_nodes(kc, idx), gather_nodes(vc, idx), gather_nodes(bc, idx)
+        s = prev * gather_nodes(decay, idx)
+        kv_mem = (s * kt[..., None]).sum(-2)
+        delta = (vt - kv_mem) * bt[..., None]
+        return s + kt[..., None] * delta[..., None, :]
 
     states = levelwise_states(start, parents, depth, step)
     o = (states * qc[..., None]).sum(-2).to(q.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssmspec.ops._common import compute_dtype, levelwise_states
+from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states
 
 
 @torch.library.custom_op("ssmspec::tree_selective_scan", mutates_args=())
@@ -42,7 +42,9 @@ def tree_selective_scan(
     dBx = dtc[..., None] * Bm.to(cd).transpose(1, 2)[:, :, None, :] * xc[..., None]
     b, d, _ = x.shape
     start = h0.to(cd) if h0 is not None else x.new_zeros(b, d, A.shape[-1], dtype=cd)
-    states = levelwise_states(start, parents, depth, lambda prev: dA * prev + dBx)
+    states = levelwise_states(
+        start, parents, depth, lambda prev, idx: gather_nodes(dA, idx) * prev + gather_nodes(dBx, idx)
+    )
     y = torch.einsum("bnds,bsn->bdn", states, Cm.to(cd))
     if D is not None:
         y = y + x.to(cd) * D.to(cd)[None, :, None]

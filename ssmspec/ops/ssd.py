@@ -66,7 +66,8 @@ def tree_ssd(
     if not return_states:
         return y, x.new_empty(0, dtype=cd)
     decay = torch.exp(seg) * dtc[:, None, :, :]  # [B, t, s, H]
-    states = torch.einsum("btsh,bshp,bshn->bthpn", decay, xc, Bh)
+    xB = xc[..., :, None] * Bh[..., None, :]  # [B, s, H, P, S]
+    states = torch.einsum("btsh,bshpn->bthpn", decay, xB)
     if h0 is not None:
         states = states + torch.exp(L)[..., None, None] * h0.to(cd)[:, None]
     return y, states
@@ -79,6 +80,38 @@ def _(x, dt, A, Bm, Cm, D, dt_bias, h0, ancestor_mask, dt_softplus, dt_min, dt_m
     if not return_states:
         return y, x.new_empty(0, dtype=cd)
     return y, x.new_empty((*x.shape, Bm.shape[-1]), dtype=cd)
+
+
+@torch.library.custom_op("ssmspec::ssd_state_at", mutates_args=())
+def ssd_state_at(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    Bm: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    path_mask: torch.Tensor,
+    dt_softplus: bool,
+    dt_min: float,
+    dt_max: float,
+) -> torch.Tensor:
+    """Replay commit for SSD: the state after the nodes marked in path_mask [B, N] (one root-to-node path
+    per row), h = exp(L) h0 + sum_{s on path} exp(L - L_s) dt_s x_s B_s^T. Returns [B, H, P, S]."""
+    cd, xc, dtc, Bh, _, dA = _prepare(x, dt, A, Bm, Bm, dt_bias, dt_softplus, dt_min, dt_max)
+    m = path_mask.to(cd)[..., None]  # [B, N, 1]
+    L_s = torch.cumsum(dA * m, dim=1)  # decay accumulated along the path up to and including s
+    L = L_s[:, -1]  # [B, H]
+    w = torch.exp(L[:, None] - L_s) * dtc * m  # [B, N, H]
+    state = torch.einsum("bshp,bshn->bhpn", xc * w[..., None], Bh)
+    if h0 is not None:
+        state = state + torch.exp(L)[..., None, None] * h0.to(cd)
+    return state
+
+
+@ssd_state_at.register_fake
+def _(x, dt, A, Bm, dt_bias, h0, path_mask, dt_softplus, dt_min, dt_max):
+    cd = compute_dtype(x, dt, Bm)
+    return x.new_empty((x.shape[0], x.shape[2], x.shape[3], Bm.shape[-1]), dtype=cd)
 
 
 def ssd_states_ref(x, dt, A, Bm, Cm, dt_bias, h0, parents, dt_softplus=True, dt_min=0.0, dt_max=float("inf")):

@@ -22,7 +22,7 @@ from torch import nn
 
 from ssmspec.cache import RecurrentRecord, SpecCache, active_verify_cache
 from ssmspec.errors import UnsupportedModelError
-from ssmspec.ops import tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd
+from ssmspec.ops import ssd_state_at, tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd
 from ssmspec.ops._common import gather_nodes
 from ssmspec.tree import TokenTree
 
@@ -61,7 +61,7 @@ def _chain_tree_for(path: torch.Tensor) -> TokenTree:
 def _replay_with(run: Callable[[torch.Tensor, TokenTree], torch.Tensor]) -> Callable:
     """Replay commit: re-run the recurrence on the gathered path (a chain) and keep each row's last state."""
 
-    def replay(path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def replay(last: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         states = run(path, _chain_tree_for(path))
         return states[torch.arange(path.shape[0], device=path.device), lengths - 1]
 
@@ -109,14 +109,14 @@ def _ssd(cache: SpecCache, a: dict[str, Any]):
     D, bias, sp = a.get("D"), a.get("dt_bias"), bool(a.get("dt_softplus", False))
     y, states = tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, tree.ancestor_mask, sp, float(lo), float(hi), keep)
 
-    def run(path: torch.Tensor, chain: TokenTree) -> torch.Tensor:
-        g = functools.partial(gather_nodes, idx=path)
-        return tree_ssd(g(x), g(dt), A, g(Bm), g(Cm), None, bias, h0, chain.ancestor_mask, sp, lo, hi, True)[1]
+    def replay(last: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(last.shape[0], device=last.device)
+        return ssd_state_at(x, dt, A, Bm, bias, h0, tree.ancestor_mask[rows, last], sp, float(lo), float(hi))
 
     _record(
         cache,
         "mamba_chunk_scan_combined",
-        RecurrentRecord(states=states) if keep else RecurrentRecord(replay=_replay_with(run)),
+        RecurrentRecord(states=states) if keep else RecurrentRecord(replay=replay),
     )
     return (y, h0) if a.get("return_final_states", False) else y
 

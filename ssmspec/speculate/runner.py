@@ -69,8 +69,6 @@ class ModelRunner:
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> torch.Tensor:
         """Logits [B, N, V] for every node of the tree; committed state is untouched until `commit`."""
-        n = tree.num_nodes
-        tree = tree.pad_to(2)  # one token would take HF's in-place decode path: keep one path, pad the tree
         self._pending_tree = tree
         attention = None
         if self.cache.attention_layers():
@@ -80,7 +78,7 @@ class ModelRunner:
         positions = self.n_real[:, None] + tree.depth
         with self.cache.verifying(tree):
             logits = self._call(tree.tokens, attention, positions)
-        return logits[:, :n]
+        return logits
 
     @torch.no_grad()
     def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

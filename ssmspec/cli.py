@@ -1,0 +1,146 @@
+"""The `ssmspec` command: `demo` (the README's main job) and `check` (the equivalence checker for CI).
+
+User mistakes end in one clear line on stderr and exit code 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+import torch
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _load(model: str | None, family: str, dtype: torch.dtype):
+    """A model to run: a local path / hub id, or a random-init tiny model of a supported family."""
+    if model:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval(), f"{model}"
+    from ssmspec.testing.configs import build_tiny_model
+
+    return build_tiny_model(family, dtype=dtype), f"random-init tiny {family} (no trained weights: tokens are ids)"
+
+
+def _time(fn, repeats: int = 3):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Greedy vs speculative generation on one prompt: text/ids, tokens/s of both, acceptance, identity."""
+    import ssmspec
+
+    dtype = DTYPES[args.dtype]
+    ref, what = _load(args.model, args.family, dtype)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    vocab = ref.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(args.seed)
+    motif = torch.randint(3, vocab, (6,), generator=g)
+    ids = torch.cat([torch.randint(3, vocab, (4,), generator=g), motif, motif, motif[:3]])[None]
+    spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=args.tree)
+    base, t_base = _time(lambda: ref.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False))
+    out, t_spec = _time(
+        lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, speculation=spec, return_dict_in_generate=True)
+    )
+    new = base.shape[1] - ids.shape[1]
+    same = torch.equal(base, out.sequences)
+    print(f"model:        {what}")
+    print(f"prompt ids:   {ids[0].tolist()}")
+    print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
+    print(f"HF greedy:    {new / t_base:8.1f} tokens/s")
+    print(
+        f"speculative:  {new / t_spec:8.1f} tokens/s  ({t_base / t_spec:.2f}x)  "
+        f"[{'tree' if args.tree else 'chain'} prompt lookup, {args.draft_tokens} draft tokens]"
+    )
+    print(
+        f"accepted:     {out.spec_stats['mean_accepted_per_step']:.2f} tokens per verify step "
+        f"({out.spec_stats['verify_steps']} steps)"
+    )
+    print(f"identical:    {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Run ssmspec.testing.check_model on a model (path / hub id) or a supported family's tiny config."""
+    from ssmspec.speculate.drafters import PromptLookupDrafter
+    from ssmspec.testing.check import check_model
+    from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
+
+    dtype = DTYPES[args.dtype]
+    ref, what = _load(args.model if args.model else None, args.family, dtype)
+    vocab = ref.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = []
+    for batch, length in ((1, 7), (3, 11)):
+        ids = torch.randint(3, vocab, (batch, length), generator=g)
+        mask = torch.ones_like(ids)
+        if batch > 1:
+            mask[1, :3] = 0
+            ids[1, :3] = ref.generation_config.pad_token_id or 0
+        prompts.append((ids, mask))
+    drafters = [
+        lambda r: OracleDrafter(r, vocab_size=vocab),
+        lambda r: OracleDrafter(r, vocab_size=vocab, right_prefix=2, distractors=2, seed=args.seed),
+        lambda r: RandomDrafter(vocab, seed=args.seed),
+        lambda r: PromptLookupDrafter(2, tree=True),
+    ]
+    t0 = time.perf_counter()
+    report = check_model(ref, prompts, drafters, max_new_tokens=args.max_new_tokens)
+    print(f"model: {what} ({args.dtype})")
+    print(f"runs: {report.runs}, tokens compared: {report.tokens_compared}, tie flips: {report.tie_flips}")
+    print(f"max committed-state diff: {report.max_state_diff:.3g}, max plain-logit diff: {report.max_logit_diff:.3g}")
+    print(f"passed in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `ssmspec` command."""
+    from ssmspec.testing.configs import SUPPORTED_FAMILIES
+
+    parser = argparse.ArgumentParser(prog="ssmspec", description="Exact speculative decoding for SSM / hybrid LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, dtype: str, max_new_tokens: int) -> argparse.ArgumentParser:
+        p.add_argument("--model", help="local path or hub id of a causal LM (default: a random-init tiny model)")
+        p.add_argument("--family", default="mamba2", choices=SUPPORTED_FAMILIES, help="tiny model family")
+        p.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+        return p
+
+    demo = common(sub.add_parser("demo", help="greedy vs speculative on one prompt"), "float32", 96)
+    demo.add_argument("--draft-tokens", type=int, default=8)
+    demo.add_argument("--tree", action="store_true", help="tree speculation (several prompt-lookup matches)")
+    demo.set_defaults(func=cmd_demo)
+    check = common(sub.add_parser("check", help="equivalence check (speculative == HF greedy)"), "float64", 12)
+    check.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    from ssmspec.errors import SSMSpecError
+    from ssmspec.testing.check import EquivalenceError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EquivalenceError as exc:
+        print(f"ssmspec: check FAILED: {exc}", file=sys.stderr)
+        return 1
+    except (SSMSpecError, ValueError, OSError, NotImplementedError) as exc:
+        print(f"ssmspec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
