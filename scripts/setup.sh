@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs ssmspec and its test dependencies into the current Python (idempotent, quiet).
+# torch is installed first and pinned, so that no loose requirement pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q "torch==2.13.0" 2>&1 | grep -v -E "^WARNING|Location '" || true
+python -m pip install -q -e ".[test]" 2>&1 | grep -v -E "^WARNING|Location '" || true
+python -c "import ssmspec, torch, transformers; print(f'ssmspec {ssmspec.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
