@@ -55,17 +55,24 @@ class TokenTree:
             self.acceptable = torch.ones_like(self.tokens, dtype=torch.bool)
         elif self.acceptable.shape != self.tokens.shape:
             raise InvalidTreeError("acceptable must have the shape of tokens")
-        depth = torch.zeros(b, n, dtype=torch.long, device=self.tokens.device)
-        anc = torch.zeros(b, n, n, dtype=torch.bool, device=self.tokens.device)
-        anc[:, 0, 0] = True
-        rows = torch.arange(b, device=self.tokens.device)
-        for t in range(1, n):
-            p = self.parents[:, t]
-            depth[:, t] = depth[rows, p] + 1
-            anc[:, t] = anc[rows, p]
-            anc[:, t, t] = True
-        self.depth = depth
-        self.ancestor_mask = anc
+        # the structure is tiny (B x N <= a few thousand): derive it in Python, then one tensor each
+        par = self.parents.tolist()
+        depth = [[0] * n for _ in range(b)]
+        anc = [[[False] * n for _ in range(n)] for _ in range(b)]
+        for r in range(b):
+            d, a, pr = depth[r], anc[r], par[r]
+            a[0][0] = True
+            for t in range(1, n):
+                p = pr[t]
+                d[t] = d[p] + 1
+                row = a[t]
+                row[:t] = a[p][:t]
+                row[t] = True
+        dev = self.tokens.device
+        self._parents_list = par
+        self.depth = torch.tensor(depth, dtype=torch.long, device=dev)
+        self.ancestor_mask = torch.tensor(anc, dtype=torch.bool, device=dev)
+        self._ancestors: dict[int, torch.Tensor] = {}
 
     @classmethod
     def from_lists(
@@ -128,17 +135,20 @@ class TokenTree:
 
     def ancestors(self, k: int) -> torch.Tensor:
         """[B, N, k]: entry j is node t's j-th ancestor (j = 0 is t itself); past the root, -1, -2, ...
-        count back into the committed history (-1 = the most recent committed input)."""
-        b, n = self.tokens.shape
-        out = torch.empty(b, n, k, dtype=torch.long, device=self.tokens.device)
-        rows = torch.arange(b, device=self.tokens.device)[:, None]
-        cur = torch.arange(n, device=self.tokens.device).expand(b, n).clone()
-        for j in range(k):
-            out[:, :, j] = cur
-            neg = cur < 0
-            par = self.parents[rows, cur.clamp(min=0)]
-            cur = torch.where(neg, cur - 1, torch.where(cur == 0, torch.full_like(cur, -1), par))
-        return out
+        count back into the committed history (-1 = the most recent committed input). Cached per k."""
+        if k not in self._ancestors:
+            out = []
+            for pr in self._parents_list:
+                rows = []
+                for t in range(len(pr)):
+                    chain, cur = [], t
+                    while len(chain) < k and cur >= 0:
+                        chain.append(cur)
+                        cur = pr[cur]
+                    rows.append(chain + [-(i + 1) for i in range(k - len(chain))])
+                out.append(rows)
+            self._ancestors[k] = torch.tensor(out, dtype=torch.long, device=self.tokens.device)
+        return self._ancestors[k]
 
     def paths(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Root-to-node paths for one node per row: ([B, M] node indices padded with the last node, [B] lengths)."""
