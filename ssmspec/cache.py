@@ -14,7 +14,6 @@ gather, recurrent state (materialized gather or replay along the path), and K/V 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -27,12 +26,17 @@ from ssmspec.tree import TokenTree
 
 COMMIT_STRATEGIES = ("replay", "materialize")
 
-_ACTIVE: contextvars.ContextVar[SpecCache | None] = contextvars.ContextVar("ssmspec_active_cache", default=None)
+# A plain module-level holder (not a ContextVar) so that torch.compile can trace reads of it.
+class _Active:
+    cache: SpecCache | None = None
+
+
+_ACTIVE = _Active()
 
 
 def active_verify_cache() -> SpecCache | None:
     """The SpecCache currently verifying a tree, or None outside verification."""
-    return _ACTIVE.get()
+    return _ACTIVE.cache
 
 
 @dataclass
@@ -129,11 +133,11 @@ class SpecCache(DynamicCache):
         self._pending_conv.clear()
         self._pending_rec.clear()
         self._kv_len = {i: self.layers[i].get_seq_length() for i in self.attention_layers()}
-        token = _ACTIVE.set(self)
+        outer, _ACTIVE.cache = _ACTIVE.cache, self
         try:
             yield self
         finally:
-            _ACTIVE.reset(token)
+            _ACTIVE.cache = outer
             self.tree = None
 
     def discard(self) -> None:

@@ -10,7 +10,6 @@ records what `SpecCache.commit` needs. Projections, norms and gates around the s
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import types
@@ -26,7 +25,12 @@ from ssmspec.ops import ssd_state_at, tree_causal_conv1d, tree_delta_rule, tree_
 from ssmspec.ops._common import gather_nodes
 from ssmspec.tree import TokenTree
 
-_CURRENT_MODULE: contextvars.ContextVar[str] = contextvars.ContextVar("ssmspec_current_mixer", default="?")
+# The mixer running now, for error messages (a plain holder, traceable by torch.compile).
+class _Current:
+    module = "?"
+
+
+_CURRENT = _Current()
 
 # Every seam name transformers uses for SSM-like recurrences (the kernel name given to the decorator).
 KNOWN_SEAMS = (
@@ -73,7 +77,7 @@ def _committed(cache: SpecCache, seam: str, expected: tuple[int, ...]) -> torch.
     h0 = cache.committed_recurrent(cache.current_layer)
     if h0 is not None and tuple(h0.shape) != tuple(expected):
         raise UnsupportedModelError(
-            _CURRENT_MODULE.get(),
+            _CURRENT.module,
             f"calls `{seam}` on a state of shape {tuple(expected)} but its cached recurrent state is "
             f"{tuple(h0.shape)} (e.g. one call per head on a slice of the state); ssmspec cannot tell which part "
             "of the state a call owns",
@@ -84,7 +88,7 @@ def _committed(cache: SpecCache, seam: str, expected: tuple[int, ...]) -> torch.
 def _record(cache: SpecCache, seam: str, record: RecurrentRecord) -> None:
     if (cache.current_layer, 0) in cache._pending_rec:
         raise UnsupportedModelError(
-            _CURRENT_MODULE.get(), f"calls the recurrence seam `{seam}` more than once per forward; not supported"
+            _CURRENT.module, f"calls the recurrence seam `{seam}` more than once per forward; not supported"
         )
     cache.record_recurrent(record)
 
@@ -181,7 +185,9 @@ TREE_HANDLERS: dict[str, Callable[[SpecCache, dict[str, Any]], Any]] = {
 
 def tree_aware(seam: Callable, name: str) -> Callable:
     """Wrap one seam: the original outside verification, the ssmspec tree op inside."""
-    signature = inspect.signature(seam)
+    params = list(inspect.signature(seam).parameters.values())
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     handler = TREE_HANDLERS.get(name)
 
     @functools.wraps(seam)
@@ -191,13 +197,12 @@ def tree_aware(seam: Callable, name: str) -> Callable:
             return seam(*args, **kwargs)
         if handler is None:
             raise RuntimeError(
-                f"ssmspec: seam `{name}` was called during tree verification; the mixer took a path ssmspec "
-                "does not verify (please report this with the model's config)"
+                f"ssmspec: seam `{name}` was called during tree verification by {_CURRENT.module}; the mixer took a "
+                "path ssmspec does not verify (please report this with the model's config)"
             )
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.update(arguments.pop("kwargs", {}) or {})
+        arguments = dict(defaults)
+        arguments.update(zip(names, args))
+        arguments.update(kwargs)
         return handler(cache, arguments)
 
     wrapper.__ssmspec_seam__ = name
@@ -205,33 +210,16 @@ def tree_aware(seam: Callable, name: str) -> Callable:
 
 
 # ------------------------------------------------------------------------------------------- the pass
-def _rebuild(fn: types.FunctionType, replacements: dict[str, Callable]) -> types.FunctionType:
-    """Copy a (possibly decorated) function so that its innermost body resolves seam names to replacements."""
-    inner = getattr(fn, "__wrapped__", None)
-    if isinstance(inner, types.FunctionType) and fn.__closure__:
-        new_inner = _rebuild(inner, replacements)
-        cells = tuple(types.CellType(new_inner) if c.cell_contents is inner else c for c in fn.__closure__)
-        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-    else:
-        glb = dict(fn.__globals__)
-        glb.update(replacements)
-        new = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__dict__.update(fn.__dict__)
-    new.__wrapped__ = getattr(fn, "__wrapped__", None) or fn
-    return new
-
-
 def _tracked(forward: Callable, path: str) -> Callable:
     """Remember which mixer is running, so that errors raised inside seams can name the module."""
 
     @functools.wraps(forward)
     def run(self, *args, **kwargs):
-        token = _CURRENT_MODULE.set(path)
+        outer, _CURRENT.module = _CURRENT.module, path
         try:
             return forward(self, *args, **kwargs)
         finally:
-            _CURRENT_MODULE.reset(token)
+            _CURRENT.module = outer
 
     return run
 
@@ -242,24 +230,33 @@ def seams_called_by(module: nn.Module) -> dict[str, Callable]:
     found = {}
     for name in fn.__code__.co_names:
         obj = fn.__globals__.get(name)
-        if obj is not None and seam_name(obj) is not None:
+        if obj is not None and (seam_name(obj) is not None or hasattr(obj, "__ssmspec_seam__")):
             found[name] = obj
     return found
 
 
+def _seam_of(fn: Callable) -> str:
+    return getattr(fn, "__ssmspec_seam__", None) or seam_name(fn)
+
+
 def rewrite_mixers(model: nn.Module) -> dict[str, list[str]]:
-    """Rewrite every module whose forward calls HF kernel seams; returns {module path: [seam names]}."""
+    """Make every module whose forward calls HF kernel seams tree-aware; returns {module path: [seam names]}.
+
+    The seam names in the mixer's modeling module are pointed at ssmspec wrappers (once per module; a
+    wrapper calls HF's function unchanged outside verification, so untransformed models of the family are
+    unaffected), and the mixer instance gets a forward that records its path for error messages.
+    """
     rewritten: dict[str, list[str]] = {}
     for path, module in model.named_modules():
-        if getattr(module, "__ssmspec_rewritten__", False):
-            rewritten[path] = module.__ssmspec_rewritten_seams__
-            continue
         seams = seams_called_by(module)
         if not seams:
             continue
-        replacements = {g: tree_aware(f, seam_name(f)) for g, f in seams.items()}
-        module.forward = types.MethodType(_tracked(_rebuild(type(module).forward, replacements), path), module)
-        module.__ssmspec_rewritten__ = True
-        module.__ssmspec_rewritten_seams__ = sorted(seam_name(f) for f in seams.values())
-        rewritten[path] = module.__ssmspec_rewritten_seams__
+        glb = inspect.unwrap(type(module).forward).__globals__
+        for global_name, fn in seams.items():
+            if not hasattr(fn, "__ssmspec_seam__"):
+                glb[global_name] = tree_aware(fn, seam_name(fn))
+        if not getattr(module, "__ssmspec_rewritten__", False):
+            module.forward = types.MethodType(_tracked(type(module).forward, path), module)
+            module.__ssmspec_rewritten__ = True
+        rewritten[path] = sorted(_seam_of(f) for f in seams.values())
     return rewritten

@@ -1,0 +1,59 @@
+"""Triton tree causal conv1d: ancestor gather + committed-state fill + bias + activation, one program per
+(row, node, channel block). Same interface as ssmspec.ops.conv.tree_causal_conv1d."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ssmspec.ops.conv import _check_activation
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x_ptr, w_ptr, b_ptr, anc_ptr, out_ptr,
+    C, N, S, K,
+    sxb, sxc, sxt, swc, swk, sab, san, sak, sob, soc, son,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    n = tl.program_id(1)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    cm = c < C
+    acc = tl.zeros([BC], dtype=w_ptr.dtype.element_ty)
+    for j in range(0, K):
+        pos = tl.load(anc_ptr + b * sab + n * san + j * sak) + S  # index into [committed | nodes]
+        xv = tl.load(x_ptr + b * sxb + c * sxc + pos * sxt, mask=cm, other=0.0).to(acc.dtype)
+        wv = tl.load(w_ptr + c * swc + (K - 1 - j) * swk, mask=cm, other=0.0)
+        acc += xv * wv
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + c, mask=cm, other=0.0)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * sob + c * soc + n * son, acc.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton_op("ssmspec_kernels::tree_causal_conv1d", mutates_args=())
+def tree_causal_conv1d(
+    x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ancestors: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """Triton version of ssmspec::tree_causal_conv1d (x_ext [B,C,S+N], weight [C,K], ancestors [B,N,K])."""
+    act = activation or None
+    _check_activation(act)
+    b, c, total = x_ext.shape
+    n, k = ancestors.shape[1], ancestors.shape[2]
+    s = total - n
+    if s < k - 1:
+        raise ValueError(f"tree_causal_conv1d: committed state has {s} columns, width {k} needs {k - 1}")
+    out = x_ext.new_empty(b, c, n)
+    bc = min(triton.next_power_of_2(c), 128)
+    grid = (b, n, triton.cdiv(c, bc))
+    wrap_triton(_tree_conv_kernel)[grid](
+        x_ext, weight, bias if bias is not None else weight, ancestors, out,
+        c, n, s, k,
+        *x_ext.stride(), *weight.stride(), *ancestors.stride(), *out.stride(),
+        HAS_BIAS=bias is not None, SILU=act in ("silu", "swish"), BC=bc,
+    )  # fmt: skip
+    return out

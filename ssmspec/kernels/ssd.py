@@ -1,0 +1,190 @@
+"""Triton tree SSD (Mamba2): one program per (row, head, head-dim block) computes the masked form
+
+    y_t = exp(L_t) C_t h0 + sum_{s anc t} (C_t . B_s) exp(L_t - L_s) dt_s x_s + D x_t,  L_t = sum_{s anc t} dt_s A
+
+with dt bias, softplus and dt_limit fused, groups mapped to heads, trees up to 256 nodes in one block.
+Also the replay commit ssd_state_at. Same interfaces as ssmspec.ops.ssd."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ssmspec.kernels._common import block, softplus
+from ssmspec.ops._common import compute_dtype
+
+MAX_NODES = 256
+
+
+@triton.jit
+def _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, dt_min, dt_max,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CD: tl.constexpr):  # fmt: skip
+    dt = tl.load(dt_ptr + b * sdb + t * sdn + h * sdh, mask=tm, other=0.0).to(CD)
+    if HAS_BIAS:
+        dt += tl.load(dtb_ptr + h).to(CD)
+    if SOFTPLUS:
+        dt = softplus(dt)
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    return tl.where(tm, dt, 0.0)
+
+
+@triton.jit
+def _tree_ssd_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dtb_ptr, h0_ptr, anc_ptr, y_ptr,
+    N, P, S, HPG, dt_min, dt_max,
+    sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, sCb, sCn, sCg, sCs,
+    sDh, sDp, shb, shh, shp, shs, sab, sat, sas, syb, syn, syh, syp,
+    HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SOFTPLUS: tl.constexpr,
+    CD: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BP + tl.arange(0, BP)
+    g = h // HPG
+    t = tl.arange(0, BN)
+    s = tl.arange(0, BS)
+    tm, pm, sm = t < N, p < P, s < S
+    dt = _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CD)
+    dA = dt * tl.load(A_ptr + h).to(CD)
+    anc = tl.load(anc_ptr + b * sab + t[:, None] * sat + t[None, :] * sas, mask=tm[:, None] & tm[None, :], other=0)
+    anc = anc != 0
+    L = tl.sum(tl.where(anc, dA[None, :], 0.0), axis=1)  # [BN]
+    Cm = tl.load(C_ptr + b * sCb + t[:, None] * sCn + g * sCg + s[None, :] * sCs, mask=tm[:, None] & sm[None, :],
+                 other=0.0).to(CD)  # fmt: skip
+    Bm = tl.load(B_ptr + b * sBb + t[:, None] * sBn + g * sBg + s[None, :] * sBs, mask=tm[:, None] & sm[None, :],
+                 other=0.0).to(CD)  # fmt: skip
+    cb = tl.dot(Cm, tl.trans(Bm), input_precision="ieee")  # [t, s]
+    w = tl.where(anc, tl.exp(L[:, None] - L[None, :]), 0.0) * cb * dt[None, :]
+    x = tl.load(x_ptr + b * sxb + t[:, None] * sxn + h * sxh + p[None, :] * sxp, mask=tm[:, None] & pm[None, :],
+                other=0.0).to(CD)  # fmt: skip
+    y = tl.dot(w.to(CD), x, input_precision="ieee")
+    if HAS_H0:
+        h0 = tl.load(h0_ptr + b * shb + h * shh + p[:, None] * shp + s[None, :] * shs, mask=pm[:, None] & sm[None, :],
+                     other=0.0).to(CD)  # fmt: skip
+        y += tl.exp(L)[:, None] * tl.dot(Cm, tl.trans(h0), input_precision="ieee")
+    if HAS_D:
+        d = tl.load(D_ptr + h * sDh + p * sDp, mask=pm, other=0.0).to(CD)
+        y += d[None, :] * x
+    tl.store(y_ptr + b * syb + t[:, None] * syn + h * syh + p[None, :] * syp, y.to(y_ptr.dtype.element_ty),
+             mask=tm[:, None] & pm[None, :])  # fmt: skip
+
+
+def _tl_dtype(dt: torch.dtype):
+    return tl.float64 if dt == torch.float64 else tl.float32
+
+
+@triton_op("ssmspec_kernels::tree_ssd", mutates_args=())
+def tree_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    Bm: torch.Tensor,
+    Cm: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    ancestor_mask: torch.Tensor,
+    dt_softplus: bool,
+    dt_min: float,
+    dt_max: float,
+    return_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of ssmspec::tree_ssd. Node states (materialize strategy) come from the reference."""
+    b, n, h, p = x.shape
+    g, s = Bm.shape[2], Bm.shape[3]
+    if n > MAX_NODES:
+        raise ValueError(f"tree_ssd kernel: {n} nodes > {MAX_NODES}; the whole tree must fit one block")
+    cd = compute_dtype(x, dt, Bm, Cm)
+    y = x.new_empty(b, n, h, p, dtype=cd)
+    if D is not None and D.ndim == 1:
+        d_strides = (D.stride(0), 0)
+    elif D is not None:
+        d_strides = D.stride()
+    else:
+        d_strides = (0, 0)
+    h0s = h0.stride() if h0 is not None else (0, 0, 0, 0)
+    bp = min(block(p), 64)
+    grid = (b, h, triton.cdiv(p, bp))
+    wrap_triton(_tree_ssd_kernel)[grid](
+        x, dt, A, Bm, Cm, D if D is not None else A, dt_bias if dt_bias is not None else A,
+        h0 if h0 is not None else x, ancestor_mask, y,
+        n, p, s, h // g, float(dt_min), float(dt_max),
+        *x.stride(), *dt.stride(), *Bm.stride(), *Cm.stride(), *d_strides, *h0s, *ancestor_mask.stride(),
+        *y.stride(),
+        HAS_D=D is not None, HAS_BIAS=dt_bias is not None, HAS_H0=h0 is not None, SOFTPLUS=dt_softplus,
+        CD=_tl_dtype(cd), BN=block(n), BP=bp, BS=block(s),
+    )  # fmt: skip
+    if not return_states:
+        return y, x.new_empty(0, dtype=cd)
+    from ssmspec.ops.ssd import tree_ssd as reference
+
+    return y, reference(x, dt, A, Bm, Cm, D, dt_bias, h0, ancestor_mask, dt_softplus, dt_min, dt_max, True)[1]
+
+
+@triton.jit
+def _state_at_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, dtb_ptr, h0_ptr, m_ptr, out_ptr,
+    N, P, S, HPG, dt_min, dt_max,
+    sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, shb, shh, shp, shs, smb, smn, sob, soh, sop, sos,
+    HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SOFTPLUS: tl.constexpr,
+    CD: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BP + tl.arange(0, BP)
+    g = h // HPG
+    t = tl.arange(0, BN)
+    s = tl.arange(0, BS)
+    tm, pm, sm = t < N, p < P, s < S
+    on_path = (tl.load(m_ptr + b * smb + t * smn, mask=tm, other=0) != 0) & tm
+    dt = _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CD)
+    dt = tl.where(on_path, dt, 0.0)
+    dA = dt * tl.load(A_ptr + h).to(CD)
+    L_s = tl.cumsum(dA, axis=0)
+    L = tl.sum(dA, axis=0)
+    w = tl.where(on_path, tl.exp(L - L_s) * dt, 0.0)
+    x = tl.load(x_ptr + b * sxb + t[:, None] * sxn + h * sxh + p[None, :] * sxp, mask=tm[:, None] & pm[None, :],
+                other=0.0).to(CD)  # fmt: skip
+    Bm = tl.load(B_ptr + b * sBb + t[:, None] * sBn + g * sBg + s[None, :] * sBs, mask=tm[:, None] & sm[None, :],
+                 other=0.0).to(CD)  # fmt: skip
+    state = tl.dot(tl.trans(x * w[:, None]), Bm, input_precision="ieee")  # [P, S]
+    if HAS_H0:
+        h0 = tl.load(h0_ptr + b * shb + h * shh + p[:, None] * shp + s[None, :] * shs, mask=pm[:, None] & sm[None, :],
+                     other=0.0).to(CD)  # fmt: skip
+        state += tl.exp(L) * h0
+    tl.store(out_ptr + b * sob + h * soh + p[:, None] * sop + s[None, :] * sos, state.to(out_ptr.dtype.element_ty),
+             mask=pm[:, None] & sm[None, :])  # fmt: skip
+
+
+@triton_op("ssmspec_kernels::ssd_state_at", mutates_args=())
+def ssd_state_at(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    Bm: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    path_mask: torch.Tensor,
+    dt_softplus: bool,
+    dt_min: float,
+    dt_max: float,
+) -> torch.Tensor:
+    """Triton version of ssmspec::ssd_state_at (replay commit along one path per row)."""
+    b, n, h, p = x.shape
+    g, s = Bm.shape[2], Bm.shape[3]
+    if n > MAX_NODES:
+        raise ValueError(f"ssd_state_at kernel: {n} nodes > {MAX_NODES}")
+    cd = compute_dtype(x, dt, Bm)
+    out = x.new_empty(b, h, p, s, dtype=cd)
+    bp = min(block(p), 64)
+    h0s = h0.stride() if h0 is not None else (0, 0, 0, 0)
+    wrap_triton(_state_at_kernel)[(b, h, triton.cdiv(p, bp))](
+        x, dt, A, Bm, dt_bias if dt_bias is not None else A, h0 if h0 is not None else x, path_mask, out,
+        n, p, s, h // g, float(dt_min), float(dt_max),
+        *x.stride(), *dt.stride(), *Bm.stride(), *h0s, *path_mask.stride(), *out.stride(),
+        HAS_BIAS=dt_bias is not None, HAS_H0=h0 is not None, SOFTPLUS=dt_softplus,
+        CD=_tl_dtype(cd), BN=block(n), BP=bp, BS=block(s),
+    )  # fmt: skip
+    return out
