@@ -1,5 +1,6 @@
 """ssmspec: exact speculative decoding (chains and trees) for Hugging Face SSM and hybrid models."""
 
+from ssmspec import backend as _backend  # noqa: F401  (registers the "ssmspec" torch.compile backend)
 from ssmspec.cache import SpecCache
 from ssmspec.errors import InvalidTreeError, SSMSpecError, UnsupportedModelError, VocabMismatchError
 from ssmspec.speculate import generate as _generate  # noqa: F401  (registers speculative generate)

@@ -26,6 +26,7 @@ from ssmspec.tree import TokenTree
 
 COMMIT_STRATEGIES = ("replay", "materialize")
 
+
 # A plain module-level holder (not a ContextVar) so that torch.compile can trace reads of it.
 class _Active:
     cache: SpecCache | None = None

@@ -8,7 +8,11 @@ from __future__ import annotations
 import os
 
 import torch
-from hypothesis import HealthCheck, settings
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in the interpreter (must precede imports)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile(

@@ -24,8 +24,31 @@ KERNELS = {
     torch.ops.ssmspec.gather_states.default: torch.ops.ssmspec_kernels.gather_states.default,
 }
 
+_EAGER_ENABLED = False
+
+
+def enable_eager_kernels() -> None:
+    """Make the Triton kernels the CUDA implementation of the reference ops, so that eager calls on CUDA
+    tensors (the commit after each step, uncompiled verification) use them too. CPU calls are unchanged."""
+    global _EAGER_ENABLED
+    if _EAGER_ENABLED:
+        return
+    for ref, kernel in KERNELS.items():
+        name = f"{ref.namespace}::{ref._opname}"
+        torch.library.register_kernel(name, "cuda", _call(kernel))
+    _EAGER_ENABLED = True
+
+
+def _call(kernel):
+    def run(*args, **kwargs):
+        return kernel(*args, **kwargs)
+
+    return run
+
+
 __all__ = [
     "KERNELS",
+    "enable_eager_kernels",
     "conv_window",
     "gather_states",
     "ssd_state_at",

@@ -29,7 +29,9 @@ def _conv_window_kernel(
 
 
 @triton_op("ssmspec_kernels::conv_window", mutates_args=())
-def conv_window(committed: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def conv_window(
+    committed: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """Triton version of ssmspec::conv_window."""
     b, c, s = committed.shape
     out = torch.empty_like(committed)

@@ -25,6 +25,7 @@ from ssmspec.ops import ssd_state_at, tree_causal_conv1d, tree_delta_rule, tree_
 from ssmspec.ops._common import gather_nodes
 from ssmspec.tree import TokenTree
 
+
 # The mixer running now, for error messages (a plain holder, traceable by torch.compile).
 class _Current:
     module = "?"

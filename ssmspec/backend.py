@@ -1,0 +1,80 @@
+"""The `ssmspec` torch.compile backend: FX passes over each Dynamo graph, then Inductor.
+
+    model.compile(backend="ssmspec")                      # in place: HF generate then uses it
+    model.compile(backend="ssmspec", options={"kernels": False, "fuse": False, "inductor": False})
+
+Options: `kernels` (None = Triton kernels where the tree ops run on CUDA, the reference path on CPU;
+True forces the kernels, e.g. under TRITON_INTERPRET=1; False keeps the reference ops), `fuse` (graph
+simplifications around the tree ops, default True), `inductor` (hand the graph to Inductor, default True;
+False runs the rewritten FX graph as is, for debugging). Registered on `import ssmspec` and through the
+`torch_dynamo_backends` entry point, so `backend="ssmspec"` also works in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from ssmspec.passes.lower import fold_conv_padding, is_tree_op, lower_tree_ops
+
+_OPTION_NAMES = ("kernels", "fuse", "inductor")
+
+
+@dataclass
+class BackendStats:
+    """What the backend did to the graphs it compiled (for tests and debugging)."""
+
+    graphs: int = 0
+    tree_ops: int = 0
+    lowered: int = 0
+    folded: int = 0
+    per_graph: list[dict[str, int]] = field(default_factory=list)
+
+
+STATS = BackendStats()
+
+
+def ssmspec_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None
+) -> Callable:
+    """Dynamo backend entry point."""
+    options = dict(options or {})
+    unknown = set(options) - set(_OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"ssmspec backend: unknown options {sorted(unknown)}; known: {_OPTION_NAMES}")
+    kernels = options.get("kernels")
+    tree_ops = sum(1 for n in gm.graph.nodes if is_tree_op(n))
+    folded = fold_conv_padding(gm) if options.get("fuse", True) else 0
+    lowered = 0
+    if kernels is not False:
+        lowered = lower_tree_ops(gm, force=bool(kernels))
+        if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+            from ssmspec.kernels import enable_eager_kernels
+
+            enable_eager_kernels()  # the commit after each step runs eagerly: give it the kernels too
+    STATS.graphs += 1
+    STATS.tree_ops += tree_ops
+    STATS.lowered += lowered
+    STATS.folded += folded
+    STATS.per_graph.append({"tree_ops": tree_ops, "lowered": lowered, "folded": folded})
+    if not options.get("inductor", True):
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def register() -> None:
+    """Register the backend under the name "ssmspec" (idempotent)."""
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    # while torch loads the entry point, _BACKENDS holds it and torch registers the function itself
+    if "ssmspec" not in _COMPILER_FNS and _BACKENDS.get("ssmspec") is None:
+        register_backend(ssmspec_backend, name="ssmspec")
+
+
+register()

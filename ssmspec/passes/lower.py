@@ -1,0 +1,93 @@
+"""FX passes run by the `ssmspec` torch.compile backend on each Dynamo graph.
+
+- `fold_conv_padding`: the conv seam returns [zeros | node outputs] because HF slices the last N columns;
+  in a graph the cat + slice pair is dead work, so the slice's users read the tree op's output directly.
+- `lower_tree_ops`: swap each reference tree op (torch.ops.ssmspec.*) for its Triton kernel
+  (torch.ops.ssmspec_kernels.*) when its inputs live on CUDA (or when forced, e.g. to test the lowering
+  on CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+TREE_OP_NAMESPACE = "ssmspec"
+
+
+def is_tree_op(node: fx.Node) -> bool:
+    """A call of one of ssmspec's reference custom ops."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == TREE_OP_NAMESPACE
+    )
+
+
+def _shape(node: fx.Node) -> tuple | None:
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def fold_conv_padding(gm: fx.GraphModule) -> int:
+    """Replace `cat([zeros, conv_out], -1)[:, :, -N:]` by `conv_out`; returns the number of folds."""
+    folded = 0
+    conv = torch.ops.ssmspec.tree_causal_conv1d.default
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not conv:
+            continue
+        shape = _shape(node)
+        if shape is None or not isinstance(shape[-1], int):
+            continue
+        n = shape[-1]
+        for cat in list(node.users):
+            if cat.target is not torch.cat or cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) not in (
+                -1,
+                2,
+            ):
+                continue
+            parts = cat.args[0]
+            if len(parts) != 2 or parts[1] is not node:
+                continue
+            for sl in list(cat.users):
+                idx = sl.args[1] if sl.target is operator.getitem else None
+                if not (isinstance(idx, tuple) and len(idx) == 3 and idx[:2] == (slice(None), slice(None))):
+                    continue
+                if idx[2] == slice(-n, None, None):
+                    sl.replace_all_uses_with(node)
+                    gm.graph.erase_node(sl)
+                    folded += 1
+            if not cat.users:
+                zeros = parts[0]
+                gm.graph.erase_node(cat)
+                if isinstance(zeros, fx.Node) and not zeros.users:
+                    gm.graph.erase_node(zeros)
+    if folded:
+        gm.graph.lint()
+        gm.recompile()
+    return folded
+
+
+def _on_cuda(node: fx.Node) -> bool:
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("example_value", arg.meta.get("val"))
+        if isinstance(val, torch.Tensor) and val.device.type == "cuda":
+            return True
+    return False
+
+
+def lower_tree_ops(gm: fx.GraphModule, *, force: bool = False) -> int:
+    """Point tree-op calls at their Triton kernels (CUDA inputs, or every call when forced)."""
+    from ssmspec.kernels import KERNELS
+
+    lowered = 0
+    for node in gm.graph.nodes:
+        if is_tree_op(node) and node.target in KERNELS and (force or _on_cuda(node)):
+            node.target = KERNELS[node.target]
+            lowered += 1
+    if lowered:
+        gm.recompile()
+    return lowered

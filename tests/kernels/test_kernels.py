@@ -1,0 +1,130 @@
+"""Every Triton kernel equals its reference op (Hypothesis over shapes, dtypes and tree topologies).
+
+On a machine without CUDA the kernels run under TRITON_INTERPRET=1 on CPU tensors (set in conftest), so
+shapes stay tiny; on CUDA the same tests run on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ssmspec import kernels as K
+from ssmspec import ops as R
+from ssmspec.testing.strategies import trees
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float64, torch.float32]
+TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
+
+
+def _rand(g, *shape, dtype):
+    return torch.randn(*shape, generator=g, dtype=dtype).to(DEVICE)
+
+
+def _close(a, b, dtype):
+    torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@st.composite
+def setups(draw, max_nodes=9):
+    b = draw(st.integers(1, 2))
+    tree = draw(trees(batch_size=b, max_nodes=max_nodes))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**16))
+    return tree, dtype, torch.Generator().manual_seed(seed)
+
+
+def _on(tree):
+    return tree.ancestor_mask.to(DEVICE), tree.parents.to(DEVICE), tree.depth.to(DEVICE)
+
+
+@given(setups(), st.integers(1, 5), st.integers(2, 4), st.sampled_from(["", "silu"]), st.booleans())
+def test_tree_conv(setup, channels, width, act, bias):
+    tree, dtype, g = setup
+    b, n = tree.tokens.shape
+    x = _rand(g, b, channels, width + n, dtype=dtype)
+    w = _rand(g, channels, width, dtype=dtype)
+    bb = _rand(g, channels, dtype=dtype) if bias else None
+    anc = tree.ancestors(width).to(DEVICE)
+    _close(K.tree_causal_conv1d(x, w, bb, anc, act), R.tree_causal_conv1d(x, w, bb, anc, act), dtype)
+
+
+@given(setups(), st.integers(1, 2), st.integers(1, 2), st.integers(1, 5), st.integers(1, 6), st.booleans(),
+       st.booleans(), st.sampled_from([(0.0, float("inf")), (0.01, 2.0)]))  # fmt: skip
+def test_tree_ssd_and_replay_state(setup, groups, heads_per_group, p, s, with_h0, d_per_p, limit):
+    tree, dtype, g = setup
+    b, n = tree.tokens.shape
+    h = groups * heads_per_group
+    x, dt = _rand(g, b, n, h, p, dtype=dtype), _rand(g, b, n, h, dtype=dtype)
+    A = -torch.rand(h, generator=g, dtype=dtype).to(DEVICE) - 0.1
+    Bm, Cm = _rand(g, b, n, groups, s, dtype=dtype), _rand(g, b, n, groups, s, dtype=dtype)
+    D = _rand(g, h, p, dtype=dtype) if d_per_p else _rand(g, h, dtype=dtype)
+    bias = _rand(g, h, dtype=dtype)
+    h0 = _rand(g, b, h, p, s, dtype=dtype) if with_h0 else None
+    anc, _, _ = _on(tree)
+    args = (x, dt, A, Bm, Cm, D, bias, h0, anc, True, *limit, True)
+    (y1, s1), (y0, s0) = K.tree_ssd(*args), R.tree_ssd(*args)
+    _close(y1, y0, dtype)
+    _close(s1, s0, dtype)
+    last = torch.randint(0, n, (b,), generator=g).to(DEVICE)
+    mask = anc[torch.arange(b, device=DEVICE), last]
+    sargs = (x, dt, A, Bm, bias, h0, mask, True, *limit)
+    _close(K.ssd_state_at(*sargs), R.ssd_state_at(*sargs), dtype)
+    _close(R.ssd_state_at(*sargs), s0[torch.arange(b, device=DEVICE), last], dtype)  # replay == materialize
+
+
+@given(setups(), st.integers(1, 6), st.integers(1, 5), st.booleans(), st.booleans())
+def test_tree_selective_scan(setup, d, s, with_z, with_h0):
+    tree, dtype, g = setup
+    b, n = tree.tokens.shape
+    args = (
+        _rand(g, b, d, n, dtype=dtype), _rand(g, b, d, n, dtype=dtype),
+        -torch.rand(d, s, generator=g, dtype=dtype).to(DEVICE), _rand(g, b, s, n, dtype=dtype),
+        _rand(g, b, s, n, dtype=dtype), _rand(g, d, dtype=dtype),
+        _rand(g, b, d, n, dtype=dtype) if with_z else None, _rand(g, d, dtype=dtype),
+        _rand(g, b, d, s, dtype=dtype) if with_h0 else None, *_on(tree)[1:], True, True,
+    )  # fmt: skip
+    (y1, s1), (y0, s0) = K.tree_selective_scan(*args), R.tree_selective_scan(*args)
+    _close(y1, y0, dtype)
+    _close(s1, s0, dtype)
+
+
+@given(setups(), st.integers(1, 2), st.integers(1, 2), st.integers(1, 5), st.integers(1, 4), st.booleans(),
+       st.booleans(), st.booleans())  # fmt: skip
+def test_tree_delta_rule(setup, hk, ratio, kd, vd, kda, l2, with_h0):
+    tree, dtype, g = setup
+    b, n = tree.tokens.shape
+    h = hk * ratio
+    gate_shape = (b, n, h, kd) if kda else (b, n, h)
+    args = (
+        _rand(g, b, n, hk, kd, dtype=dtype), _rand(g, b, n, hk, kd, dtype=dtype), _rand(g, b, n, h, vd, dtype=dtype),
+        -torch.rand(*gate_shape, generator=g, dtype=dtype).to(DEVICE),
+        torch.rand(b, n, h, generator=g, dtype=dtype).to(DEVICE),
+        _rand(g, b, h, kd, vd, dtype=dtype) if with_h0 else None, *_on(tree)[1:], l2, True,
+    )  # fmt: skip
+    (o1, s1), (o0, s0) = K.tree_delta_rule(*args), R.tree_delta_rule(*args)
+    _close(o1, o0, dtype)
+    _close(s1, s0, dtype)
+
+
+@given(setups(), st.integers(1, 4), st.integers(1, 5))
+def test_commit_kernels(setup, c, s):
+    tree, dtype, g = setup
+    b, n = tree.tokens.shape
+    committed, nodes = _rand(g, b, c, s, dtype=dtype), _rand(g, b, c, n, dtype=dtype)
+    last = torch.randint(0, n, (b,), generator=g)
+    path, lengths = tree.paths(last)
+    path, lengths, last = path.to(DEVICE), lengths.to(DEVICE), last.to(DEVICE)
+    assert torch.equal(K.conv_window(committed, nodes, path, lengths), R.conv_window(committed, nodes, path, lengths))
+    states = _rand(g, b, n, 2, 3, dtype=dtype)
+    assert torch.equal(K.gather_states(states, last), R.gather_states(states, last))
+
+
+def test_tree_too_large_for_one_block_is_an_error():
+    n = K.ssd.MAX_NODES + 1
+    x = torch.zeros(1, n, 1, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="nodes"):
+        K.tree_ssd(x, x[..., 0], torch.zeros(1, device=DEVICE), x, x, None, None, None,
+                   torch.ones(1, n, n, dtype=torch.bool, device=DEVICE), True, 0.0, 1.0, False)  # fmt: skip
