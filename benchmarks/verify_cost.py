@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from _timing import median_time
 from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
 
 import ssmspec
@@ -35,15 +35,6 @@ def mamba2(layers: int, hidden: int, dtype: torch.dtype) -> Mamba2ForCausalLM:
         chunk_size=256,
     )
     return Mamba2ForCausalLM(cfg).to(dtype).eval()
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def random_tree(n: int, seed: int) -> TokenTree:
@@ -98,8 +89,8 @@ def main() -> None:
             verify()
             t_dec, t_ver = [], []
             for _ in range(args.repeats):
-                t_dec.append(_median(decode, 1))
-                t_ver.append(_median(verify, 1))
+                t_dec.append(median_time(decode, 1))
+                t_ver.append(median_time(verify, 1))
             d, v = statistics.median(t_dec), statistics.median(t_ver)
             print(f"{n:>5} {shape:>6} {d * 1e3:>13.1f} {v * 1e3:>17.1f} {v / d:>6.2f}")
 

@@ -135,7 +135,12 @@ class TokenTree:
 
     def ancestors(self, k: int) -> torch.Tensor:
         """[B, N, k]: entry j is node t's j-th ancestor (j = 0 is t itself); past the root, -1, -2, ...
-        count back into the committed history (-1 = the most recent committed input). Cached per k."""
+        count back into the committed history (-1 = the most recent committed input). Cached per k.
+
+        Under torch.compile it is computed with tensor ops instead, so that compiled graphs do not guard on
+        (and recompile for) the Python-side cache of each new tree."""
+        if torch.compiler.is_compiling():
+            return self._ancestors_tensor(k)
         if k not in self._ancestors:
             out = []
             for pr in self._parents_list:
@@ -149,6 +154,17 @@ class TokenTree:
                 out.append(rows)
             self._ancestors[k] = torch.tensor(out, dtype=torch.long, device=self.tokens.device)
         return self._ancestors[k]
+
+    def _ancestors_tensor(self, k: int) -> torch.Tensor:
+        b, n = self.tokens.shape
+        rows = torch.arange(b, device=self.tokens.device)[:, None]
+        cur = torch.arange(n, device=self.tokens.device).expand(b, n)
+        cols = []
+        for _ in range(k):
+            cols.append(cur)
+            par = self.parents[rows, cur.clamp(min=0)]
+            cur = torch.where(cur < 0, cur - 1, torch.where(cur == 0, torch.full_like(cur, -1), par))
+        return torch.stack(cols, dim=-1)
 
     def paths(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Root-to-node paths for one node per row: ([B, M] node indices padded with the last node, [B] lengths)."""

@@ -9,7 +9,12 @@ import torch
 
 import ssmspec
 from ssmspec import UnsupportedModelError
-from ssmspec.testing.configs import SUPPORTED_FAMILIES, UNSUPPORTED_FAMILIES, build_tiny_model
+from ssmspec.testing.configs import (
+    SUPPORTED_FAMILIES,
+    UNSUPPORTED_FAMILIES,
+    build_tiny_model,
+    build_tiny_transformer,
+)
 from ssmspec.testing.strategies import cached_tiny_model
 
 
@@ -39,20 +44,7 @@ def test_unsupported_family_names_the_module(family):
 
 def test_transformer_without_state_is_accepted():
     """A plain transformer (e.g. as a draft model) needs no seams: only tree attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    ref = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    ref = build_tiny_transformer(layers=2, seed=0)
     model = ssmspec.transform(copy.deepcopy(ref))
     ids = torch.randint(3, 96, (2, 6))
     want = ref.generate(ids, max_new_tokens=8, do_sample=False)

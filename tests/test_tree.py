@@ -46,6 +46,7 @@ def test_derived_structure(tree):
             assert int(tree.depth[r, t]) == len(chain) - 1
             assert set(tree.ancestor_mask[r, t].nonzero().flatten().tolist()) == set(chain)
             anc = tree.ancestors(4)[r, t].tolist()
+            assert tree._ancestors_tensor(4)[r, t].tolist() == anc  # the form used under torch.compile
             want = chain[:4] + [-(i + 1) for i in range(max(0, 4 - len(chain)))]
             assert anc == want
     last = torch.randint(0, n, (b,))

@@ -583,3 +583,23 @@ def build_tiny_model(
     model.generation_config.bos_token_id = _TOKEN_IDS["bos_token_id"]
     model.generation_config.eos_token_id = _TOKEN_IDS["eos_token_id"]
     return model.eval()
+
+
+def build_tiny_transformer(
+    *, vocab_size: int = 96, layers: int = 1, dtype: torch.dtype = torch.float64, seed: int = 3
+) -> transformers.PreTrainedModel:
+    """A tiny random-init Llama (no recurrent state): a transformer draft model, or a stateless target."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **_TOKEN_IDS,
+    )
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.pad_token_id = _TOKEN_IDS["pad_token_id"]
+    model.generation_config.eos_token_id = _TOKEN_IDS["eos_token_id"]
+    return model

@@ -154,3 +154,38 @@ def test_commit_ops():
     assert got[0, 1].tolist() == [5.0, 6.0, 7.0, 105.0]
     states = torch.arange(24.0).view(2, 3, 4)
     assert gather_states(states, torch.tensor([2, 0])).tolist() == [states[0, 2].tolist(), states[1, 0].tolist()]
+
+
+def test_chunked_prefill_from_initial_state_matches_hf_and_one_chunk():
+    from ssmspec.ops.prefill import delta_rule_chunked_prefill, selective_scan_chunked_prefill, ssd_chunked_prefill
+
+    g = torch.Generator().manual_seed(9)
+    b, n = 2, 11
+    x, dt, A, Bm, Cm, D, bias, h0 = _ssd_inputs(g, b, n)
+    y_hf, final = mamba2_chunk_scan(x, dt, A, Bm, Cm, 4, D=D, dt_bias=bias, initial_states=h0, dt_softplus=True,
+                                    return_final_states=True)  # fmt: skip
+    y, state = ssd_chunked_prefill(x, dt, A, Bm, Cm, D, bias, h0, chunk_size=4)
+    torch.testing.assert_close(y.float(), y_hf.float(), rtol=1e-4, atol=1e-4)  # HF computes in float32
+    torch.testing.assert_close(state.float(), final.float(), rtol=1e-4, atol=1e-4)
+    y1, state1 = ssd_chunked_prefill(x, dt, A, Bm, Cm, D, bias, h0, chunk_size=64)
+    torch.testing.assert_close(y, y1, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state, state1, rtol=0, atol=1e-12)
+
+    d, s = 5, 3
+    xs, dts, zs = (torch.randn(b, d, n, generator=g, dtype=D64) for _ in range(3))
+    As = -torch.rand(d, s, generator=g, dtype=D64)
+    Bs, Cs = torch.randn(b, s, n, generator=g, dtype=D64), torch.randn(b, s, n, generator=g, dtype=D64)
+    h0s = torch.randn(b, d, s, generator=g, dtype=D64)
+    ya, sa = selective_scan_chunked_prefill(xs, dts, As, Bs, Cs, None, zs, None, h0s, chunk_size=4)
+    yb, sb = selective_scan_chunked_prefill(xs, dts, As, Bs, Cs, None, zs, None, h0s, chunk_size=64)
+    torch.testing.assert_close(ya, yb, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sa, sb, rtol=0, atol=1e-12)
+
+    q, k = torch.randn(b, n, 2, 4, generator=g), torch.randn(b, n, 2, 4, generator=g)
+    v, gate = torch.randn(b, n, 2, 3, generator=g), -torch.rand(b, n, 2, generator=g)
+    beta, hd = torch.rand(b, n, 2, generator=g), torch.randn(b, 2, 4, 3, generator=g)
+    o_hf, last = torch_recurrent_gated_delta_rule(q, k, v, gate, beta, initial_state=hd, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)  # fmt: skip
+    o, st = delta_rule_chunked_prefill(q, k, v, gate, beta, hd, chunk_size=4)
+    torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st, last, rtol=1e-5, atol=1e-5)

@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import ssmspec
 from ssmspec import SpecConfig, VocabMismatchError
+from ssmspec.testing.configs import build_tiny_transformer
 from ssmspec.testing.strategies import cached_tiny_model
 
 
@@ -28,21 +28,6 @@ def _batch():
     return ids, mask
 
 
-def _llama_draft(vocab: int = 96) -> LlamaForCausalLM:
-    torch.manual_seed(3)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(cfg).to(torch.float64).eval()
-
-
 @pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_next"])
 def test_every_entry_point_equals_hf_greedy(family):
     ref, model = _pair(family)
@@ -57,7 +42,7 @@ def test_every_entry_point_equals_hf_greedy(family):
     ):
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, speculation=spec), want)
     ssm_draft = cached_tiny_model("mamba2", 0, torch.float64, 1)
-    for draft in (ssm_draft, _llama_draft()):
+    for draft in (ssm_draft, build_tiny_transformer()):
         got = model.generate(ids, attention_mask=mask, max_new_tokens=10, assistant_model=copy.deepcopy(draft))
         assert torch.equal(got, want)
 
@@ -125,7 +110,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="does not take"):
         model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=3, not_an_argument=1)
     with pytest.raises(VocabMismatchError, match="vocab_size 50"):
-        model.generate(ids, max_new_tokens=3, assistant_model=_llama_draft(vocab=50))
+        model.generate(ids, max_new_tokens=3, assistant_model=build_tiny_transformer(vocab_size=50))
     with pytest.raises(ValueError, match="commit strategy|SpecConfig.commit"):
         SpecConfig(commit="gather-everything")
     with pytest.raises(ValueError, match="drafter"):

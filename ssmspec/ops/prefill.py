@@ -1,0 +1,106 @@
+"""Chunked prefill from an initial state (reference): a prompt continued from a committed state.
+
+A chain is a tree, so each chunk is one tree op call on a chain; the state is carried across chunks by the
+replay-commit form (`ssd_state_at` for SSD, the chain's last node state for the level-wise recurrences).
+Memory per chunk is O(chunk^2) for SSD and O(chunk * state) for the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssmspec.ops.delta_rule import tree_delta_rule
+from ssmspec.ops.selective_scan import tree_selective_scan
+from ssmspec.ops.ssd import ssd_state_at, tree_ssd
+
+
+def _chain(n: int, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    idx = torch.arange(n, device=device)
+    parents = (idx - 1).expand(batch, n)
+    anc = (idx[None, :] <= idx[:, None]).expand(batch, n, n)
+    return parents, idx.expand(batch, n), anc
+
+
+def ssd_chunked_prefill(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    Bm: torch.Tensor,
+    Cm: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    *,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2 SSD over a [B, L, H, P] sequence from state h0, chunk by chunk. Returns (y, final state)."""
+    b, length = x.shape[:2]
+    ys, state = [], h0
+    for start in range(0, length, chunk_size):
+        sl = slice(start, start + chunk_size)
+        n = x[:, sl].shape[1]
+        _, _, anc = _chain(n, b, x.device)
+        args = (x[:, sl], dt[:, sl], A, Bm[:, sl])
+        y, _ = tree_ssd(*args, Cm[:, sl], D, dt_bias, state, anc, dt_softplus, *dt_limit, False)
+        ys.append(y)
+        state = ssd_state_at(*args, dt_bias, state, anc[:, -1], dt_softplus, *dt_limit)
+    return torch.cat(ys, dim=1), state
+
+
+def selective_scan_chunked_prefill(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    Bm: torch.Tensor,
+    Cm: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    *,
+    dt_softplus: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba1 selective scan over [B, D, L] from state h0 (which HF's fallback cannot take), chunk by chunk."""
+    b, length = x.shape[0], x.shape[-1]
+    ys, state = [], h0
+    for start in range(0, length, chunk_size):
+        sl = slice(start, start + chunk_size)
+        n = x[..., sl].shape[-1]
+        parents, depth, _ = _chain(n, b, x.device)
+        zz = z[..., sl] if z is not None else None
+        y, states = tree_selective_scan(
+            x[..., sl], dt[..., sl], A, Bm[..., sl], Cm[..., sl], D, zz, dt_bias, state, parents, depth,
+            dt_softplus, True,
+        )  # fmt: skip
+        ys.append(y)
+        state = states[:, -1]
+    return torch.cat(ys, dim=-1), state
+
+
+def delta_rule_chunked_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: torch.Tensor | None,
+    *,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule / KDA over [B, L, H, *] from state h0, chunk by chunk."""
+    b, length = q.shape[:2]
+    ys, state = [], h0
+    for start in range(0, length, chunk_size):
+        sl = slice(start, start + chunk_size)
+        n = q[:, sl].shape[1]
+        parents, depth, _ = _chain(n, b, q.device)
+        y, states = tree_delta_rule(
+            q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, parents, depth, use_qk_l2norm, True
+        )
+        ys.append(y)
+        state = states[:, -1]
+    return torch.cat(ys, dim=1), state
