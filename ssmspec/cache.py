@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ssmspec.ops.commit import conv_window, gather_states
+from ssmspec.ops.ssd import ssd_state_at
 from ssmspec.tree import TokenTree
 
 COMMIT_STRATEGIES = ("replay", "materialize")
@@ -46,6 +47,8 @@ class RecurrentRecord:
 
     states: torch.Tensor | None = None
     replay: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (last, path, lengths)
+    # SSD replay inputs, kept as data so that commit can replay all layers of the same shape in one call
+    ssd: dict | None = None
 
 
 class SpecCache(DynamicCache):
@@ -160,17 +163,36 @@ class SpecCache(DynamicCache):
         Attention layers keep M new slots per row; slots past a row's length hold stale K/V that the
         caller must mask out (the engine tracks a per-row validity mask)."""
         path, lengths = tree.paths(last)
+        # conv windows: one op call per group of layers with equal shapes
+        groups: dict[tuple, list] = {}
         for (li, si), nodes in self._pending_conv.items():
-            layer = self.layers[li]
-            new = conv_window(layer.conv_states[si], nodes, path, lengths)
-            layer.conv_states[si].copy_(new)
+            committed = self.layers[li].conv_states[si]
+            key = (tuple(committed.shape), committed.dtype, tuple(nodes.shape), nodes.dtype)
+            groups.setdefault(key, []).append((committed, nodes))
+        for items in groups.values():
+            k = len(items)
+            new = conv_window(
+                torch.cat([c for c, _ in items]), torch.cat([n for _, n in items]), path.repeat(k, 1), lengths.repeat(k)
+            )
+            for (target, _), part in zip(items, new.split(items[0][0].shape[0])):
+                target.copy_(part)
+        # recurrent states: gather (materialize), batched SSD replay, or the op's replay closure
+        ssd_groups: dict[tuple, list] = {}
         for (li, si), rec in self._pending_rec.items():
-            layer = self.layers[li]
+            target = self.layers[li].recurrent_states[si]
             if rec.states is not None:
-                new = gather_states(rec.states, last)
+                target.copy_(gather_states(rec.states, last).to(target.dtype))
+            elif rec.ssd is not None:
+                a = rec.ssd
+                key = tuple(
+                    (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, v) for n, v in a.items()
+                )
+                ssd_groups.setdefault(key, []).append((target, a))
             else:
-                new = rec.replay(last, path, lengths)
-            layer.recurrent_states[si].copy_(new.to(layer.recurrent_states[si].dtype))
+                target.copy_(rec.replay(last, path, lengths).to(target.dtype))
+        rows = torch.arange(last.shape[0], device=last.device)
+        for items in ssd_groups.values():
+            self._replay_ssd(items, rows, last)
         for li, n0 in self._kv_len.items():
             layer = self.layers[li]
             for name in ("keys", "values"):
@@ -180,6 +202,28 @@ class SpecCache(DynamicCache):
                 setattr(layer, name, torch.cat([full[:, :, :n0], torch.gather(tail, 2, idx)], dim=2))
         self._reset_pending()
         return path, lengths
+
+    @staticmethod
+    def _replay_ssd(items: list, rows: torch.Tensor, last: torch.Tensor) -> None:
+        """Replay the accepted paths of several SSD layers (same shapes) in one ssd_state_at call."""
+        first = items[0][1]
+        b, h = first["x"].shape[0], first["x"].shape[2]
+
+        def cat(name):
+            vals = [a[name] for _, a in items]
+            if vals[0] is None:
+                return None
+            if vals[0].ndim == 1:  # per-layer parameters -> one row per (layer, batch row)
+                return torch.cat([v.expand(b, h) for v in vals])
+            return torch.cat(vals)
+
+        mask = first["ancestor_mask"][rows, last].repeat(len(items), 1)
+        new = ssd_state_at(
+            cat("x"), cat("dt"), cat("A"), cat("Bm"), cat("dt_bias"), cat("h0"), mask,
+            first["dt_softplus"], first["dt_min"], first["dt_max"],
+        )  # fmt: skip
+        for (target, _), part in zip(items, new.split(b)):
+            target.copy_(part.to(target.dtype))
 
     # ---------------------------------------------------------------- snapshots (draft models)
     def snapshot(self) -> list[tuple]:

@@ -15,15 +15,51 @@ import torch
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _load(model: str | None, family: str, dtype: torch.dtype):
-    """A model to run: a local path / hub id, or a random-init tiny model of a supported family."""
-    if model:
-        from transformers import AutoModelForCausalLM
+DEMO_PROMPT = '''import os
 
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval(), f"{model}"
+
+class Config:
+    """Settings read from the environment."""
+
+    def __init__(self, prefix="APP_"):
+        self.prefix = prefix
+        self.values = {}
+
+    def get(self, name, default=None):
+        """Return the setting `name`, or `default`."""
+        key = self.prefix + name.upper()
+        return os.environ.get(key, default)
+
+    def set(self, name, value):
+        '''
+
+
+def _load(model: str | None, family: str | None, dtype: torch.dtype):
+    """(model, tokenizer or None, description): --model path/hub id, --family tiny random model, or the
+    embedded trained target."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model:
+        try:
+            tok = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError):
+            tok = None
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval(), tok, model
+    from ssmspec import models
+
+    if family is None and "mamba2-target" in models.available():
+        m, tok = models.load("mamba2-target", dtype)
+        bpb = models.report().get("mamba2-target", {}).get("held_out_bits_per_byte")
+        extra = f", held-out {bpb:.2f} bits/byte" if bpb else ""
+        return m, tok, f"embedded mamba2-target (trained on the Python stdlib{extra})"
     from ssmspec.testing.configs import build_tiny_model
 
-    return build_tiny_model(family, dtype=dtype), f"random-init tiny {family} (no trained weights: tokens are ids)"
+    family = family or "mamba2"
+    return (
+        build_tiny_model(family, dtype=dtype),
+        None,
+        f"random-init tiny {family} (no trained weights: tokens are ids)",
+    )
 
 
 def _time(fn, repeats: int = 3):
@@ -36,34 +72,41 @@ def _time(fn, repeats: int = 3):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Greedy vs speculative generation on one prompt: text/ids, tokens/s of both, acceptance, identity."""
+    """Greedy vs speculative generation on one prompt: text, tokens/s of both, acceptance, identity."""
     import ssmspec
 
     dtype = DTYPES[args.dtype]
-    ref, what = _load(args.model, args.family, dtype)
+    ref, tok, what = _load(args.model, args.family, dtype)
     model = ssmspec.transform(copy.deepcopy(ref))
     vocab = ref.config.get_text_config().vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    motif = torch.randint(3, vocab, (6,), generator=g)
-    ids = torch.cat([torch.randint(3, vocab, (4,), generator=g), motif, motif, motif[:3]])[None]
+    if tok is not None:
+        ids = tok(args.prompt or DEMO_PROMPT, return_tensors="pt")["input_ids"]
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        motif = torch.randint(3, vocab, (6,), generator=g)
+        ids = torch.cat([torch.randint(3, vocab, (4,), generator=g), motif, motif, motif[:3]])[None]
     spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=args.tree)
-    base, t_base = _time(lambda: ref.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False))
-    out, t_spec = _time(
-        lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, speculation=spec, return_dict_in_generate=True)
-    )
+    kwargs = {"max_new_tokens": args.max_new_tokens}
+    base, t_base = _time(lambda: ref.generate(ids, do_sample=False, **kwargs))
+    out, t_spec = _time(lambda: model.generate(ids, speculation=spec, return_dict_in_generate=True, **kwargs))
     new = base.shape[1] - ids.shape[1]
     same = torch.equal(base, out.sequences)
     print(f"model:        {what}")
-    print(f"prompt ids:   {ids[0].tolist()}")
-    print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
+    if tok is not None:
+        print("---- prompt + speculative output " + "-" * 40)
+        print(tok.decode(out.sequences[0], skip_special_tokens=True))
+        print("-" * 73)
+    else:
+        print(f"prompt ids:   {ids[0].tolist()}")
+        print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
     print(f"HF greedy:    {new / t_base:8.1f} tokens/s")
     print(
         f"speculative:  {new / t_spec:8.1f} tokens/s  ({t_base / t_spec:.2f}x)  "
-        f"[{'tree' if args.tree else 'chain'} prompt lookup, {args.draft_tokens} draft tokens]"
+        f"[{'tree' if args.tree else 'chain'} prompt lookup, up to {args.draft_tokens} draft tokens]"
     )
     print(
         f"accepted:     {out.spec_stats['mean_accepted_per_step']:.2f} tokens per verify step "
-        f"({out.spec_stats['verify_steps']} steps)"
+        f"({out.spec_stats['verify_steps']} steps for {new} tokens)"
     )
     print(f"identical:    {'yes' if same else 'NO'}")
     return 0 if same else 1
@@ -76,7 +119,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
 
     dtype = DTYPES[args.dtype]
-    ref, what = _load(args.model if args.model else None, args.family, dtype)
+    ref, _, what = _load(args.model, args.family or "mamba2", dtype)
     vocab = ref.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(args.seed)
     prompts = []
@@ -111,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser, dtype: str, max_new_tokens: int) -> argparse.ArgumentParser:
         p.add_argument("--model", help="local path or hub id of a causal LM (default: a random-init tiny model)")
-        p.add_argument("--family", default="mamba2", choices=SUPPORTED_FAMILIES, help="tiny model family")
+        p.add_argument("--family", choices=SUPPORTED_FAMILIES, help="a random-init tiny model of this family")
         p.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
@@ -119,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = common(sub.add_parser("demo", help="greedy vs speculative on one prompt"), "float32", 96)
     demo.add_argument("--draft-tokens", type=int, default=8)
+    demo.add_argument("--prompt", help="prompt text (with a tokenizer); default: a snippet of Python code")
     demo.add_argument("--tree", action="store_true", help="tree speculation (several prompt-lookup matches)")
     demo.set_defaults(func=cmd_demo)
     check = common(sub.add_parser("check", help="equivalence check (speculative == HF greedy)"), "float64", 12)

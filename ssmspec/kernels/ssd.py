@@ -19,11 +19,11 @@ MAX_NODES = 256
 
 
 @triton.jit
-def _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, dt_min, dt_max,
+def _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, sbb, dt_min, dt_max,
         HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CD: tl.constexpr):  # fmt: skip
     dt = tl.load(dt_ptr + b * sdb + t * sdn + h * sdh, mask=tm, other=0.0).to(CD)
     if HAS_BIAS:
-        dt += tl.load(dtb_ptr + h).to(CD)
+        dt += tl.load(dtb_ptr + b * sbb + h).to(CD)
     if SOFTPLUS:
         dt = softplus(dt)
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
@@ -46,7 +46,7 @@ def _tree_ssd_kernel(
     t = tl.arange(0, BN)
     s = tl.arange(0, BS)
     tm, pm, sm = t < N, p < P, s < S
-    dt = _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CD)
+    dt = _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, 0, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CD)
     dA = dt * tl.load(A_ptr + h).to(CD)
     anc = tl.load(anc_ptr + b * sab + t[:, None] * sat + t[None, :] * sas, mask=tm[:, None] & tm[None, :], other=0)
     anc = anc != 0
@@ -128,7 +128,7 @@ def _state_at_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, dtb_ptr, h0_ptr, m_ptr, out_ptr,
     N, P, S, HPG, dt_min, dt_max,
     sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, shb, shh, shp, shs, smb, smn, sob, soh, sop, sos,
-    HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SOFTPLUS: tl.constexpr,
+    sAb, sbb, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SOFTPLUS: tl.constexpr,
     CD: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -139,9 +139,9 @@ def _state_at_kernel(
     s = tl.arange(0, BS)
     tm, pm, sm = t < N, p < P, s < S
     on_path = (tl.load(m_ptr + b * smb + t * smn, mask=tm, other=0) != 0) & tm
-    dt = _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CD)
+    dt = _dt(dt_ptr, dtb_ptr, b, t, h, tm, sdb, sdn, sdh, sbb, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CD)
     dt = tl.where(on_path, dt, 0.0)
-    dA = dt * tl.load(A_ptr + h).to(CD)
+    dA = dt * tl.load(A_ptr + b * sAb + h).to(CD)
     L_s = tl.cumsum(dA, axis=0)
     L = tl.sum(dA, axis=0)
     w = tl.where(on_path, tl.exp(L - L_s) * dt, 0.0)
@@ -171,7 +171,8 @@ def ssd_state_at(
     dt_min: float,
     dt_max: float,
 ) -> torch.Tensor:
-    """Triton version of ssmspec::ssd_state_at (replay commit along one path per row)."""
+    """Triton version of ssmspec::ssd_state_at (replay commit along one path per row; A, dt_bias [H] or
+    [B, H])."""
     b, n, h, p = x.shape
     g, s = Bm.shape[2], Bm.shape[3]
     if n > MAX_NODES:
@@ -184,6 +185,7 @@ def ssd_state_at(
         x, dt, A, Bm, dt_bias if dt_bias is not None else A, h0 if h0 is not None else x, path_mask, out,
         n, p, s, h // g, float(dt_min), float(dt_max),
         *x.stride(), *dt.stride(), *Bm.stride(), *h0s, *path_mask.stride(), *out.stride(),
+        A.stride(0) if A.ndim == 2 else 0, dt_bias.stride(0) if dt_bias is not None and dt_bias.ndim == 2 else 0,
         HAS_BIAS=dt_bias is not None, HAS_H0=h0 is not None, SOFTPLUS=dt_softplus,
         CD=_tl_dtype(cd), BN=block(n), BP=bp, BS=block(s),
     )  # fmt: skip

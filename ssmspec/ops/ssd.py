@@ -19,14 +19,14 @@ def _prepare(x, dt, A, Bm, Cm, dt_bias, dt_softplus, dt_min, dt_max):
     cd = compute_dtype(x, dt, Bm, Cm)
     h, g = x.shape[2], Bm.shape[2]
     dt = dt.to(cd)
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(cd)
+    if dt_bias is not None:  # [H], or [B, H] when commit batches several layers
+        dt = dt + (dt_bias.to(cd)[:, None] if dt_bias.ndim == 2 else dt_bias.to(cd))
     if dt_softplus:
         dt = F.softplus(dt)
     dt = dt.clamp(min=dt_min, max=dt_max)
     Bh = repeat(Bm.to(cd), "b n g s -> b n (g r) s", r=h // g)
     Ch = repeat(Cm.to(cd), "b n g s -> b n (g r) s", r=h // g)
-    dA = dt * A.to(cd)  # [B, N, H]
+    dA = dt * (A.to(cd)[:, None] if A.ndim == 2 else A.to(cd))  # [B, N, H]
     return cd, x.to(cd), dt, Bh, Ch, dA
 
 
@@ -96,7 +96,8 @@ def ssd_state_at(
     dt_max: float,
 ) -> torch.Tensor:
     """Replay commit for SSD: the state after the nodes marked in path_mask [B, N] (one root-to-node path
-    per row), h = exp(L) h0 + sum_{s on path} exp(L - L_s) dt_s x_s B_s^T. Returns [B, H, P, S]."""
+    per row), h = exp(L) h0 + sum_{s on path} exp(L - L_s) dt_s x_s B_s^T. Returns [B, H, P, S].
+    A and dt_bias may be [B, H] (one row per (layer, row) when commit batches all layers in one call)."""
     cd, xc, dtc, Bh, _, dA = _prepare(x, dt, A, Bm, Bm, dt_bias, dt_softplus, dt_min, dt_max)
     m = path_mask.to(cd)[..., None]  # [B, N, 1]
     L_s = torch.cumsum(dA * m, dim=1)  # decay accumulated along the path up to and including s

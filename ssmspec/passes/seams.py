@@ -21,7 +21,7 @@ from torch import nn
 
 from ssmspec.cache import RecurrentRecord, SpecCache, active_verify_cache
 from ssmspec.errors import UnsupportedModelError
-from ssmspec.ops import ssd_state_at, tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd
+from ssmspec.ops import tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd
 from ssmspec.ops._common import gather_nodes
 from ssmspec.tree import TokenTree
 
@@ -114,14 +114,12 @@ def _ssd(cache: SpecCache, a: dict[str, Any]):
     D, bias, sp = a.get("D"), a.get("dt_bias"), bool(a.get("dt_softplus", False))
     y, states = tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, tree.ancestor_mask, sp, float(lo), float(hi), keep)
 
-    def replay(last: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(last.shape[0], device=last.device)
-        return ssd_state_at(x, dt, A, Bm, bias, h0, tree.ancestor_mask[rows, last], sp, float(lo), float(hi))
-
+    replay = dict(x=x, dt=dt, A=A, Bm=Bm, dt_bias=bias, h0=h0, ancestor_mask=tree.ancestor_mask,
+                  dt_softplus=sp, dt_min=float(lo), dt_max=float(hi))  # fmt: skip
     _record(
         cache,
         "mamba_chunk_scan_combined",
-        RecurrentRecord(states=states) if keep else RecurrentRecord(replay=replay),
+        RecurrentRecord(states=states) if keep else RecurrentRecord(ssd=replay),
     )
     return (y, h0) if a.get("return_final_states", False) else y
 

@@ -73,6 +73,10 @@ def test_tree_ssd_and_replay_state(setup, groups, heads_per_group, p, s, with_h0
     sargs = (x, dt, A, Bm, bias, h0, mask, True, *limit)
     _close(K.ssd_state_at(*sargs), R.ssd_state_at(*sargs), dtype)
     _close(R.ssd_state_at(*sargs), s0[torch.arange(b, device=DEVICE), last], dtype)  # replay == materialize
+    # commit batches layers: A and dt_bias given per row ([B, H]) must mean the same
+    rowwise = (x, dt, A.expand(b, h), Bm, bias.expand(b, h), h0, mask, True, *limit)
+    _close(R.ssd_state_at(*rowwise), R.ssd_state_at(*sargs), dtype)
+    _close(K.ssd_state_at(*rowwise), R.ssd_state_at(*sargs), dtype)
 
 
 @given(setups(), st.integers(1, 6), st.integers(1, 5), st.booleans(), st.booleans())

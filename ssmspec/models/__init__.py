@@ -1,0 +1,50 @@
+"""The embedded default models, trained by benchmarks/train_tiny.py on the Python standard library's source.
+
+    model, tokenizer = ssmspec.models.load("mamba2-target")
+    # or with plain HF calls:
+    AutoModelForCausalLM.from_pretrained(ssmspec.models.path("mamba2-target"))
+
+Weights are fp16 safetensors; `load` casts to the requested dtype (float32 by default, for CPU).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+EMBEDDED = ("mamba2-target", "mamba2-draft", "bamba-hybrid")
+
+
+def path(name: str) -> Path:
+    """Directory of an embedded model (config, safetensors weights, tokenizer)."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; choose one of {EMBEDDED}")
+    where = ROOT / name
+    if not (where / "model.safetensors").exists():
+        raise FileNotFoundError(
+            f"embedded model {name!r} is missing its weights ({where}); run benchmarks/train_tiny.py"
+        )
+    return where
+
+
+def available() -> tuple[str, ...]:
+    """The embedded models whose weights are present."""
+    return tuple(n for n in EMBEDDED if (ROOT / n / "model.safetensors").exists())
+
+
+def load(name: str = "mamba2-target", dtype: torch.dtype = torch.float32):
+    """(model in eval mode, tokenizer) for an embedded model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = path(name)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(where)
+
+
+def report() -> dict:
+    """Training report: corpus, parameters, steps, held-out bits per byte per model."""
+    file = ROOT / "report.json"
+    return json.loads(file.read_text()) if file.exists() else {}
