@@ -88,9 +88,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=args.tree)
     kwargs = {"max_new_tokens": args.max_new_tokens}
     base, t_base = _time(lambda: ref.generate(ids, do_sample=False, **kwargs))
+    plain = ssmspec.SpecConfig(drafter="none")
+    ar, t_ar = _time(lambda: model.generate(ids, speculation=plain, **kwargs))
     out, t_spec = _time(lambda: model.generate(ids, speculation=spec, return_dict_in_generate=True, **kwargs))
     new = base.shape[1] - ids.shape[1]
-    same = torch.equal(base, out.sequences)
+    same = torch.equal(base, out.sequences) and torch.equal(base, ar)
     print(f"model:        {what}")
     if tok is not None:
         print("---- prompt + speculative output " + "-" * 40)
@@ -99,16 +101,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"prompt ids:   {ids[0].tolist()}")
         print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
+    kind = f"{'tree' if args.tree else 'chain'} prompt lookup, up to {args.draft_tokens} draft tokens"
     print(f"HF greedy:    {new / t_base:8.1f} tokens/s")
-    print(
-        f"speculative:  {new / t_spec:8.1f} tokens/s  ({t_base / t_spec:.2f}x)  "
-        f"[{'tree' if args.tree else 'chain'} prompt lookup, up to {args.draft_tokens} draft tokens]"
-    )
+    print(f"ssmspec AR:   {new / t_ar:8.1f} tokens/s  (same engine without drafts: the fair baseline)")
+    print(f"speculative:  {new / t_spec:8.1f} tokens/s  ({t_base / t_spec:.2f}x vs HF greedy, "
+          f"{t_ar / t_spec:.2f}x vs ssmspec AR)  [{kind}]")  # fmt: skip
     print(
         f"accepted:     {out.spec_stats['mean_accepted_per_step']:.2f} tokens per verify step "
         f"({out.spec_stats['verify_steps']} steps for {new} tokens)"
     )
-    print(f"identical:    {'yes' if same else 'NO'}")
+    print(f"identical:    {'yes' if same else 'NO'} (speculative and ssmspec AR vs HF greedy)")
     return 0 if same else 1
 
 

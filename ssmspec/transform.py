@@ -84,8 +84,8 @@ _CLASS_CACHE: dict[type, type] = {}
 def transform(hf_model: nn.Module, config: object | None = None) -> nn.Module:
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
 
-    Plain forward logits and plain `generate` stay HF's own. `config` (a SpecConfig) is the default
-    speculation used by `generate` calls that ask for none of their own.
+    Plain forward logits stay HF's own, and so does `generate` without speculation arguments, unless
+    `config` (a SpecConfig) is given: then `generate` speculates with it by default.
     """
     if not hasattr(hf_model, "generate") or not hasattr(hf_model, "config"):
         raise TypeError("ssmspec.transform expects a Hugging Face causal LM (a PreTrainedModel with generate)")

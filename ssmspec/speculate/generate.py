@@ -62,9 +62,11 @@ class SpecGenerationMixin:
         **kwargs: Any,
     ):
         """HF generate; speculative (greedy, exact) when prompt_lookup_num_tokens, assistant_model or
-        speculation is given."""
+        speculation is given, or when the model was transformed with a default SpecConfig."""
         if prompt_lookup_num_tokens is None and assistant_model is None and speculation is None:
-            return super().generate(inputs, generation_config, **kwargs)
+            speculation = getattr(self, "ssmspec_config", None)
+            if speculation is None:
+                return super().generate(inputs, generation_config, **kwargs)
         return _speculative(
             self, inputs, generation_config, prompt_lookup_num_tokens, assistant_model, speculation, kwargs
         )

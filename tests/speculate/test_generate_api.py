@@ -115,3 +115,12 @@ def test_bad_arguments_raise_clear_errors():
         SpecConfig(commit="gather-everything")
     with pytest.raises(ValueError, match="drafter"):
         SpecConfig(drafter="magic")
+
+
+def test_transform_with_a_default_spec_config_speculates_by_default():
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref), SpecConfig(tree=True, num_draft_tokens=3))
+    ids, mask = _batch()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True)
+    assert out.spec_stats is not None  # went through speculation
+    assert torch.equal(out.sequences, ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
