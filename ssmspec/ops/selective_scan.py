@@ -45,7 +45,7 @@ def tree_selective_scan(
     states = levelwise_states(
         start, parents, depth, lambda prev, idx: gather_nodes(dA, idx) * prev + gather_nodes(dBx, idx)
     )
-    y = torch.einsum("bnds,bsn->bdn", states, Cm.to(cd))
+    y = torch.matmul(states, Cm.to(cd).transpose(1, 2)[..., None])[..., 0].transpose(1, 2)  # [B, D, N]
     if D is not None:
         y = y + x.to(cd) * D.to(cd)[None, :, None]
     if z is not None:

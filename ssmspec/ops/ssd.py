@@ -49,28 +49,30 @@ def tree_ssd(
     """x [B,N,H,P], dt [B,N,H], A [H], Bm/Cm [B,N,G,S], D [H] or [H,P], dt_bias [H], h0 [B,H,P,S],
     ancestor_mask [B,N,N]. Returns y [B,N,H,P] (compute dtype) and node states [B,N,H,P,S] (or empty)."""
     cd, xc, dtc, Bh, Ch, dA = _prepare(x, dt, A, Bm, Cm, dt_bias, dt_softplus, dt_min, dt_max)
-    m = ancestor_mask.to(cd)  # [B, N(t), N(s)]
-    L = torch.einsum("bts,bsh->bth", m, dA)  # [B, N, H]
+    # head-major layout so that every contraction is a plain batched matmul over (batch, head)
+    xh, Chh, Bhh = (t.transpose(1, 2) for t in (xc, Ch, Bh))  # [B, H, N, P|S]
+    dAh, dth = dA.transpose(1, 2), dtc.transpose(1, 2)  # [B, H, N]
+    anc = ancestor_mask[:, None]  # [B, 1, t, s]
+    L = (dAh[:, :, None, :] * anc.to(cd)).sum(-1)  # [B, H, t]: decay summed over t's ancestors
     # decay from s to t (exclusive of s), only where s is an ancestor of t
-    seg = L[:, :, None, :] - L[:, None, :, :]  # [B, t, s, H]
-    seg = seg.masked_fill(~ancestor_mask[..., None], float("-inf"))
-    w = torch.exp(seg) * torch.einsum("bthn,bshn->btsh", Ch, Bh) * dtc[:, None, :, :]
-    y = torch.einsum("btsh,bshp->bthp", w, xc)
+    seg = (L[..., :, None] - L[..., None, :]).masked_fill(~anc, float("-inf"))  # [B, H, t, s]
+    w = torch.exp(seg) * torch.matmul(Chh, Bhh.transpose(-1, -2)) * dth[:, :, None, :]
+    yh = torch.matmul(w, xh)  # [B, H, t, P]
     if h0 is not None:
-        h0c = h0.to(cd)
-        y = y + torch.exp(L)[..., None] * torch.einsum("bthn,bhpn->bthp", Ch, h0c)
+        yh = yh + torch.exp(L)[..., None] * torch.matmul(Chh, h0.to(cd).transpose(-1, -2))
+    y = yh.transpose(1, 2)
     if D is not None:
         Dc = D.to(cd)
         y = y + (Dc[:, None] if Dc.ndim == 1 else Dc) * xc
     y = y.contiguous()  # callers .view() the output (FalconH1Mixer does)
     if not return_states:
         return y, x.new_empty(0, dtype=cd)
-    decay = torch.exp(seg) * dtc[:, None, :, :]  # [B, t, s, H]
-    xB = xc[..., :, None] * Bh[..., None, :]  # [B, s, H, P, S]
-    states = torch.einsum("btsh,bshpn->bthpn", decay, xB)
+    decay = torch.exp(seg) * dth[:, :, None, :]  # [B, H, t, s]
+    xB = (xh[..., :, None] * Bhh[..., None, :]).flatten(-2)  # [B, H, s, P*S]
+    states = torch.matmul(decay, xB).unflatten(-1, (xh.shape[-1], Bhh.shape[-1]))  # [B, H, t, P, S]
     if h0 is not None:
-        states = states + torch.exp(L)[..., None, None] * h0.to(cd)[:, None]
-    return y, states
+        states = states + torch.exp(L)[..., None, None] * h0.to(cd)[:, :, None]
+    return y, states.transpose(1, 2).contiguous()
 
 
 @tree_ssd.register_fake
@@ -103,7 +105,7 @@ def ssd_state_at(
     L_s = torch.cumsum(dA * m, dim=1)  # decay accumulated along the path up to and including s
     L = L_s[:, -1]  # [B, H]
     w = torch.exp(L[:, None] - L_s) * dtc * m  # [B, N, H]
-    state = torch.einsum("bshp,bshn->bhpn", xc * w[..., None], Bh)
+    state = torch.matmul((xc * w[..., None]).permute(0, 2, 3, 1), Bh.transpose(1, 2))  # [B, H, P, S]
     if h0 is not None:
         state = state + torch.exp(L)[..., None, None] * h0.to(cd)
     return state
