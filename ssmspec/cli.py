@@ -31,7 +31,9 @@ class Config:
         return os.environ.get(key, default)
 
     def set(self, name, value):
-        '''
+        """Store `value` under `name`."""
+        key = self.prefix + name.upper()
+'''
 
 
 def _load(model: str | None, family: str | None, dtype: torch.dtype):

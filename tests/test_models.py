@@ -1,0 +1,34 @@
+"""The embedded trained models: shipped, small, loadable with from_pretrained, and exact under speculation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import ssmspec
+from ssmspec import models
+
+
+def test_all_embedded_models_are_shipped_and_small():
+    assert models.available() == models.EMBEDDED
+    total = sum((models.path(n) / "model.safetensors").stat().st_size for n in models.EMBEDDED)
+    assert total <= 12 * 2**20, f"embedded weights take {total / 2**20:.1f} MiB > 12 MiB"
+    report = models.report()
+    for name in models.EMBEDDED:
+        assert 0 < report[name]["held_out_bits_per_byte"] < 8
+
+
+@pytest.mark.parametrize("name", models.EMBEDDED)
+def test_loads_with_plain_from_pretrained_and_speculates_exactly(name):
+    ref = AutoModelForCausalLM.from_pretrained(models.path(name), dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(models.path(name))
+    text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert tok.decode(ids[0]) == text
+    want = ref.generate(ids, max_new_tokens=24, do_sample=False)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    for spec in (ssmspec.SpecConfig(), ssmspec.SpecConfig(tree=True)):
+        assert torch.equal(model.generate(ids, max_new_tokens=24, speculation=spec), want)
