@@ -26,6 +26,10 @@ from ssmspec.ops.ssd import ssd_state_at
 from ssmspec.tree import TokenTree
 
 COMMIT_STRATEGIES = ("replay", "materialize")
+# SSD layers whose committed states are at most this many elements are replayed in one batched call
+# (small models are bound by per-op overhead); larger states are replayed layer by layer, since the
+# batched call would first copy every layer's state.
+_BATCH_REPLAY_MAX_STATE = 65536
 
 
 # A plain module-level holder (not a ContextVar) so that torch.compile can trace reads of it.
@@ -187,6 +191,8 @@ class SpecCache(DynamicCache):
                 key = tuple(
                     (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, v) for n, v in a.items()
                 )
+                if target.numel() > _BATCH_REPLAY_MAX_STATE:  # big states: concatenating them costs more
+                    key = (li, si)
                 ssd_groups.setdefault(key, []).append((target, a))
             else:
                 target.copy_(rec.replay(last, path, lengths).to(target.dtype))

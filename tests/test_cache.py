@@ -47,3 +47,19 @@ def test_verify_then_discard_or_restore_is_a_no_op(family):
 def test_commit_strategy_is_validated():
     with pytest.raises(ValueError, match="commit strategy"):
         ssmspec.SpecCache(cached_tiny_model("mamba2").config, strategy="nope")
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_layer_by_layer_replay_equals_batched_replay(family, monkeypatch):
+    """Commit replays small SSD states in one batched call and big ones layer by layer: same result."""
+    import ssmspec.cache as cache_module
+
+    ref = cached_tiny_model(family)
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    want = ref.generate(ids, max_new_tokens=10, do_sample=False)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    spec = ssmspec.SpecConfig(tree=True, num_draft_tokens=3)
+    batched = model.generate(ids, max_new_tokens=10, speculation=spec)
+    monkeypatch.setattr(cache_module, "_BATCH_REPLAY_MAX_STATE", 0)
+    assert torch.equal(model.generate(ids, max_new_tokens=10, speculation=spec), batched)
+    assert torch.equal(batched, want)
