@@ -12,11 +12,9 @@ with the usual from_pretrained calls; held-out bits per byte go to ssmspec/model
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
-import sysconfig
 import time
 from pathlib import Path
 
@@ -24,17 +22,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import BambaConfig, BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM, PreTrainedTokenizerFast
 
+from ssmspec.models import corpus_files
+
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2: the convention used across ssmspec's tests
 VOCAB = 2048
 SEQ = 256
-
-
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    """Top-level .py files of the running Python's standard library, split 95/5 by a hash of the name."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 0)
-    held = [p for p in files if int(hashlib.sha1(p.name.encode()).hexdigest(), 16) % 20 == 0]
-    return [p for p in files if p not in held], held
 
 
 def train_tokenizer(files: list[Path], out: Path) -> PreTrainedTokenizerFast:

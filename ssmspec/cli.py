@@ -1,4 +1,5 @@
-"""The `ssmspec` command: `demo` (the README's main job) and `check` (the equivalence checker for CI).
+"""The `ssmspec` command: `demo` (the README's main job), `generate`, `bench` (end-to-end benchmark) and
+`check` (the equivalence checker, for users' CI).
 
 User mistakes end in one clear line on stderr and exit code 2, not a traceback.
 """
@@ -149,6 +150,43 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Speculative generation from a prompt; prints the continuation (stats on stderr)."""
+    import ssmspec
+
+    ref, tok, what = _load(args.model, args.family, DTYPES[args.dtype])
+    if tok is None:
+        raise ValueError("`ssmspec generate` needs a model with a tokenizer (the embedded one, or --model PATH)")
+    model = ssmspec.transform(ref)
+    ids = tok(args.prompt, return_tensors="pt")["input_ids"]
+    kwargs = {"max_new_tokens": args.max_new_tokens, "return_dict_in_generate": True}
+    if args.draft:
+        from ssmspec import models
+
+        draft = models.load("mamba2-draft", DTYPES[args.dtype])[0] if args.draft == "embedded" else None
+        if draft is None:
+            from transformers import AutoModelForCausalLM
+
+            draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=DTYPES[args.dtype]).eval()
+        out = model.generate(ids, assistant_model=draft, num_assistant_tokens=args.draft_tokens, **kwargs)
+    else:
+        spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=args.tree)
+        out = model.generate(ids, speculation=spec, **kwargs)
+    print(tok.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
+    stats = out.spec_stats
+    print(f"[{what}: {stats['emitted_tokens']} tokens in {stats['verify_steps']} verify steps, "
+          f"{stats['mean_accepted_per_step']:.2f} per step]", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The end-to-end benchmark on the embedded target (ssmspec.bench)."""
+    from ssmspec.bench import report, run
+
+    report(run(args, progress=not args.no_progress), args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `ssmspec` command."""
     from ssmspec.testing.configs import SUPPORTED_FAMILIES
@@ -171,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     check = common(sub.add_parser("check", help="equivalence check (speculative == HF greedy)"), "float64", 12)
     check.set_defaults(func=cmd_check)
+    gen = common(sub.add_parser("generate", help="speculative generation from a prompt"), "float32", 64)
+    gen.add_argument("prompt")
+    gen.add_argument("--draft-tokens", type=int, default=8)
+    gen.add_argument("--tree", action="store_true", help="tree prompt lookup instead of a chain")
+    gen.add_argument("--draft", help="draft model: 'embedded' (mamba2-draft) or a path / hub id")
+    gen.set_defaults(func=cmd_generate)
+    from ssmspec.bench import add_arguments
+
+    bench = add_arguments(sub.add_parser("bench", help="end-to-end tokens/s on held-out code (embedded target)"))
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -9,7 +9,9 @@ Weights are fp16 safetensors; `load` casts to the requested dtype (float32 by de
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -48,3 +50,12 @@ def report() -> dict:
     """Training report: corpus, parameters, steps, held-out bits per byte per model."""
     file = ROOT / "report.json"
     return json.loads(file.read_text()) if file.exists() else {}
+
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """The training corpus: top-level .py files of the running Python's standard library, split 95/5
+    (train, held out) by a hash of the file name, so the split is the same on every machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 0)
+    held = [p for p in files if int(hashlib.sha1(p.name.encode()).hexdigest(), 16) % 20 == 0]
+    return [p for p in files if p not in held], held
