@@ -14,11 +14,13 @@ from ssmspec.ops.selective_scan import tree_selective_scan
 from ssmspec.ops.ssd import ssd_state_at, tree_ssd
 
 
-def _chain(n: int, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    idx = torch.arange(n, device=device)
-    parents = (idx - 1).expand(batch, n)
-    anc = (idx[None, :] <= idx[:, None]).expand(batch, n, n)
-    return parents, idx.expand(batch, n), anc
+def _chunks(length: int, chunk_size: int, batch: int, device: torch.device):
+    """Yield (slice, parents, depth, ancestor mask) of each chunk, every chunk a chain."""
+    for start in range(0, length, chunk_size):
+        n = min(chunk_size, length - start)
+        idx = torch.arange(n, device=device)
+        anc = (idx[None, :] <= idx[:, None]).expand(batch, n, n)
+        yield slice(start, start + n), (idx - 1).expand(batch, n), idx.expand(batch, n), anc
 
 
 def ssd_chunked_prefill(
@@ -38,10 +40,7 @@ def ssd_chunked_prefill(
     """Mamba2 SSD over a [B, L, H, P] sequence from state h0, chunk by chunk. Returns (y, final state)."""
     b, length = x.shape[:2]
     ys, state = [], h0
-    for start in range(0, length, chunk_size):
-        sl = slice(start, start + chunk_size)
-        n = x[:, sl].shape[1]
-        _, _, anc = _chain(n, b, x.device)
+    for sl, _, _, anc in _chunks(length, chunk_size, b, x.device):
         args = (x[:, sl], dt[:, sl], A, Bm[:, sl])
         y, _ = tree_ssd(*args, Cm[:, sl], D, dt_bias, state, anc, dt_softplus, *dt_limit, False)
         ys.append(y)
@@ -66,10 +65,7 @@ def selective_scan_chunked_prefill(
     """Mamba1 selective scan over [B, D, L] from state h0 (which HF's fallback cannot take), chunk by chunk."""
     b, length = x.shape[0], x.shape[-1]
     ys, state = [], h0
-    for start in range(0, length, chunk_size):
-        sl = slice(start, start + chunk_size)
-        n = x[..., sl].shape[-1]
-        parents, depth, _ = _chain(n, b, x.device)
+    for sl, parents, depth, _ in _chunks(length, chunk_size, b, x.device):
         zz = z[..., sl] if z is not None else None
         y, states = tree_selective_scan(
             x[..., sl], dt[..., sl], A, Bm[..., sl], Cm[..., sl], D, zz, dt_bias, state, parents, depth,
@@ -94,10 +90,7 @@ def delta_rule_chunked_prefill(
     """Gated delta rule / KDA over [B, L, H, *] from state h0, chunk by chunk."""
     b, length = q.shape[:2]
     ys, state = [], h0
-    for start in range(0, length, chunk_size):
-        sl = slice(start, start + chunk_size)
-        n = q[:, sl].shape[1]
-        parents, depth, _ = _chain(n, b, q.device)
+    for sl, parents, depth, _ in _chunks(length, chunk_size, b, q.device):
         y, states = tree_delta_rule(
             q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, parents, depth, use_qk_l2norm, True
         )
