@@ -120,19 +120,6 @@ class TokenTree:
         """Nodes per row, padding included."""
         return self.tokens.shape[1]
 
-    def pad_to(self, min_nodes: int, pad_token_id: int = 0) -> TokenTree:
-        """Append never-acceptable children of the root until every row has at least `min_nodes` nodes."""
-        extra = min_nodes - self.num_nodes
-        if extra <= 0:
-            return self
-        b = self.batch_size
-        dev = self.tokens.device
-        return TokenTree(
-            torch.cat([self.tokens, torch.full((b, extra), pad_token_id, dtype=torch.long, device=dev)], 1),
-            torch.cat([self.parents, torch.zeros(b, extra, dtype=torch.long, device=dev)], 1),
-            torch.cat([self.acceptable, torch.zeros(b, extra, dtype=torch.bool, device=dev)], 1),
-        )
-
     def ancestors(self, k: int) -> torch.Tensor:
         """[B, N, k]: entry j is node t's j-th ancestor (j = 0 is t itself); past the root, -1, -2, ...
         count back into the committed history (-1 = the most recent committed input). Cached per k.

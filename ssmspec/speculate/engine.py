@@ -30,6 +30,14 @@ class SpecStats:
     row_steps: int = 0  # verify steps counted per active row
 
 
+def eos_and_pad(generation_config) -> tuple[list[int], int]:
+    """EOS ids as a list and the pad id, resolved as HF generate does (no pad token: the first EOS, else 0)."""
+    eos = generation_config.eos_token_id
+    eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    pad = generation_config.pad_token_id
+    return eos, int(pad) if pad is not None else (eos[0] if eos else 0)
+
+
 def speculative_generate(
     model: nn.Module,
     input_ids: torch.Tensor,

@@ -18,7 +18,7 @@ from ssmspec import transform as _transform
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
-from ssmspec.speculate.engine import speculative_generate
+from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
@@ -93,9 +93,7 @@ def _speculative(model, inputs, generation_config, lookup, assistant, spec, kwar
         value = getattr(gc, name, default)
         if value not in (default, None) and not (name == "min_length" and value == 0):
             raise NotImplementedError(f"generation setting {name}={value!r} is not applied by speculative decoding yet")
-    eos = gc.eos_token_id
-    eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad = eos_and_pad(gc)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
         if gc.pad_token_id is not None and gc.pad_token_id not in eos and bool((input_ids == gc.pad_token_id).any()):
@@ -134,7 +132,7 @@ def _speculative(model, inputs, generation_config, lookup, assistant, spec, kwar
         attention_mask,
         max_new_tokens=max_new,
         eos_token_ids=eos,
-        pad_token_id=int(pad),
+        pad_token_id=pad,
         drafter=drafter,
         max_draft_nodes=nodes,
         max_draft_depth=spec.num_draft_tokens,

@@ -18,7 +18,7 @@ from torch import nn
 from transformers.cache_utils import CacheLayerMixin
 
 from ssmspec.speculate.drafters import Drafter, NoDrafter
-from ssmspec.speculate.engine import speculative_generate
+from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.transform import transform
 
@@ -37,13 +37,6 @@ class CheckReport:
     max_state_diff: float = 0.0
     max_logit_diff: float = 0.0
     mean_accepted_per_step: list[float] = field(default_factory=list)
-
-
-def _eos_pad(model: nn.Module) -> tuple[list[int], int]:
-    eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    pad = model.generation_config.pad_token_id
-    return eos, (pad if pad is not None else (eos[0] if eos else 0))
 
 
 def state_diff(a: ModelRunner, b: ModelRunner, rows: Sequence[int]) -> float:
@@ -102,7 +95,7 @@ def check_model(
     state_tolerance = (1e-9 if exact else 1e-3) if state_tolerance is None else state_tolerance
     logit_tolerance = (1e-10 if exact else 1e-4) if logit_tolerance is None else logit_tolerance
     target = transform(copy.deepcopy(reference))
-    eos, pad = _eos_pad(reference)
+    eos, pad = eos_and_pad(reference.generation_config)
     if eos_token_id is not None:
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     drafters = list(drafters or [lambda ref: NoDrafter()])
