@@ -3,8 +3,10 @@
     model.compile(backend="ssmspec")                      # in place: HF generate then uses it
     model.compile(backend="ssmspec", options={"kernels": False, "fuse": False, "inductor": False})
 
-Options: `kernels` (None = Triton kernels where the tree ops run on CUDA, the reference path on CPU;
-True forces the kernels, e.g. under TRITON_INTERPRET=1; False keeps the reference ops), `fuse` (graph
+Options: `kernels` (None / "auto": on CUDA each tree op runs its Triton kernel or its reference, whichever
+was measured faster for its shapes on this GPU (ssmspec.kernels.select), the reference path on CPU;
+True / "kernels" lowers every tree op to its triton_op, so Inductor sees the kernels, also on CPU under
+TRITON_INTERPRET=1; False / "reference" keeps the reference ops), `fuse` (graph
 simplifications around the tree ops, default True), `inductor` (hand the graph to Inductor, default True;
 False runs the rewritten FX graph as is, for debugging). Registered on `import ssmspec` and through the
 `torch_dynamo_backends` entry point, so `backend="ssmspec"` also works in a fresh interpreter.
@@ -22,6 +24,8 @@ from torch import fx
 from ssmspec.passes.lower import fold_conv_padding, is_tree_op, lower_tree_ops
 
 _OPTION_NAMES = ("kernels", "fuse", "inductor")
+_KERNEL_OPTION = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
+                  "reference": "reference"}  # fmt: skip
 
 
 @dataclass
@@ -46,26 +50,43 @@ def ssmspec_backend(
     unknown = set(options) - set(_OPTION_NAMES)
     if unknown:
         raise ValueError(f"ssmspec backend: unknown options {sorted(unknown)}; known: {_OPTION_NAMES}")
-    kernels = options.get("kernels")
+    policy = _KERNEL_OPTION.get(options.get("kernels"))
+    if policy is None:
+        raise ValueError(f"ssmspec backend: kernels must be one of {list(_KERNEL_OPTION)}, got {options['kernels']!r}")
     tree_ops = sum(1 for n in gm.graph.nodes if is_tree_op(n))
     folded = fold_conv_padding(gm) if options.get("fuse", True) else 0
-    lowered = 0
-    if kernels is not False:
-        lowered = lower_tree_ops(gm, force=bool(kernels))
-        if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
-            from ssmspec.kernels import enable_eager_kernels
+    lowered = lower_tree_ops(gm) if policy == "kernels" else 0
+    if policy != "reference" and any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+        from ssmspec.kernels import enable_eager_kernels
 
-            enable_eager_kernels()  # the commit after each step runs eagerly: give it the kernels too
+        # reference ops left in the graph and the eager commit after each step dispatch through the selector
+        enable_eager_kernels(policy)
     STATS.graphs += 1
     STATS.tree_ops += tree_ops
     STATS.lowered += lowered
     STATS.folded += folded
     STATS.per_graph.append({"tree_ops": tree_ops, "lowered": lowered, "folded": folded})
     if not options.get("inductor", True):
-        return gm.forward
-    from torch._inductor.compile_fx import compile_fx
+        compiled = gm.forward
+    else:
+        from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs)
+    if policy == "reference":
+        return _reference_only(compiled)
+    return compiled
+
+
+def _reference_only(compiled: Callable) -> Callable:
+    """Run a compiled graph with every reference op on its reference path, even where the CUDA kernels
+    were enabled for eager calls."""
+    from ssmspec.kernels.select import SELECTOR
+
+    def run(*args):
+        with SELECTOR.forced("reference"):
+            return compiled(*args)
+
+    return run
 
 
 def register() -> None:

@@ -1,18 +1,25 @@
 """Triton kernels for the tree ops (one file per op family, same interfaces as ssmspec.ops).
 
-`KERNELS` maps each reference op (torch.ops.ssmspec.*) to its triton_op (torch.ops.ssmspec_kernels.*); the
-`ssmspec` torch.compile backend swaps them on CUDA. On CPU they run only under TRITON_INTERPRET=1 (tests).
+`KERNELS` maps each reference op (torch.ops.ssmspec.*) to its triton_op (torch.ops.ssmspec_kernels.*).
+On CUDA, `enable_eager_kernels()` makes a measured choice (`select.SELECTOR`, policy "auto") the CUDA
+implementation of every reference op: per argument signature, the kernel runs only where it was measured
+faster than the reference. The `ssmspec` backend's `kernels=True` lowers to the kernels unconditionally.
+On CPU they run only under TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from ssmspec.kernels.commit import conv_window, gather_states
 from ssmspec.kernels.conv import tree_causal_conv1d
 from ssmspec.kernels.delta_rule import tree_delta_rule
+from ssmspec.kernels.select import POLICIES, SELECTOR, KernelSelector
 from ssmspec.kernels.selective_scan import tree_selective_scan
 from ssmspec.kernels.ssd import ssd_state_at, tree_ssd
+from ssmspec.ops._common import reference_impl
 
 KERNELS = {
     torch.ops.ssmspec.tree_causal_conv1d.default: torch.ops.ssmspec_kernels.tree_causal_conv1d.default,
@@ -27,27 +34,38 @@ KERNELS = {
 _EAGER_ENABLED = False
 
 
-def enable_eager_kernels() -> None:
-    """Make the Triton kernels the CUDA implementation of the reference ops, so that eager calls on CUDA
-    tensors (the commit after each step, uncompiled verification) use them too. CPU calls are unchanged."""
+def enable_eager_kernels(policy: str | None = None) -> None:
+    """Give every reference op a CUDA implementation that dispatches through `SELECTOR`, so eager calls on
+    CUDA tensors (the commit after each step, uncompiled verification, reference ops left in a compiled
+    graph) run the kernel where it is faster. `policy` ("auto", "kernels", "reference") sets
+    SELECTOR.policy when given. CPU calls are unchanged."""
     global _EAGER_ENABLED
+    if policy is not None:
+        SELECTOR.policy = policy
     if _EAGER_ENABLED:
         return
     for ref, kernel in KERNELS.items():
         name = f"{ref.namespace}::{ref._opname}"
-        torch.library.register_kernel(name, "cuda", _call(kernel))
+        torch.library.register_kernel(name, "cuda", _dispatcher(name, reference_impl(ref), kernel))
     _EAGER_ENABLED = True
 
 
-def _call(kernel):
+def _dispatcher(name, reference, kernel):
+    sig = inspect.signature(reference)
+
     def run(*args, **kwargs):
-        return kernel(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return SELECTOR.run(name, reference, kernel, tuple(bound.arguments.values()))
 
     return run
 
 
 __all__ = [
     "KERNELS",
+    "POLICIES",
+    "SELECTOR",
+    "KernelSelector",
     "enable_eager_kernels",
     "conv_window",
     "gather_states",

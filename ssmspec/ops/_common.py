@@ -6,6 +6,28 @@ from collections.abc import Callable
 
 import torch
 
+# "ssmspec::<op>" -> the plain PyTorch function behind that custom op
+_REFERENCES: dict[str, Callable] = {}
+
+
+def reference_op(name: str) -> Callable[[Callable], Callable]:
+    """Register a function as custom op `ssmspec::<name>` and remember the plain function, so that a
+    kernel dispatcher (ssmspec.kernels.select) can call the reference without going through the op."""
+
+    def wrap(fn: Callable) -> Callable:
+        _REFERENCES[f"ssmspec::{name}"] = fn
+        return torch.library.custom_op(f"ssmspec::{name}", fn, mutates_args=())
+
+    return wrap
+
+
+def reference_impl(op: torch._ops.OpOverload | str) -> Callable:
+    """The plain PyTorch function behind a reference op (an OpOverload or "ssmspec::name")."""
+    name = op if isinstance(op, str) else f"{op.namespace}::{op._opname}"
+    if name not in _REFERENCES:
+        raise KeyError(f"{name} is not an ssmspec reference op; known: {sorted(_REFERENCES)}")
+    return _REFERENCES[name]
+
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """At least float32, float64 when any input is float64: recurrences never run in half precision."""

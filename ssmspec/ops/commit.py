@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from ssmspec.ops._common import reference_op
 
-@torch.library.custom_op("ssmspec::conv_window", mutates_args=())
+
+@reference_op("conv_window")
 def conv_window(
     committed: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
@@ -30,7 +32,7 @@ def _(committed, nodes, path, lengths):
     return torch.empty_like(committed)
 
 
-@torch.library.custom_op("ssmspec::gather_states", mutates_args=())
+@reference_op("gather_states")
 def gather_states(states: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """states [B,N,*S], last [B] -> [B,*S]."""
     return states[torch.arange(states.shape[0], device=states.device), last].clone()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ssmspec.ops._common import reference_op
+
 _ACTIVATIONS = {None: None, "": None, "identity": None, "silu": F.silu, "swish": F.silu}
 
 
@@ -17,7 +19,7 @@ def _check_activation(activation: str | None) -> None:
         raise ValueError(f"tree_causal_conv1d: unsupported activation {activation!r} (known: silu, swish, none)")
 
 
-@torch.library.custom_op("ssmspec::tree_causal_conv1d", mutates_args=())
+@reference_op("tree_causal_conv1d")
 def tree_causal_conv1d(
     x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ancestors: torch.Tensor, activation: str
 ) -> torch.Tensor:

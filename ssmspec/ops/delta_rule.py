@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states
+from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states, reference_op
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-@torch.library.custom_op("ssmspec::tree_delta_rule", mutates_args=())
+@reference_op("tree_delta_rule")
 def tree_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states
+from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states, reference_op
 
 
-@torch.library.custom_op("ssmspec::tree_selective_scan", mutates_args=())
+@reference_op("tree_selective_scan")
 def tree_selective_scan(
     x: torch.Tensor,
     dt: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ssmspec.ops._common import compute_dtype
+from ssmspec.ops._common import compute_dtype, reference_op
 
 
 def _prepare(x, dt, A, Bm, Cm, dt_bias, dt_softplus, dt_min, dt_max):
@@ -30,7 +30,7 @@ def _prepare(x, dt, A, Bm, Cm, dt_bias, dt_softplus, dt_min, dt_max):
     return cd, x.to(cd), dt, Bh, Ch, dA
 
 
-@torch.library.custom_op("ssmspec::tree_ssd", mutates_args=())
+@reference_op("tree_ssd")
 def tree_ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -84,7 +84,7 @@ def _(x, dt, A, Bm, Cm, D, dt_bias, h0, ancestor_mask, dt_softplus, dt_min, dt_m
     return y, x.new_empty((*x.shape, Bm.shape[-1]), dtype=cd)
 
 
-@torch.library.custom_op("ssmspec::ssd_state_at", mutates_args=())
+@reference_op("ssd_state_at")
 def ssd_state_at(
     x: torch.Tensor,
     dt: torch.Tensor,

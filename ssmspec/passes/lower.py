@@ -3,8 +3,9 @@
 - `fold_conv_padding`: the conv seam returns [zeros | node outputs] because HF slices the last N columns;
   in a graph the cat + slice pair is dead work, so the slice's users read the tree op's output directly.
 - `lower_tree_ops`: swap each reference tree op (torch.ops.ssmspec.*) for its Triton kernel
-  (torch.ops.ssmspec_kernels.*) when its inputs live on CUDA (or when forced, e.g. to test the lowering
-  on CPU under TRITON_INTERPRET=1).
+  (torch.ops.ssmspec_kernels.*, a triton_op Inductor sees), for the backend's `kernels=True` (on CPU that
+  needs TRITON_INTERPRET=1). By default the reference ops stay in the graph and their CUDA implementation
+  picks kernel or reference by measurement (ssmspec.kernels.select).
 """
 
 from __future__ import annotations
@@ -71,21 +72,13 @@ def fold_conv_padding(gm: fx.GraphModule) -> int:
     return folded
 
 
-def _on_cuda(node: fx.Node) -> bool:
-    for arg in node.all_input_nodes:
-        val = arg.meta.get("example_value", arg.meta.get("val"))
-        if isinstance(val, torch.Tensor) and val.device.type == "cuda":
-            return True
-    return False
-
-
-def lower_tree_ops(gm: fx.GraphModule, *, force: bool = False) -> int:
-    """Point tree-op calls at their Triton kernels (CUDA inputs, or every call when forced)."""
+def lower_tree_ops(gm: fx.GraphModule) -> int:
+    """Point every tree-op call at its Triton kernel; returns the number of calls lowered."""
     from ssmspec.kernels import KERNELS
 
     lowered = 0
     for node in gm.graph.nodes:
-        if is_tree_op(node) and node.target in KERNELS and (force or _on_cuda(node)):
+        if is_tree_op(node) and node.target in KERNELS:
             node.target = KERNELS[node.target]
             lowered += 1
     if lowered:

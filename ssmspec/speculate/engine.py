@@ -50,12 +50,15 @@ def speculative_generate(
     max_draft_nodes: int,
     max_draft_depth: int,
     strategy: str = "replay",
+    decode_single_nodes: bool = True,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner]:
     """Greedy speculative decoding. Returns (sequences [B, L + T] as HF generate, stats, the target's runner
-    holding the final committed cache)."""
+    holding the final committed cache). Steps that verify one node per row use HF's own decode path
+    unless `decode_single_nodes` is False (then the tree path, as for any tree)."""
     stats = SpecStats()
     b = input_ids.shape[0]
     runner = ModelRunner(model, strategy=strategy)
+    runner.single_node_decode = decode_single_nodes
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
     logits = runner.prefill(input_ids, attention_mask)

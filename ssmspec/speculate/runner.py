@@ -40,6 +40,9 @@ class ModelRunner:
         self.cache: SpecCache | None = None
         self.kv_valid: torch.Tensor | None = None  # [B, L] bool
         self.n_real: torch.Tensor | None = None  # [B] tokens processed per row (padding excluded)
+        # one-node trees go through HF's decode path (False: the tree path, e.g. to test it on one node)
+        self.single_node_decode = True
+        self._decoded = False
 
     def _call(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
@@ -76,6 +79,11 @@ class ModelRunner:
             if self.cache.linear_layers():  # hybrids take per-layer-type masks; recurrent layers need none
                 attention = _LayerMasks({"full_attention": attention}, **dict.fromkeys(_RECURRENT_MASK_KEYS))
         positions = self.n_real[:, None] + tree.depth
+        if tree.num_nodes == 1 and self.single_node_decode:
+            # one node per row is always accepted: HF's own decode path (in-place state update) is exact by
+            # definition and cheaper than the tree path plus a commit
+            self._decoded = True
+            return self._call(tree.tokens, attention, positions)
         with self.cache.verifying(tree):
             logits = self._call(tree.tokens, attention, positions)
         return logits
@@ -84,7 +92,11 @@ class ModelRunner:
     def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance each row past root -> last[b] of the tree verified last; returns (path, lengths)."""
         tree = self._pending_tree
-        path, lengths = self.cache.commit(tree, last)
+        if self._decoded:  # the decode step already advanced every row by its one token
+            self._decoded = False
+            path, lengths = tree.paths(last)
+        else:
+            path, lengths = self.cache.commit(tree, last)
         m = path.shape[1]
         if self.cache.attention_layers():
             new = torch.arange(m, device=path.device)[None, :] < lengths[:, None]

@@ -47,8 +47,11 @@ def test_speculative_equals_hf_greedy(family, data):
         ref = model.generate(*prompt[:1], attention_mask=prompt[1], max_new_tokens=max_new, do_sample=False)
         new = ref[:, prompt[0].shape[1] :].flatten().tolist()
         eos = new[data.draw(st.integers(0, len(new) - 1), label="eos index")]
+    # one-node steps: HF's decode path (the default) or the tree path; only the latter keeps every committed
+    # state inside ssmspec's arithmetic, so only it is held to 1e-9 (see check_model)
+    decode_single = data.draw(st.booleans(), label="decode single nodes")
     note(f"drafter={name}")
-    state_tol = 1e-6 if family in FLOAT32_IN_HF_CODE else 1e-9
+    state_tol = 1e-6 if family in FLOAT32_IN_HF_CODE or decode_single else 1e-9
     report = check_model(
         model,
         [prompt],
@@ -59,6 +62,7 @@ def test_speculative_equals_hf_greedy(family, data):
         strategies=[strategy],
         eos_token_id=eos,
         state_tolerance=state_tol,
+        decode_single_nodes=decode_single,
     )
     assert report.tie_flips == 0
     assert report.max_state_diff <= state_tol

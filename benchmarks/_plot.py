@@ -1,0 +1,67 @@
+"""Plot helpers for the benchmark scripts (matplotlib, headless); the PNGs go into docs/images/."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[docs]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def line_plot(
+    path: str | Path,
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+    hline: float | None = None,
+    points: dict[str, tuple[float, float]] | None = None,
+) -> None:
+    """One line per series ({label: (xs, ys)}), optional horizontal reference and labelled anchor points."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", markersize=3.5, label=label)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linewidth=0.8, linestyle="--")
+    for label, (x, y) in (points or {}).items():
+        ax.plot([x], [y], marker="*", markersize=11, linestyle="none", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def bar_plot(path: str | Path, values: dict[str, float], *, title: str, ylabel: str, hline: float | None = None) -> None:
+    """One bar per entry, value printed on top."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+    bars = ax.bar(list(values), list(values.values()), color="#4c72b0")
+    for bar, v in zip(bars, values.values()):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

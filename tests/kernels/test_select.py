@@ -1,0 +1,101 @@
+"""The measured kernel choice: the faster side runs, a disagreeing kernel never does, choices are per shape."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from ssmspec import kernels as K
+from ssmspec.backend import _reference_only, ssmspec_backend
+from ssmspec.kernels import _dispatcher
+from ssmspec.kernels.select import KernelSelector
+from ssmspec.ops._common import reference_impl
+from ssmspec.tree import TokenTree
+
+
+class Counted:
+    """A side whose cost is a sleep and whose calls are counted."""
+
+    def __init__(self, seconds: float, offset: float = 0.0) -> None:
+        self.seconds, self.offset, self.calls = seconds, offset, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        time.sleep(self.seconds)
+        return x * 2 + self.offset
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_faster_side_is_chosen_once_per_signature(kernel_faster):
+    slow, fast = Counted(0.004), Counted(0.0)
+    ref, ker = (slow, fast) if kernel_faster else (fast, slow)
+    sel = KernelSelector(repeats=3)
+    x = torch.ones(3)
+    torch.testing.assert_close(sel.run("op", ref, ker, (x,)), x * 2)
+    (choice,) = sel.choices.values()
+    assert choice.use_kernel is kernel_faster and choice.agrees
+    assert (choice.kernel_ms < choice.reference_ms) is kernel_faster
+    before = (ref.calls, ker.calls)
+    for _ in range(3):
+        sel.run("op", ref, ker, (x,))
+    winner_calls = (ker.calls - before[1]) if kernel_faster else (ref.calls - before[0])
+    loser_calls = (ref.calls - before[0]) if kernel_faster else (ker.calls - before[1])
+    assert (winner_calls, loser_calls) == (3, 0)
+    sel.run("op", ref, ker, (torch.ones(4),))  # a new shape is measured on its own
+    assert len(sel.choices) == 2
+
+
+def test_disagreeing_kernel_is_never_chosen():
+    sel = KernelSelector(repeats=1)
+    x = torch.ones(3)
+    with pytest.warns(RuntimeWarning, match="kernel bad disagrees with its reference"):
+        out = sel.run("bad", Counted(0.002), Counted(0.0, offset=1e-2), (x,))
+    torch.testing.assert_close(out, x * 2)
+    (choice,) = sel.choices.values()
+    assert not choice.use_kernel and not choice.agrees and choice.max_abs_diff == pytest.approx(1e-2)
+
+
+def test_forced_policies():
+    ref, ker = Counted(0.0), Counted(0.0, offset=1.0)
+    sel = KernelSelector(policy="kernels")
+    assert float(sel.run("op", ref, ker, (torch.zeros(1),))) == 1.0
+    with sel.forced("reference"):
+        assert float(sel.run("op", ref, ker, (torch.zeros(1),))) == 0.0
+    assert sel.policy == "kernels" and not sel.choices
+    with pytest.raises(ValueError, match="kernel policy must be one of"):
+        KernelSelector(policy="fastest")
+
+
+def test_real_kernel_measured_against_its_reference():
+    """A real triton_op (interpreted on CPU: far slower) against its reference, through the op dispatcher's
+    argument binding: they agree, and the slower interpreter kernel is not chosen."""
+    tree = TokenTree.from_lists([[5, 6, 7, 8]], [[-1, 0, 0, 2]])
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 3, 3 + 4, generator=g), torch.randn(3, 3, generator=g)
+    anc = tree.ancestors(3)
+    op = torch.ops.ssmspec.tree_causal_conv1d.default
+    sel = KernelSelector(repeats=2)
+    old, K.SELECTOR = K.SELECTOR, sel
+    try:
+        run = _dispatcher("ssmspec::tree_causal_conv1d", reference_impl(op), K.KERNELS[op])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = run(x, w, None, anc, activation="silu")
+    finally:
+        K.SELECTOR = old
+    torch.testing.assert_close(out, op(x, w, None, anc, "silu"))
+    (choice,) = sel.choices.values()
+    assert choice.agrees and choice.max_abs_diff < 1e-5
+    assert choice.use_kernel is (choice.kernel_ms < choice.reference_ms)
+
+
+def test_backend_kernel_option():
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        ssmspec_backend(gm, [torch.ones(1)], options={"kernels": "fastest"})
+    seen = []
+    _reference_only(lambda *a: seen.append(K.SELECTOR.policy))()
+    assert seen == ["reference"] and K.SELECTOR.policy == "auto"
