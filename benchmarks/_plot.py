@@ -50,7 +50,9 @@ def line_plot(
     plt.close(fig)
 
 
-def bar_plot(path: str | Path, values: dict[str, float], *, title: str, ylabel: str, hline: float | None = None) -> None:
+def bar_plot(
+    path: str | Path, values: dict[str, float], *, title: str, ylabel: str, hline: float | None = None
+) -> None:
     """One bar per entry, value printed on top."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
+from pathlib import Path
 
 import torch
 from _timing import median_time
@@ -71,12 +73,15 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--models", nargs="+", default=["mamba2", "bamba"])
+    p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args()
     prompt = torch.randint(3, 1000, (1, args.prompt))
-    print(
-        f"CPU, {torch.get_num_threads()} threads, float32, {args.layers} layers, d_model {args.hidden}, "
+    setup = (
+        f"CPU, {torch.get_num_threads()} threads, float32, random-init {args.layers} layers, d_model {args.hidden}, "
         f"prompt {args.prompt}; medians of {args.repeats} after warm-up (compile time excluded)"
     )
+    print(setup)
+    rows = []
     print(f"{'model':>7} {'what':>15} {'eager ms':>9} {'compiled ms':>12} {'eager/compiled':>15}")
     for kind in args.models:
         eager = ssmspec.transform(build(kind, args.layers, args.hidden))
@@ -89,7 +94,11 @@ def main() -> None:
         c = measure(compiled, prompt, args.repeats)
         for what in e:
             print(f"{kind:>7} {what:>15} {e[what] * 1e3:>9.1f} {c[what] * 1e3:>12.1f} {e[what] / c[what]:>15.2f}")
+            rows.append({"model": kind, "what": what, "eager_ms": e[what] * 1e3, "compiled_ms": c[what] * 1e3,
+                         "eager_over_compiled": e[what] / c[what], "compile_and_warmup_s": compile_s})  # fmt: skip
         print(f"{kind:>7} {'(compile+warm-up s)':>15} {compile_s:>9.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """End-to-end tokens/s on the embedded target over held-out real code (see ssmspec/bench.py), side by side:
 HF greedy, ssmspec autoregressive, chain n-gram, chain draft model, tree n-gram; outputs asserted identical.
 
-    python benchmarks/e2e.py --prompts 8 --max-new-tokens 128 [--json out.json]     # = ssmspec bench
+    python benchmarks/e2e.py --prompts 8 --max-new-tokens 128 [--json out.json] [--plot e2e.png]   # = ssmspec bench
 """
 
 from __future__ import annotations
@@ -14,9 +14,22 @@ from ssmspec.bench import add_arguments, report, run
 
 
 def main() -> None:
-    args = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
+    p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    p.add_argument("--plot", help="write a bar chart of the speed-ups over HF greedy (PNG, needs matplotlib)")
+    args = p.parse_args()
     torch.set_num_threads(2)
-    report(run(args), args)
+    result = run(args)
+    report(result, args)
+    if args.plot:
+        from _plot import bar_plot
+
+        bar_plot(
+            args.plot,
+            {name: row["speedup_vs_hf"] for name, row in result["methods"].items()},
+            title="End-to-end tokens/s relative to HF generate (greedy)\n" + result["setup"].split(";")[0],
+            ylabel="speed-up vs HF greedy",
+            hline=1.0,
+        )
 
 
 if __name__ == "__main__":

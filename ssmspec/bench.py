@@ -61,7 +61,11 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
             if not torch.equal(out.sequences, want):
                 raise AssertionError(f"{name}: output differs from HF greedy on prompt {i}")
             accepted[name].append(out.spec_stats["mean_accepted_per_step"])
-    result = {"tokens": tokens, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "methods": {}}
+    setup = (f"embedded mamba2-target, CPU {torch.get_num_threads()} threads, float32, {len(prompts)} held-out "
+             f"prompts x {args.max_new_tokens} new tokens, {tokens} generated tokens; "
+             "all outputs identical to HF greedy")  # fmt: skip
+    result = {"setup": setup, "tokens": tokens, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "methods": {}}  # fmt: skip
     for name, secs in totals.items():
         row = {"tokens_per_s": tokens / secs, "speedup_vs_hf": totals["HF greedy"] / secs}
         if name in accepted:
@@ -84,8 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def report(result: dict, args: argparse.Namespace) -> None:
     """Print the table; write JSON when asked."""
-    print(f"embedded mamba2-target, CPU {torch.get_num_threads()} threads, float32, {result['prompts']} held-out "
-          f"prompts, {result['tokens']} generated tokens; all outputs identical to HF greedy")  # fmt: skip
+    print(result["setup"])
     print(f"{'method':>24} {'tok/s':>8} {'vs HF':>6} {'vs AR':>6} {'accepted/step':>14}")
     for name, row in result["methods"].items():
         print(f"{name:>24} {row['tokens_per_s']:>8.1f} {row['speedup_vs_hf']:>6.2f} "

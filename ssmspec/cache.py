@@ -21,10 +21,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from ssmspec.ops.commit import conv_window, gather_states
-from ssmspec.ops.ssd import ssd_state_at
+from ssmspec.ops import commit as _commit_ops
+from ssmspec.ops import ssd as _ssd_ops
+from ssmspec.ops._common import eager_fast_path
 from ssmspec.tree import TokenTree
 
+conv_window, gather_states, ssd_state_at = map(
+    eager_fast_path, (_commit_ops.conv_window, _commit_ops.gather_states, _ssd_ops.ssd_state_at)
+)
 COMMIT_STRATEGIES = ("replay", "materialize")
 # SSD layers whose committed states are at most this many elements are replayed in one batched call
 # (small models are bound by per-op overhead); larger states are replayed layer by layer, since the

@@ -13,6 +13,8 @@ import torch
 
 import ssmspec
 from ssmspec.backend import STATS
+from ssmspec.speculate.engine import eos_and_pad, speculative_generate
+from ssmspec.testing import OracleDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES
 from ssmspec.testing.strategies import cached_tiny_model
 
@@ -27,11 +29,21 @@ def _compiled_vs_eager(family: str, options: dict) -> None:
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    # the HF-style API (prompt lookup: trees only where the n-gram matches) ...
     spec = ssmspec.SpecConfig(tree=True, num_draft_tokens=3, tree_budget=6)
-    want = eager.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec)
-    got = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec)
-    assert torch.equal(got, want)
-    assert torch.equal(want, ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+    assert torch.equal(eager.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec), want)
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec), want)
+    # ... and an oracle that drafts a multi-node tree every step (right chain + a wrong sibling per level)
+    rows = [want[r, : ids.shape[1]][mask[r].bool()].tolist() + want[r, ids.shape[1] :].tolist() for r in range(2)]
+    eos, pad = eos_and_pad(ref.generation_config)
+    for model in (eager, compiled):
+        got, _, _ = speculative_generate(
+            model, ids, mask, max_new_tokens=8, eos_token_ids=eos, pad_token_id=pad,
+            drafter=OracleDrafter(rows, vocab_size=96, right_prefix=2, distractors=1), max_draft_nodes=6,
+            max_draft_depth=3,
+        )  # fmt: skip
+        assert torch.equal(got, want)
     assert STATS.graphs > 0 and STATS.tree_ops > 0, "no tree op reached the backend"
 
 

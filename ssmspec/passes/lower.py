@@ -14,6 +14,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 TREE_OP_NAMESPACE = "ssmspec"
 
@@ -33,17 +34,37 @@ def _shape(node: fx.Node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _equals_minus(start, n) -> bool:
+    """Whether a slice start (int, SymInt or graph node of one) is provably -n."""
+    if isinstance(start, fx.Node):
+        start = start.meta.get("example_value", start.meta.get("val"))
+    if start is None:
+        return False
+    if isinstance(start, int) and isinstance(n, int):
+        return start == -n
+    try:
+        return bool(statically_known_true(start == -n))
+    except Exception:  # noqa: BLE001 - symbols from unrelated shape environments: not provable
+        return False
+
+
 def fold_conv_padding(gm: fx.GraphModule) -> int:
-    """Replace `cat([zeros, conv_out], -1)[:, :, -N:]` by `conv_out`; returns the number of folds."""
+    """Replace `cat([zeros, conv_out], -1)[:, :, -M:]` by `conv_out`; returns the number of folds.
+
+    The seam pads the N node outputs with the committed columns, and the mixer slices its own sequence
+    length M, which is the number of tree nodes: M == N. Where the graph proves it (static or equal
+    symbolic sizes) the slice disappears; where M is a different symbol (some mixers take it from another
+    tensor's shape) the slice reads `conv_out[:, :, -M:]` instead, equal to the padded slice for M <= N.
+    Either way the zeros and the cat are gone."""
     folded = 0
     conv = torch.ops.ssmspec.tree_causal_conv1d.default
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not conv:
             continue
         shape = _shape(node)
-        if shape is None or not isinstance(shape[-1], int):
+        if shape is None:
             continue
-        n = shape[-1]
+        n = shape[-1]  # an int, or a SymInt when the tree size is dynamic
         for cat in list(node.users):
             if cat.target is not torch.cat or cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) not in (
                 -1,
@@ -57,10 +78,15 @@ def fold_conv_padding(gm: fx.GraphModule) -> int:
                 idx = sl.args[1] if sl.target is operator.getitem else None
                 if not (isinstance(idx, tuple) and len(idx) == 3 and idx[:2] == (slice(None), slice(None))):
                     continue
-                if idx[2] == slice(-n, None, None):
+                end = idx[2]
+                if not (isinstance(end, slice) and end.stop is None and end.step is None):
+                    continue
+                if _equals_minus(end.start, n):
                     sl.replace_all_uses_with(node)
                     gm.graph.erase_node(sl)
-                    folded += 1
+                else:
+                    sl.replace_input_with(cat, node)
+                folded += 1
             if not cat.users:
                 zeros = parts[0]
                 gm.graph.erase_node(cat)

@@ -19,11 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssmspec import ops
 from ssmspec.cache import RecurrentRecord, SpecCache, active_verify_cache
 from ssmspec.errors import UnsupportedModelError
-from ssmspec.ops import tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd
-from ssmspec.ops._common import gather_nodes
+from ssmspec.ops._common import eager_fast_path, gather_nodes
 from ssmspec.tree import TokenTree
+
+tree_causal_conv1d, tree_delta_rule, tree_selective_scan, tree_ssd = map(
+    eager_fast_path, (ops.tree_causal_conv1d, ops.tree_delta_rule, ops.tree_selective_scan, ops.tree_ssd)
+)
 
 
 # The mixer running now, for error messages (a plain holder, traceable by torch.compile).

@@ -37,6 +37,7 @@ class CheckReport:
     max_state_diff: float = 0.0
     max_logit_diff: float = 0.0
     mean_accepted_per_step: list[float] = field(default_factory=list)
+    seams: list[str] = field(default_factory=list)  # the kernel seams transform made tree-aware
 
 
 def state_diff(a: ModelRunner, b: ModelRunner, rows: Sequence[int]) -> float:
@@ -105,7 +106,7 @@ def check_model(
     if eos_token_id is not None:
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     drafters = list(drafters or [lambda ref: NoDrafter()])
-    report = CheckReport()
+    report = CheckReport(seams=sorted({s for seams in target.ssmspec_info.mixers.values() for s in seams}))
     for input_ids, attention_mask in prompts:
         with torch.no_grad():
             want = reference(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -8,25 +8,13 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+from ssmspec.testing import report as family_report
 from ssmspec.testing.check import check_model
 from ssmspec.testing.configs import SUPPORTED_FAMILIES
+from ssmspec.testing.report import FLOAT32_IN_HF_CODE
 from ssmspec.testing.strategies import cached_tiny_model, drafter_factories, prompts
 
 EXAMPLES_RUN: dict[str, int] = {}
-
-# HF code of these families casts data-dependent values to float32 even in a float64 model (a gate or an
-# MoE router), so the same token processed in a differently shaped batch (a tree vs one token) can round
-# differently there: their committed states agree only to float32 accuracy (tokens must still be exact).
-# Every other family: 1e-9.
-FLOAT32_IN_HF_CODE = {
-    "kimi_linear": "KDA gate `forget_gate.float() + dt_bias.float()`; router `F.linear(h.type(torch.float32), ...)`",
-    "nemotron_h": "MoE router `F.linear(hidden_states.type(torch.float32), ...)`",
-    "jamba": "MoE router `softmax(router_logits, dtype=torch.float)`",
-    "granitemoehybrid": "MoE router `F.linear(hidden_states, self.weight).float()`",
-    "qwen3_next": "GDN gate `softplus(a.float() + dt_bias)`",
-    "qwen3_5": "GDN gate `softplus(a.float() + dt_bias)`",
-    "olmo_hybrid": "GDN gate `softplus(self.a_proj(hidden_states).float() + dt_bias)`",
-}
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
@@ -67,10 +55,23 @@ def test_speculative_equals_hf_greedy(family, data):
     assert report.tie_flips == 0
     assert report.max_state_diff <= state_tol
     EXAMPLES_RUN[family] = EXAMPLES_RUN.get(family, 0) + 1
+    kind = "decode" if decode_single else "tree"
+    family_report.record(
+        family,
+        n_examples=1,
+        n_tokens=report.tokens_compared,
+        model_class=type(model).__name__,
+        seams=report.seams,
+        drafters={name.split("(")[0]},
+        commits={strategy},
+        **{f"max_state_diff_{kind}": report.max_state_diff, f"tolerance_{kind}": state_tol},
+    )
 
 
 def test_report_examples_per_family(capsys):
-    """Prints how many Hypothesis examples each family ran (runs last in this module)."""
+    """Prints how many Hypothesis examples each family ran (runs last in this module); writes the family
+    report when SSMSPEC_FAMILY_REPORT is set (the docs' family table is rendered from it)."""
+    path = family_report.save()
     with capsys.disabled():
-        print("\nexamples per family:", dict(sorted(EXAMPLES_RUN.items())))
+        print("\nexamples per family:", dict(sorted(EXAMPLES_RUN.items())), f"(report: {path})" if path else "")
     assert torch.__version__

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+from ssmspec.testing import report as family_report
 from ssmspec.testing.check import check_model
 from ssmspec.testing.strategies import cached_tiny_model, drafter_factories, prompts
 
@@ -33,10 +34,12 @@ def test_float32_diverges_only_at_near_ties(family, data):
     counts = FLIPS.setdefault(family, [0, 0])
     counts[0] += report.tie_flips
     counts[1] += report.tokens_compared
+    family_report.record(family, n_tie_flips=report.tie_flips, n_float32_tokens=report.tokens_compared)
 
 
 def test_report_tie_flips(capsys):
     """Prints tie flips / tokens compared per family (runs last in this module)."""
+    family_report.save()
     with capsys.disabled():
         print(f"\nfloat32 tie flips (tolerance {TIE_TOLERANCE}) per family [flips, tokens]:", FLIPS)
     assert all(flips <= 0.05 * tokens for flips, tokens in FLIPS.values()), "tie flips are no longer rare"
