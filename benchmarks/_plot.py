@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +16,10 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _title(text: str) -> str:
+    return "\n".join(textwrap.fill(line, 72) for line in text.splitlines())
 
 
 def line_plot(
@@ -40,7 +45,7 @@ def line_plot(
     if logx:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_title(title), fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -61,7 +66,7 @@ def bar_plot(
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     if hline is not None:
         ax.axhline(hline, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_title(title), fontsize=9)
     ax.set_ylabel(ylabel)
     ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.tight_layout()

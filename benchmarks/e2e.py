@@ -21,15 +21,20 @@ def main() -> None:
     result = run(args)
     report(result, args)
     if args.plot:
-        from _plot import bar_plot
+        plot(result, args.plot)
 
-        bar_plot(
-            args.plot,
-            {name: row["speedup_vs_hf"] for name, row in result["methods"].items()},
-            title="End-to-end tokens/s relative to HF generate (greedy)\n" + result["setup"].split(";")[0],
-            ylabel="speed-up vs HF greedy",
-            hline=1.0,
-        )
+
+def plot(result: dict, path: str) -> None:
+    """Bar chart of each method's speed-up over HF greedy."""
+    from _plot import bar_plot
+
+    bar_plot(
+        path,
+        {name: row["speedup_vs_hf"] for name, row in result["methods"].items()},
+        title="End-to-end tokens/s relative to HF generate (greedy)\n" + result["setup"].split(";")[0],
+        ylabel="speed-up vs HF greedy",
+        hline=1.0,
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """GPU kernel benchmarks (needs CUDA; `--smoke` runs tiny shapes on CPU under TRITON_INTERPRET=1 to check
 the script itself). Everything is measured side by side in one run and printed as ratios:
 
-1. tree SSD kernel vs unrolling every root-to-leaf path (one chain SSD per leaf, the reference masked form
-   on the gathered chain) vs N calls of a single-token state update (HF's selective_state_update seam;
-   mamba-ssm's kernel when installed);
+1. tree SSD kernel vs its reference op (the choice ssmspec measures per shape), vs unrolling every
+   root-to-leaf path (one chain SSD per leaf, the reference masked form on the gathered chain) vs N calls
+   of a single-token state update (HF's selective_state_update seam; mamba-ssm's kernel when installed);
 2. verification cost of 6/16/64-node trees relative to one decode step, 1.3B-class random-init Mamba2
    (48 layers, d_model 2048) in bf16, compiled with backend="ssmspec";
-3. commit cost (replay along a path, conv window) relative to one decode step.
+3. commit cost (replay along a path, conv window) relative to one decode step;
+4. the kernel-or-reference choices the backend's default policy ("auto") measured during 2./3.
 
     python benchmarks/gpu_kernels.py            # on an H100/H200
     python benchmarks/gpu_kernels.py --smoke    # CPU, tiny, interpreter
@@ -28,6 +29,7 @@ from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_up
 
 import ssmspec  # noqa: E402
 from ssmspec import kernels as K  # noqa: E402
+from ssmspec.ops._common import reference_impl  # noqa: E402
 from ssmspec.speculate.runner import ModelRunner  # noqa: E402
 from ssmspec.tree import TokenTree  # noqa: E402
 
@@ -40,8 +42,8 @@ def random_tree(n: int, branching: int, device: str, seed: int = 0) -> TokenTree
 
 def kernel_section(device: str, dtype: torch.dtype, heads: int, p: int, s: int, nodes: list[int], repeats: int):
     print(f"\n1. tree SSD: {heads} heads x {p} head dim, state {s}, {dtype}, batch 1")
-    print(f"{'nodes':>5} {'kernel ms':>10} {'unrolled paths ms':>18} {'N single-token ms':>18} {'x unrolled':>11} "
-          f"{'x single':>9}")  # fmt: skip
+    print(f"{'nodes':>5} {'kernel ms':>10} {'reference ms':>13} {'unrolled paths ms':>18} {'N single-token ms':>18} "
+          f"{'x reference':>12} {'x unrolled':>11} {'x single':>9}")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for n in nodes:
         tree = random_tree(n, 3, device)
@@ -56,6 +58,9 @@ def kernel_section(device: str, dtype: torch.dtype, heads: int, p: int, s: int, 
 
         def kernel():
             K.tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, anc, True, 0.0, float("inf"), False)
+
+        def reference():
+            reference_impl("ssmspec::tree_ssd")(x, dt, A, Bm, Cm, D, bias, h0, anc, True, 0.0, float("inf"), False)
 
         leaves = [t for t in range(n) if t not in set(tree.parents[0].tolist())]
         paths = [tree.paths(torch.tensor([leaf], device=device))[0] for leaf in leaves]
@@ -81,8 +86,9 @@ def kernel_section(device: str, dtype: torch.dtype, heads: int, p: int, s: int, 
                     D[:, None].expand(-1, p), dt_bias=bias[:, None].expand(-1, p), dt_softplus=True,
                 )  # fmt: skip
 
-        tk, tu, ts = (median_time(f, repeats, warmup=1) for f in (kernel, unrolled, single))
-        print(f"{n:>5} {tk * 1e3:>10.3f} {tu * 1e3:>18.3f} {ts * 1e3:>18.3f} {tu / tk:>11.2f} {ts / tk:>9.2f}")
+        tk, tr, tu, ts = (median_time(f, repeats, warmup=1) for f in (kernel, reference, unrolled, single))
+        print(f"{n:>5} {tk * 1e3:>10.3f} {tr * 1e3:>13.3f} {tu * 1e3:>18.3f} {ts * 1e3:>18.3f} {tr / tk:>12.2f} "
+              f"{tu / tk:>11.2f} {ts / tk:>9.2f}")  # fmt: skip
 
 
 def model_section(device: str, dtype: torch.dtype, layers: int, hidden: int, nodes: list[int], repeats: int):
@@ -120,6 +126,10 @@ def model_section(device: str, dtype: torch.dtype, layers: int, hidden: int, nod
             tv = median_time(verify, repeats, warmup=1)
             tc = max(median_time(commit, repeats, warmup=1) - tv, 0.0)
             print(f"{n:>5} {tv * 1e3:>10.2f} {tc * 1e3:>10.2f} {tv / decode:>14.2f} {tc / decode:>14.2f}")
+    print("\n4. kernel choices measured by the default policy (op, kernel used, kernel ms, reference ms):")
+    for row in K.SELECTOR.summary():
+        print(f"  {row['op']:<32} {'kernel' if row['kernel'] else 'reference':<9} {row['kernel_ms']:>9.3f} "
+              f"{row['reference_ms']:>9.3f}  {row['signature'][:2]}")  # fmt: skip
 
 
 def main() -> None:

@@ -37,6 +37,8 @@ def measure(args: argparse.Namespace) -> dict:
     for b in args.budgets:
         configs[("chain", b)] = ssmspec.SpecConfig(num_draft_tokens=b)
         configs[("tree", b)] = ssmspec.SpecConfig(num_draft_tokens=b, tree=True, tree_budget=b)
+    for spec in configs.values():  # warm-up: one-time costs must not land on the first method timed
+        target.generate(prompts[0], max_new_tokens=8, speculation=spec)
     secs = dict.fromkeys(configs, 0.0)
     acc = {k: [] for k in configs}
     for _ in range(args.rounds):  # rounds interleave the methods, so drifts of the machine hit all alike

@@ -46,6 +46,10 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
             speculation=ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=True, tree_budget=args.tree_budget)
         ),  # fmt: skip
     }
+    # warm-up: first calls pay one-time costs (allocator, lazy imports) that must not land on one method
+    ref.generate(prompts[0], max_new_tokens=8, do_sample=False)
+    for kw in methods.values():
+        target.generate(prompts[0], max_new_tokens=8, **kw)
     totals = {"HF greedy": 0.0, **dict.fromkeys(methods, 0.0)}
     accepted = {m: [] for m in methods}
     tokens = 0

@@ -142,10 +142,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         lambda r: PromptLookupDrafter(2, tree=True),
     ]
     t0 = time.perf_counter()
-    report = check_model(ref, prompts, drafters, max_new_tokens=args.max_new_tokens)
     print(f"model: {what} ({args.dtype})")
-    print(f"runs: {report.runs}, tokens compared: {report.tokens_compared}, tie flips: {report.tie_flips}")
-    print(f"max committed-state diff: {report.max_state_diff:.3g}, max plain-logit diff: {report.max_logit_diff:.3g}")
+    # one-node steps through the tree path too (every state from ssmspec's ops: strict), then as generate
+    # runs them (HF's decode path)
+    for decode, label in ((False, "tree path only"), (True, "with HF decode steps")):
+        report = check_model(ref, prompts, drafters, max_new_tokens=args.max_new_tokens, decode_single_nodes=decode)
+        print(f"{label}: runs {report.runs}, tokens compared {report.tokens_compared}, tie flips "
+              f"{report.tie_flips}, max committed-state diff {report.max_state_diff:.3g}, max plain-logit diff "
+              f"{report.max_logit_diff:.3g}")  # fmt: skip
     print(f"passed in {time.perf_counter() - t0:.1f}s")
     return 0
 
