@@ -38,7 +38,7 @@ def test_bench_writes_json(tmp_path, capsys):
 def test_check_on_a_family(capsys):
     assert main(["check", "--family", "mamba2"]) == 0  # mamba2: HF's decode path rounds differently (1e-6 rule)
     out = capsys.readouterr().out
-    assert "tree path only: runs 8," in out and "with HF decode steps: runs 8," in out
+    assert "tree path only: runs 16," in out and "with HF decode steps: runs 16," in out
     assert out.count("tie flips 0,") == 2
 
 

@@ -74,7 +74,7 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
 def families_markdown(report: dict[str, dict[str, Any]], families: list[str] | tuple[str, ...]) -> str:
     """The supported-families table: one row per family, '(not run)' where the report has no examples."""
     head = (
-        "| family | HF model class | seams made tree-aware | float64 examples | tokens compared | drafters "
+        "| family | HF model class | kernel seams wrapped | float64 examples | tokens compared | drafters "
         "exercised | max state diff, tree path only | max state diff, with HF decode steps | float32 tie "
         "flips / tokens |\n|---|---|---|---|---|---|---|---|---|\n"
     )
