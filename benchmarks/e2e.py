@@ -1,7 +1,7 @@
 """End-to-end tokens/s on the embedded target over held-out real code (see ssmspec/bench.py), side by side:
 HF greedy, ssmspec autoregressive, chain n-gram, chain draft model, tree n-gram; outputs asserted identical.
 
-    python benchmarks/e2e.py --prompts 8 --max-new-tokens 128 [--json out.json] [--plot e2e.png]   # = ssmspec bench
+    python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 [--json out.json] [--plot e2e.png]   # = ssmspec bench
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The benchmark's options (shared by the script and the `ssmspec bench` command)."""
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=12, help="held-out files to use (12: all of them)")
     p.add_argument("--prompt-tokens", type=int, default=96)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-tokens", type=int, default=8)

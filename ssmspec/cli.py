@@ -15,7 +15,7 @@ import torch
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
-
+# the demo's default prompt: a small, ordinary piece of Python (written for the demo, not in the corpus)
 DEMO_PROMPT = '''import os
 
 
@@ -88,7 +88,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         g = torch.Generator().manual_seed(args.seed)
         motif = torch.randint(3, vocab, (6,), generator=g)
         ids = torch.cat([torch.randint(3, vocab, (4,), generator=g), motif, motif, motif[:3]])[None]
-    spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=args.tree)
+    tree = not args.chain
+    spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=tree, tree_budget=args.tree_budget)
     kwargs = {"max_new_tokens": args.max_new_tokens}
     base, t_base = _time(lambda: ref.generate(ids, do_sample=False, **kwargs))
     plain = ssmspec.SpecConfig(drafter="none")
@@ -104,7 +105,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"prompt ids:   {ids[0].tolist()}")
         print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
-    kind = f"{'tree' if args.tree else 'chain'} prompt lookup, up to {args.draft_tokens} draft tokens"
+    kind = (f"tree prompt lookup, up to {args.tree_budget} nodes, depth {args.draft_tokens}" if tree
+            else f"chain prompt lookup, up to {args.draft_tokens} draft tokens")  # fmt: skip
     print(f"HF greedy:    {new / t_base:8.1f} tokens/s")
     print(f"ssmspec AR:   {new / t_ar:8.1f} tokens/s  (same engine without drafts: the fair baseline)")
     print(f"speculative:  {new / t_spec:8.1f} tokens/s  ({t_base / t_spec:.2f}x vs HF greedy, "
@@ -206,10 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
         return p
 
-    demo = common(sub.add_parser("demo", help="greedy vs speculative on one prompt"), "float32", 96)
-    demo.add_argument("--draft-tokens", type=int, default=8)
+    demo = common(sub.add_parser("demo", help="greedy vs speculative on one prompt"), "float32", 128)
+    demo.add_argument("--draft-tokens", type=int, default=8, help="draft depth")
+    demo.add_argument("--tree-budget", type=int, default=16, help="drafted nodes per step (tree)")
     demo.add_argument("--prompt", help="prompt text (with a tokenizer); default: a snippet of Python code")
-    demo.add_argument("--tree", action="store_true", help="tree speculation (several prompt-lookup matches)")
+    demo.add_argument("--chain", action="store_true", help="chain speculation instead of a tree")
     demo.set_defaults(func=cmd_demo)
     check = common(sub.add_parser("check", help="equivalence check (speculative == HF greedy)"), "float64", 12)
     check.set_defaults(func=cmd_check)
