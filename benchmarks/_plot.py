@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -16,6 +17,16 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def write_outputs(
+    result: dict, json_path: str | None, plot_path: str | None, plot: Callable[[dict, str], None]
+) -> None:
+    """The scripts' --json / --plot: the result as JSON (docs/data/ renders tables from it), a PNG."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    if plot_path:
+        plot(result, plot_path)
 
 
 def _title(text: str) -> str:

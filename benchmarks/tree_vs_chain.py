@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
-from pathlib import Path
 
 import torch
+from _plot import write_outputs
 
 import ssmspec
 from ssmspec import models
@@ -108,10 +107,7 @@ def main() -> None:
     args = p.parse_args()
     result = measure(args)
     report(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plot:
-        plot(result, args.plot)
+    write_outputs(result, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
-import json
 import statistics
-from pathlib import Path
 
 import torch
+from _plot import write_outputs
 from _timing import median_time
 from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
 
@@ -154,10 +153,7 @@ def main() -> None:
     p.add_argument("--plot", help="write a PNG of the curve (needs matplotlib)")
     args = p.parse_args()
     result = measure(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plot:
-        plot(result, args.plot)
+    write_outputs(result, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":
