@@ -24,8 +24,9 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 from _timing import median_time  # noqa: E402
-from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM  # noqa: E402
+from transformers import Mamba2Config, Mamba2ForCausalLM  # noqa: E402
 from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update  # noqa: E402
+from verify_cost import hf_decode_step  # noqa: E402
 
 import ssmspec  # noqa: E402
 from ssmspec import kernels as K  # noqa: E402
@@ -102,9 +103,7 @@ def model_section(device: str, dtype: torch.dtype, layers: int, hidden: int, nod
     model.compile(backend="ssmspec")
     ids = torch.randint(3, 1000, (1, 256), device=device)
     with torch.no_grad():
-        cache = DynamicCache(config=ref.config)
-        ref(ids, cache_params=cache, use_cache=True)
-        decode = median_time(lambda: ref(ids[:, -1:], cache_params=cache, use_cache=True), repeats, warmup=1)
+        decode = median_time(hf_decode_step(ref, ids), repeats, warmup=1)
         runner = ModelRunner(model)
         runner.prefill(ids, torch.ones_like(ids))
         print(f"HF decode step: {decode * 1e3:.2f} ms")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import statistics
 
 import torch
@@ -23,7 +22,7 @@ from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
 
 import ssmspec
 from ssmspec import models
-from ssmspec.speculate.runner import ModelRunner
+from ssmspec.speculate.runner import ModelRunner, cache_kwarg
 from ssmspec.tree import TokenTree
 
 NODES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
@@ -56,8 +55,7 @@ def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
 
 def hf_decode_step(ref: torch.nn.Module, ids: torch.Tensor):
     """Prefill an HF cache with `ids` on the untransformed model; returns one decode step as a closure."""
-    params = inspect.signature(ref.forward).parameters
-    kwarg = "past_key_values" if "past_key_values" in params else "cache_params"
+    kwarg = cache_kwarg(ref)
     cache = DynamicCache(config=ref.config)
     ref(ids, use_cache=True, **{kwarg: cache})
     step = ids[:, -1:]

@@ -52,11 +52,14 @@ def enable_eager_kernels(policy: str | None = None) -> None:
 
 def _dispatcher(name, reference, kernel):
     sig = inspect.signature(reference)
+    n_params = len(sig.parameters)
 
     def run(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return SELECTOR.run(name, reference, kernel, tuple(bound.arguments.values()))
+        if kwargs or len(args) != n_params:  # binding only where needed: this runs on every op call
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        return SELECTOR.run(name, reference, kernel, args)
 
     return run
 

@@ -57,8 +57,7 @@ def speculative_generate(
     unless `decode_single_nodes` is False (then the tree path, as for any tree)."""
     stats = SpecStats()
     b = input_ids.shape[0]
-    runner = ModelRunner(model, strategy=strategy)
-    runner.single_node_decode = decode_single_nodes
+    runner = ModelRunner(model, strategy=strategy, single_node_decode=decode_single_nodes)
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
     logits = runner.prefill(input_ids, attention_mask)

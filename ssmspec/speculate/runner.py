@@ -25,24 +25,29 @@ class _LayerMasks(dict):
         raise KeyError(f"ssmspec: no tree attention mask for layer type {key!r} (only full attention is supported)")
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The name under which the model's forward takes its cache (past_key_values or cache_params)."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("past_key_values", "cache_params"):
+        if name in params:
+            return name
+    raise ValueError(f"{type(model).__name__}.forward takes neither past_key_values nor cache_params")
+
+
 class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
-    def __init__(self, model: nn.Module, *, strategy: str = "replay") -> None:
+    def __init__(self, model: nn.Module, *, strategy: str = "replay", single_node_decode: bool = True) -> None:
         self.model = model
-        params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "past_key_values" if "past_key_values" in params else "cache_params"
-        if self.cache_kwarg not in params:
-            raise ValueError(f"{type(model).__name__}.forward takes neither past_key_values nor cache_params")
-        self.takes_positions = "position_ids" in params
+        self.cache_kwarg = cache_kwarg(model)
+        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.strategy = strategy
+        # one-node trees go through HF's decode path (False: the tree path, e.g. to test it on one node)
+        self.single_node_decode = single_node_decode
         self.dtype = next(model.parameters()).dtype
         self.cache: SpecCache | None = None
         self.kv_valid: torch.Tensor | None = None  # [B, L] bool
         self.n_real: torch.Tensor | None = None  # [B] tokens processed per row (padding excluded)
-        # one-node trees go through HF's decode path (False: the tree path, e.g. to test it on one node)
-        self.single_node_decode = True
-        self._decoded = False
 
     def _call(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
@@ -69,6 +74,10 @@ class ModelRunner:
         mask = torch.zeros(b, 1, n, allowed.shape[-1], dtype=self.dtype, device=tree.tokens.device)
         return mask.masked_fill(~allowed[:, None], torch.finfo(self.dtype).min)
 
+    def _decodes(self, tree: TokenTree) -> bool:
+        """Whether `verify(tree)` runs HF's decode path instead of the tree path."""
+        return tree.num_nodes == 1 and self.single_node_decode
+
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> torch.Tensor:
         """Logits [B, N, V] for every node of the tree; committed state is untouched until `commit`."""
@@ -79,10 +88,9 @@ class ModelRunner:
             if self.cache.linear_layers():  # hybrids take per-layer-type masks; recurrent layers need none
                 attention = _LayerMasks({"full_attention": attention}, **dict.fromkeys(_RECURRENT_MASK_KEYS))
         positions = self.n_real[:, None] + tree.depth
-        if tree.num_nodes == 1 and self.single_node_decode:
+        if self._decodes(tree):
             # one node per row is always accepted: HF's own decode path (in-place state update) is exact by
             # definition and cheaper than the tree path plus a commit
-            self._decoded = True
             return self._call(tree.tokens, attention, positions)
         with self.cache.verifying(tree):
             logits = self._call(tree.tokens, attention, positions)
@@ -92,8 +100,7 @@ class ModelRunner:
     def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance each row past root -> last[b] of the tree verified last; returns (path, lengths)."""
         tree = self._pending_tree
-        if self._decoded:  # the decode step already advanced every row by its one token
-            self._decoded = False
+        if self._decodes(tree):  # the decode step already advanced every row by its one token
             path, lengths = tree.paths(last)
         else:
             path, lengths = self.cache.commit(tree, last)
