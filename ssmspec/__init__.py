@@ -1,9 +1,15 @@
 """ssmspec: exact speculative decoding (chains and trees) for Hugging Face SSM and hybrid models."""
 
-from ssmspec import backend as _backend  # noqa: F401  (registers the "ssmspec" torch.compile backend)
+from ssmspec import models  # noqa: F401  (ssmspec.models.load(...) after `import ssmspec`)
 from ssmspec.cache import SpecCache
-from ssmspec.errors import InvalidTreeError, SSMSpecError, UnsupportedModelError, VocabMismatchError
-from ssmspec.speculate import generate as _generate  # noqa: F401  (registers speculative generate)
+from ssmspec.compile import backend as _backend  # noqa: F401  (registers the "ssmspec" torch.compile backend)
+from ssmspec.errors import (
+    InvalidTreeError,
+    SSMSpecError,
+    UnsupportedModelError,
+    UnsupportedSettingError,
+    VocabMismatchError,
+)
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.transform import transform
 from ssmspec.tree import TokenTree
@@ -17,6 +23,8 @@ __all__ = [
     "SpecConfig",
     "TokenTree",
     "UnsupportedModelError",
+    "UnsupportedSettingError",
     "VocabMismatchError",
+    "models",
     "transform",
 ]

@@ -1,264 +1,281 @@
-"""SpecCache: a transformers `DynamicCache` that can verify a token tree without touching committed state.
+"""SpecCache: a transformers `DynamicCache` that verifies token trees without touching committed state.
 
-Outside verification it is exactly HF's DynamicCache (prefill and plain forwards go through HF's own code).
-Inside `cache.verifying(tree)`:
-- mixers see no previous state and `is_recording_past() == True`, so they take their multi-token path
-  for any tree size (the tree ops read the committed state themselves);
+Outside verification it is HF's DynamicCache (prefill and one-token decode steps are HF's own code), plus
+the bookkeeping of the attention slots: which slots are valid per row (`valid`, right-aligned: each row's
+slots form one contiguous block ending at the last column, laid out exactly as in HF's own cache for that
+row), the absolute slot count `seen`, and the real tokens per row `n_real`. The offsets HF models read
+(`get_query_offset`, `get_mask_sizes`, `get_seq_length`) are derived from that layout.
+
+Inside `verifying(tree)` (one ssmspec.verification.Verification per call):
+- mixers see no previous state and `is_recording_past() == True`, so they take their multi-token path for
+  any tree size (the seam adapters read the committed state themselves);
 - `update_conv_state` records each node's pre-conv input and returns [committed state | node inputs];
-- the tree ops (called from the rewritten seams) record per-node states or replay inputs;
-- attention `update` appends the nodes' K/V after the committed prefix.
-`commit(last)` then folds each row's accepted root-to-`last` path into the committed states: conv window
-gather, recurrent state (materialized gather or replay along the path), and K/V compaction.
+- attention `update` appends the nodes' K/V after the committed slots (sliding layers keep them all);
+- query and key offsets are each node's own position (prefix + depth), per node when the tree branches.
+`Verification.commit(last)` then folds the accepted paths in; `keep_kv` rewrites the attention slots so that
+every row again holds exactly its own tokens, contiguous (no slots of rejected drafts, bounded memory).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from ssmspec.ops import commit as _commit_ops
-from ssmspec.ops import ssd as _ssd_ops
-from ssmspec.ops._common import eager_fast_path
+from ssmspec.hf import layers as hf_layers
+from ssmspec.ops import Record
 from ssmspec.tree import TokenTree
-
-conv_window, gather_states, ssd_state_at = map(
-    eager_fast_path, (_commit_ops.conv_window, _commit_ops.gather_states, _ssd_ops.ssd_state_at)
-)
-COMMIT_STRATEGIES = ("replay", "materialize")
-# SSD layers whose committed states are at most this many elements are replayed in one batched call
-# (small models are bound by per-op overhead); larger states are replayed layer by layer, since the
-# batched call would first copy every layer's state.
-_BATCH_REPLAY_MAX_STATE = 65536
-
-
-# A plain module-level holder (not a ContextVar) so that torch.compile can trace reads of it.
-class _Active:
-    cache: SpecCache | None = None
-
-
-_ACTIVE = _Active()
-
-
-def active_verify_cache() -> SpecCache | None:
-    """The SpecCache currently verifying a tree, or None outside verification."""
-    return _ACTIVE.cache
-
-
-@dataclass
-class RecurrentRecord:
-    """What a tree op left for commit: all node states (materialize) or a replay closure (replay)."""
-
-    states: torch.Tensor | None = None
-    replay: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (last, path, lengths)
-    # SSD replay inputs, kept as data so that commit can replay all layers of the same shape in one call
-    ssd: dict | None = None
+from ssmspec.verification import COMMIT_STRATEGIES, Verification
 
 
 class SpecCache(DynamicCache):
-    """HF DynamicCache plus tree verification and per-row commit (see module docstring)."""
+    """HF DynamicCache plus tree verification, per-row commit and a right-aligned attention layout."""
 
-    def __init__(self, config, *, strategy: str = "replay", state_dtype: torch.dtype | None = None) -> None:
-        if strategy not in COMMIT_STRATEGIES:
-            raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {strategy!r}")
+    def __init__(self, config, *, commit: str = "replay", state_dtype: torch.dtype | None = None) -> None:
+        if commit not in COMMIT_STRATEGIES:
+            raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
         super().__init__(config=config)
-        self.strategy = strategy
+        self.commit_strategy = commit
         self.state_dtype = state_dtype
-        self.tree: TokenTree | None = None
-        self.current_layer: int | None = None
-        self._pending_conv: dict[tuple[int, int], torch.Tensor] = {}
-        self._pending_rec: dict[tuple[int, int], RecurrentRecord] = {}
-        self._kv_len: dict[int, int] = {}
+        self.verification: Verification | None = None
+        self.attention = hf_layers.attention_layers(self.layers)
+        self.valid: torch.Tensor | None = None  # [B, W] validity of the last W absolute slots
+        self.seen = 0  # absolute slot count
+        self.n_real: torch.Tensor | None = None  # [B] real tokens processed per row
+        self.reads_slot_positions = False  # a model read query/key offsets while verifying a tree
 
-    # ---------------------------------------------------------------- layer bookkeeping
+    # ---------------------------------------------------------------- layout bookkeeping
     def attention_layers(self) -> list[int]:
         """Indices of layers that hold attention K/V."""
-        return [i for i, layer in enumerate(self.layers) if isinstance(layer, CacheLayerMixin)]
+        return [a.index for a in self.attention]
 
     def linear_layers(self) -> list[int]:
         """Indices of layers that hold conv/recurrent states."""
-        return [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        return hf_layers.recurrent_layers(self.layers)
 
+    def kv_widths(self) -> dict[int, int]:
+        """Stored slots per attention layer."""
+        return {a.index: hf_layers.kv_width(self.layers[a.index]) for a in self.attention}
+
+    def _needed_width(self, full_width: int) -> int:
+        """Columns of the canonical layout some layer still needs."""
+        widths = [full_width if a.window is None else min(a.window - 1, full_width) for a in self.attention]
+        return max(widths, default=0)
+
+    def start(self, attention_mask: torch.Tensor) -> None:
+        """After HF's prefill of a (left-padded) prompt: its slots as HF stored them."""
+        mask = attention_mask.bool()
+        self.seen = mask.shape[1]
+        self.valid = mask[:, mask.shape[1] - self._needed_width(mask.shape[1]) :]
+        self.n_real = mask.sum(-1)
+
+    def after_decode(self) -> None:
+        """After one HF decode step (one token per row, HF's own cache update)."""
+        self.seen += 1
+        self.n_real = self.n_real + 1
+        valid = torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], 1)], dim=1)
+        self.valid = valid[:, valid.shape[1] - self._needed_width(valid.shape[1]) :]
+
+    def windows(self) -> list[int | None]:
+        """The distinct sliding windows of the attention layers (None = full attention)."""
+        return list(dict.fromkeys(a.window for a in self.attention))
+
+    def window_view(self, window: int | None) -> torch.Tensor:
+        """[B, W_k] validity of the committed slots stored by attention layers with this window."""
+        index = next(a.index for a in self.attention if a.window == window)
+        width = self.verification.kv_start[index] if self.verification is not None else None
+        if width is None:
+            width = hf_layers.kv_width(self.layers[index])
+        return self.valid[:, self.valid.shape[1] - width :]
+
+    # ---------------------------------------------------------------- committed state access
     def committed_recurrent(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The committed recurrent state of a layer (None before its first update)."""
-        layer = self.layers[layer_idx]
-        if not layer.is_recurrent_states_initialized[state_idx]:
-            return None
-        return layer.recurrent_states[state_idx]
+        return hf_layers.recurrent_state(self.layers[layer_idx], state_idx)
+
+    def state_tensor(self, rec: Record) -> torch.Tensor:
+        """The committed tensor a commit record overwrites."""
+        layer = self.layers[rec.layer]
+        return layer.conv_states[rec.state_idx] if rec.kind == "conv" else layer.recurrent_states[rec.state_idx]
 
     # ---------------------------------------------------------------- HF Cache API overrides
     # While verifying, mixers are told there is no previous state: then every family takes its multi-token
     # path (update_conv_state + the chunked seams) even for a one-node tree, never the in-place decode path.
-    # The tree ops read the committed state from the cache themselves.
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        self.current_layer = layer_idx
-        return None if self.tree is not None else super().get_conv_state(layer_idx, state_idx)
+        return None if self.verification is not None else super().get_conv_state(layer_idx, state_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        self.current_layer = layer_idx
-        return None if self.tree is not None else super().get_recurrent_state(layer_idx, state_idx)
+        return None if self.verification is not None else super().get_recurrent_state(layer_idx, state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return False if self.verification is not None else super().has_previous_state(layer_idx, state_idx)
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        if self.tree is not None:
-            return True
-        return super().is_recording_past(layer_idx)
+        return True if self.verification is not None else super().is_recording_past(layer_idx)
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
     ) -> torch.Tensor:
-        self.current_layer = layer_idx
-        if self.tree is None:
+        if self.verification is None:
             return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
-        layer = self.layers[layer_idx]
-        committed = layer.conv_states[state_idx]
-        if committed is None or not layer.has_previous_state[state_idx]:
+        committed = hf_layers.conv_state(self.layers[layer_idx], state_idx)
+        if committed is None:
             raise RuntimeError(f"layer {layer_idx}: tree verification needs a prefilled conv state")
-        self._pending_conv[(layer_idx, state_idx)] = conv_states
+        rec = Record("conv", layer_idx, state_idx, replay={"nodes": conv_states})
+        self.verification.record(f"layer {layer_idx}", "update_conv_state", rec)
         return torch.cat([committed.to(conv_states.dtype), conv_states], dim=-1)
 
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
     ) -> torch.Tensor:
-        if self.tree is not None:  # the tree op already recorded what commit needs
+        if self.verification is not None:  # the seam adapter already recorded what commit needs
             return recurrent_states
         if self.state_dtype is not None and recurrent_states.is_floating_point():
             recurrent_states = recurrent_states.to(torch.promote_types(recurrent_states.dtype, self.state_dtype))
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
-    # ---------------------------------------------------------------- verification
-    def record_recurrent(self, record: RecurrentRecord, state_idx: int = 0) -> None:
-        """Called by a tree op seam: remember what commit needs for the current layer."""
-        if self.current_layer is None:
-            raise RuntimeError("a tree op ran before its mixer read its cache state")
-        self._pending_rec[(self.current_layer, state_idx)] = record
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.verification is None:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]  # keep every slot until commit (sliding layers too)
+        keys, values = hf_layers.kv(layer)
+        keys = torch.cat([keys, key_states.to(keys.dtype)], dim=-2)
+        values = torch.cat([values, value_states.to(values.dtype)], dim=-2)
+        layer.keys, layer.values = keys, values
+        return keys, values
 
-    @contextlib.contextmanager
-    def verifying(self, tree: TokenTree) -> Iterator[SpecCache]:
-        """Run model forwards on `tree` without changing committed state; call `commit` afterwards."""
-        if self.tree is not None:
-            raise RuntimeError("SpecCache is already verifying a tree")
-        self.tree = tree
-        self._pending_conv.clear()
-        self._pending_rec.clear()
-        self._kv_len = {i: self.layers[i].get_seq_length() for i in self.attention_layers()}
-        outer, _ACTIVE.cache = _ACTIVE.cache, self
-        try:
-            yield self
-        finally:
-            _ACTIVE.cache = outer
-            self.tree = None
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if not self.attention or self.valid is None:
+            return super().get_seq_length(layer_idx)
+        return self.seen
 
-    def discard(self) -> None:
-        """Drop a verified tree without committing anything (K/V appended by the tree are removed)."""
-        for i, n0 in self._kv_len.items():
-            layer = self.layers[i]
-            layer.keys = layer.keys[:, :, :n0]
-            layer.values = layer.values[:, :, :n0]
-        self._reset_pending()
+    def get_query_offset(self, layer_idx: int = 0):
+        """Absolute slot of the first query; while verifying a branching tree, per node (prefix + depth)
+        minus its index, so that `arange(q) + offset` is every node's own position."""
+        if self.verification is None:
+            return self.seen
+        self.reads_slot_positions = True
+        depth = self._uniform_depth()
+        if depth is None:
+            return self.seen
+        return self.seen + depth - torch.arange(depth.shape[0], device=depth.device)
 
-    def _reset_pending(self) -> None:
-        self._pending_conv.clear()
-        self._pending_rec.clear()
-        self._kv_len = {}
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if not self.attention or self.valid is None:
+            return super().get_mask_sizes(query_length, layer_idx)
+        if layer_idx >= len(self.layers) or layer_idx not in self.kv_widths():
+            layer_idx = self.attention[0].index
+        if self.verification is None:
+            width = hf_layers.kv_width(self.layers[layer_idx])
+            return width + query_length, self.seen - width
+        self.reads_slot_positions = True
+        width = self.verification.kv_start[layer_idx]
+        depth = self._uniform_depth()
+        if depth is None:
+            return width + query_length, self.seen - width
+        nodes = self.seen + depth - torch.arange(width, width + depth.shape[0], device=depth.device)
+        return width + query_length, torch.cat([nodes.new_full((width,), self.seen - width), nodes])
 
-    def commit(self, tree: TokenTree, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance every row past its accepted path root -> last[b]. Returns (path [B, M], lengths [B]).
-
-        Attention layers keep M new slots per row; slots past a row's length hold stale K/V that the
-        caller must mask out (the engine tracks a per-row validity mask)."""
-        path, lengths = tree.paths(last)
-        # conv windows: one op call per group of layers with equal shapes
-        groups: dict[tuple, list] = {}
-        for (li, si), nodes in self._pending_conv.items():
-            committed = self.layers[li].conv_states[si]
-            key = (tuple(committed.shape), committed.dtype, tuple(nodes.shape), nodes.dtype)
-            groups.setdefault(key, []).append((committed, nodes))
-        for items in groups.values():
-            k = len(items)
-            new = conv_window(
-                torch.cat([c for c, _ in items]), torch.cat([n for _, n in items]), path.repeat(k, 1), lengths.repeat(k)
+    def _uniform_depth(self) -> torch.Tensor | None:
+        """The tree's node depths if every row has the same depth per node index (None for chains: then
+        positions are plain slot offsets); raises for batches whose rows differ (trees must be level-aligned
+        for a model that derives positions from cache slots)."""
+        tree = self.verification.tree
+        depth = tree.depth
+        if tree.depth_is_index:
+            return None
+        if depth.shape[0] > 1 and not bool((depth == depth[:1]).all()):
+            raise RuntimeError(
+                "the model derives positions from cache slots; verify level-aligned trees (same depth per node "
+                "index in every row), see TokenTree.level_aligned"
             )
-            for (target, _), part in zip(items, new.split(items[0][0].shape[0])):
-                target.copy_(part)
-        # recurrent states: gather (materialize), batched SSD replay, or the op's replay closure
-        ssd_groups: dict[tuple, list] = {}
-        for (li, si), rec in self._pending_rec.items():
-            target = self.layers[li].recurrent_states[si]
-            if rec.states is not None:
-                target.copy_(gather_states(rec.states, last).to(target.dtype))
-            elif rec.ssd is not None:
-                a = rec.ssd
-                key = tuple(
-                    (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, v) for n, v in a.items()
-                )
-                if target.numel() > _BATCH_REPLAY_MAX_STATE:  # big states: concatenating them costs more
-                    key = (li, si)
-                ssd_groups.setdefault(key, []).append((target, a))
+        return depth[0]
+
+    # ---------------------------------------------------------------- verification
+    @contextlib.contextmanager
+    def verifying(self, tree: TokenTree) -> Iterator[Verification]:
+        """Run model forwards on `tree` without changing committed state; then commit or discard."""
+        if self.verification is not None:
+            raise RuntimeError("SpecCache is already verifying a tree")
+        verification = Verification(self, tree, self.commit_strategy)
+        self.verification = verification
+        try:
+            yield verification
+        except BaseException:
+            verification.discard()
+            raise
+        finally:
+            self.verification = None
+
+    def drop_kv(self, widths: dict[int, int]) -> None:
+        """Remove the slots appended after `widths` (a discarded tree)."""
+        for a in self.attention:
+            layer = self.layers[a.index]
+            keys, values = hf_layers.kv(layer)
+            if keys is not None:
+                hf_layers.set_kv(layer, keys[:, :, : widths[a.index]], values[:, :, : widths[a.index]], self.seen)
+
+    def keep_kv(self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Keep each row's committed slots plus its accepted path, right-aligned, and nothing else."""
+        self.n_real = self.n_real + lengths
+        if not self.attention:
+            self.seen += int(lengths.max())
+            return
+        b, w = self.valid.shape
+        dev = self.valid.device
+        first = torch.where(self.valid.any(1), self.valid.int().argmax(1), torch.full_like(lengths, w))
+        block = w - first  # each row's slots, from its first real one
+        new_block = block + lengths
+        width = int(new_block.max())
+        j = torch.arange(width, device=dev)[None, :] - (width - new_block)[:, None]  # index inside the row's block
+        old = j < block[:, None]
+        # source column relative to the end of the committed layout (< 0), or the tree node (>= 0)
+        node = torch.gather(path, 1, (j - block[:, None]).clamp(0, path.shape[1] - 1))
+        source = torch.where(old, j - block[:, None], node)
+        source = torch.where(j < 0, torch.full_like(source, -1), source)
+        old_valid = torch.gather(self.valid, 1, (first[:, None] + j).clamp(0, max(w - 1, 0))) if w else old
+        valid = (j >= 0) & (~old | old_valid)
+        self.seen = max(int(self.n_real.max()), width)
+        needed = self._needed_width(width)
+        self.valid = valid[:, width - needed :]
+        simple = b == 1 and bool((first == 0).all())
+        for a in self.attention:
+            layer = self.layers[a.index]
+            keys, values = hf_layers.kv(layer)
+            start = widths[a.index]
+            keep = width if a.window is None else min(a.window - 1, width)
+            if simple:  # one row: the committed slots stay, the path's slots follow
+                tail = path[0, : int(lengths[0])] + start
+                keys = torch.cat([keys[:, :, :start], keys[:, :, tail]], dim=2)[:, :, -keep:]
+                values = torch.cat([values[:, :, :start], values[:, :, tail]], dim=2)[:, :, -keep:]
             else:
-                target.copy_(rec.replay(last, path, lengths).to(target.dtype))
-        rows = torch.arange(last.shape[0], device=last.device)
-        for items in ssd_groups.values():
-            self._replay_ssd(items, rows, last)
-        for li, n0 in self._kv_len.items():
-            layer = self.layers[li]
-            for name in ("keys", "values"):
-                full = getattr(layer, name)
-                tail = full[:, :, n0:]
-                idx = path[:, None, :, None].expand(full.shape[0], full.shape[1], path.shape[1], full.shape[3])
-                setattr(layer, name, torch.cat([full[:, :, :n0], torch.gather(tail, 2, idx)], dim=2))
-        self._reset_pending()
-        return path, lengths
-
-    @staticmethod
-    def _replay_ssd(items: list, rows: torch.Tensor, last: torch.Tensor) -> None:
-        """Replay the accepted paths of several SSD layers (same shapes) in one ssd_state_at call."""
-        first = items[0][1]
-        b, h = first["x"].shape[0], first["x"].shape[2]
-
-        def cat(name):
-            vals = [a[name] for _, a in items]
-            if vals[0] is None:
-                return None
-            if vals[0].ndim == 1:  # per-layer parameters -> one row per (layer, batch row)
-                return torch.cat([v.expand(b, h) for v in vals])
-            return torch.cat(vals)
-
-        mask = first["ancestor_mask"][rows, last].repeat(len(items), 1)
-        new = ssd_state_at(
-            cat("x"), cat("dt"), cat("A"), cat("Bm"), cat("dt_bias"), cat("h0"), mask,
-            first["dt_softplus"], first["dt_min"], first["dt_max"],
-        )  # fmt: skip
-        for (target, _), part in zip(items, new.split(b)):
-            target.copy_(part.to(target.dtype))
+                col = (source + start)[:, width - keep :].clamp(0, keys.shape[2] - 1)
+                keys, values = (torch.gather(t, 2, col[:, None, :, None].expand(b, t.shape[1], keep, t.shape[3]))
+                                for t in (keys, values))  # fmt: skip
+            hf_layers.set_kv(layer, keys, values, self.seen)
 
     # ---------------------------------------------------------------- snapshots (draft models)
-    def snapshot(self) -> list[tuple]:
-        """A copy of all committed states, for a drafter that advances and must roll back."""
-        snap = []
+    def snapshot(self) -> dict:
+        """Everything needed to roll the cache back: conv/recurrent states (copied, they change in place),
+        K/V (references: ssmspec and HF only ever replace them) and the slot layout."""
+        states = []
         for layer in self.layers:
-            item = {}
-            if isinstance(layer, LinearAttentionCacheLayerMixin):
-                item["conv"] = {k: (v.clone() if v is not None else None) for k, v in layer.conv_states.items()}
-                item["rec"] = {k: (v.clone() if v is not None else None) for k, v in layer.recurrent_states.items()}
-            if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None:
-                item["kv_len"] = layer.get_seq_length()
-            snap.append(item)
-        return snap
+            item = {name: {k: (v.clone() if v is not None else None) for k, v in d.items()}
+                    for name, d in hf_layers.state_dicts(layer).items()}  # fmt: skip
+            item["kv"] = hf_layers.kv(layer) if hasattr(layer, "keys") else (None, None)
+            states.append(item)
+        return {"layers": states, "valid": self.valid, "seen": self.seen, "n_real": self.n_real}
 
-    def restore(self, snap: list[dict]) -> None:
-        """Put back the states saved by `snapshot` (in place, keeping tensor addresses)."""
-        for layer, item in zip(self.layers, snap):
-            for k, v in item.get("conv", {}).items():
-                if v is not None:
-                    layer.conv_states[k].copy_(v)
-            for k, v in item.get("rec", {}).items():
-                if v is not None:
-                    layer.recurrent_states[k].copy_(v)
-            if "kv_len" in item:
-                n0 = item["kv_len"]
-                layer.keys = layer.keys[:, :, :n0]
-                layer.values = layer.values[:, :, :n0]
+    def restore(self, snap: dict) -> None:
+        """Put back the state saved by `snapshot` (conv/recurrent states in place, keeping addresses)."""
+        for layer, item in zip(self.layers, snap["layers"]):
+            for name, d in hf_layers.state_dicts(layer).items():
+                for k, v in item[name].items():
+                    if v is not None:
+                        d[k].copy_(v)
+            keys, values = item["kv"]
+            if keys is not None:
+                hf_layers.set_kv(layer, keys, values, snap["seen"])
+        self.valid, self.seen, self.n_real = snap["valid"], snap["seen"], snap["n_real"]

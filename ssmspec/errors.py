@@ -8,12 +8,13 @@ class SSMSpecError(Exception):
 
 
 class UnsupportedModelError(SSMSpecError, ValueError):
-    """A module's recurrence does not go through a seam ssmspec knows how to make tree-aware."""
+    """ssmspec cannot verify (part of) a model exactly: the module is named, and why (a recurrence outside any
+    known seam, an argument a seam adapter does not know, a tree that would give other values than HF, ...)."""
 
     def __init__(self, module_path: str, reason: str) -> None:
         self.module_path = module_path
         self.reason = reason
-        super().__init__(f"ssmspec cannot transform module `{module_path}`: {reason}")
+        super().__init__(f"ssmspec cannot verify `{module_path}` exactly: {reason}")
 
 
 class InvalidTreeError(SSMSpecError, ValueError):
@@ -22,3 +23,12 @@ class InvalidTreeError(SSMSpecError, ValueError):
 
 class VocabMismatchError(SSMSpecError, ValueError):
     """A draft model's vocabulary differs from the target's."""
+
+
+class UnsupportedSettingError(SSMSpecError, NotImplementedError, ValueError):
+    """A generation setting (or generate argument) that speculative decoding does not apply exactly: refused,
+    named, never ignored. Both a NotImplementedError and a ValueError, so either `except` catches it."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        self.setting = setting
+        super().__init__(message)

@@ -1,41 +1,55 @@
 """ssmspec.transform(): make a Hugging Face SSM / hybrid causal LM verify token trees and speculate.
 
-It runs the seam rewrite pass (ssmspec.passes.seams) on every mixer, checks that every recurrent layer is
-covered (otherwise UnsupportedModelError names the module), and gives the model an HF-style `generate`
-that speculates when asked to (prompt_lookup_num_tokens, assistant_model, speculation=SpecConfig(...)).
-Plain forwards and plain `generate` calls are HF's own, unchanged.
+It installs the tree-aware seams (ssmspec.hf.seams) on every mixer, checks that every recurrent layer is
+covered and every cache layer can take a tree (otherwise UnsupportedModelError names the module), gives the
+model an HF-style `generate` that speculates when asked to (prompt_lookup_num_tokens, assistant_model,
+speculation=SpecConfig(...)), and runs the value-checking probe (ssmspec.probe). It is transactional: a
+refused transform leaves the model exactly as it was. Plain forwards and plain `generate` calls stay HF's.
 """
 
 from __future__ import annotations
 
+import copy
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ssmspec.errors import UnsupportedModelError
-from ssmspec.passes.seams import rewrite_mixers
+from ssmspec.hf import layers as hf_layers
+from ssmspec.hf import seams as hf_seams
+from ssmspec.ops import using_kernel_policy
+from ssmspec.probe import probe
+from ssmspec.speculate import generate as spec_generate
+from ssmspec.speculate.config import SpecConfig
+from ssmspec.speculate.drafters import check_vocab
 
 _RECURRENT_NAME = re.compile(
     r"mamba|mixer|rwkv|recurrent|lstm|rglru|ssm|linear_?attn|time_?mix|conv|selfattention|block", re.I
 )
 _SUPPORTED_ATTN = ("eager", "sdpa")
-# Filled by ssmspec.speculate.generate on import (imports point down the layers, so transform cannot import
-# the decoding loop): the mixin that adds speculative `generate`, and checks run on every transformed model.
-GENERATE_MIXINS: list[type] = []
-POST_TRANSFORM_CHECKS: list[Callable[[nn.Module], None]] = []
+_KERNEL_POLICIES = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
+                    "reference": "reference"}  # fmt: skip
 
 
 @dataclass
 class TransformInfo:
-    """What transform() found: rewritten mixers and their seams, recurrent and attention layer indices."""
+    """What transform() found: rewritten mixers and their seams, recurrent and attention layer indices, and
+    what the probe established: whether branching trees and batches verify exactly (`limits` says why not,
+    naming the layer), whether the model reads positions from cache slots, the largest relative differences."""
 
     mixers: dict[str, list[str]]
     recurrent_layers: list[int]
     attention_layers: list[int]
+    trees: bool = True
+    batches: bool = True
+    limits: dict[str, str] = field(default_factory=dict)
+    slot_positions: bool = False
+    probe_diffs: dict[str, float] = field(default_factory=dict)
 
 
 def _describe(model: nn.Module) -> str:
@@ -51,12 +65,13 @@ def _check(model: nn.Module, mixers: dict[str, list[str]]) -> TransformInfo:
     stateful = bool(getattr(model, "_is_stateful", False))
     try:
         layers = DynamicCache(config=config).layers
+        types = hf_layers.layer_types(config)
     except Exception as exc:  # noqa: BLE001 - any failure here means HF cannot cache this model generically
         if stateful:
             raise UnsupportedModelError(_describe(model), f"its cache cannot be built generically ({exc})") from exc
-        layers = []
-    recurrent = [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
-    attention = [i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin)]
+        layers, types = [], []
+    recurrent = hf_layers.recurrent_layers(layers)
+    attention = hf_layers.attention_layers(layers)
     if stateful and not mixers:
         raise UnsupportedModelError(
             _describe(model),
@@ -67,38 +82,141 @@ def _check(model: nn.Module, mixers: dict[str, list[str]]) -> TransformInfo:
     for i in recurrent:
         if i not in covered:
             raise UnsupportedModelError(f"layer {i}", "a recurrent layer whose mixer calls no known kernel seam")
-    for i, layer in enumerate(layers):
-        if hasattr(layer, "sliding_window") or "Sliding" in type(layer).__name__:
-            raise UnsupportedModelError(f"layer {i}", "sliding-window attention is not supported for tree verification")
+    bad = hf_layers.unsupported_layer(layers, types)
+    if bad is not None:
+        raise UnsupportedModelError(f"layer {bad[0]}", bad[1])
+    windows = {a.window for a in attention if a.window is not None}
+    if len(windows) > 1:
+        raise UnsupportedModelError(
+            type(model).__name__, f"sliding-window layers with different windows {sorted(windows)} (one mask per type)"
+        )
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if attention and impl not in _SUPPORTED_ATTN:
         raise UnsupportedModelError(
             type(model).__name__, f"attention implementation {impl!r} cannot take a tree mask; use 'sdpa' or 'eager'"
         )
-    return TransformInfo(mixers=mixers, recurrent_layers=recurrent, attention_layers=attention)
+    return TransformInfo(mixers=mixers, recurrent_layers=recurrent, attention_layers=[a.index for a in attention])
 
 
-_CLASS_CACHE: dict[type, type] = {}
+class SpecGenerationMixin:
+    """Added to a transformed model's class: speculative `generate`, per-model kernel policy in `compile`,
+    and pickling that finds the class again. Without speculation arguments `generate` is HF's own."""
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        *,
+        prompt_lookup_num_tokens: int | None = None,
+        assistant_model: nn.Module | None = None,
+        speculation: SpecConfig | None = None,
+        **kwargs: Any,
+    ):
+        """HF generate; speculative (greedy, exact) when prompt_lookup_num_tokens, assistant_model or
+        speculation is given, when the generation config asks for prompt lookup, or when the model was
+        transformed with a default SpecConfig. The assistant model is never changed (a transformed copy
+        sharing its weights drafts)."""
+        asked = prompt_lookup_num_tokens is not None or assistant_model is not None or speculation is not None
+        configured = any(getattr(c, "prompt_lookup_num_tokens", None) is not None
+                         for c in (generation_config, self.generation_config))  # fmt: skip
+        if not asked and not configured:
+            speculation = getattr(self, "ssmspec_config", None)
+            if speculation is None:
+                return super().generate(inputs, generation_config, **kwargs)
+        if assistant_model is not None:
+            check_vocab(assistant_model, self.config.get_text_config().vocab_size)
+        draft = prepare_draft(assistant_model) if assistant_model is not None else None
+        with using_kernel_policy(getattr(self, "ssmspec_kernel_policy", None)):
+            return spec_generate.generate(
+                self, inputs, generation_config, prompt_lookup_num_tokens=prompt_lookup_num_tokens, draft=draft,
+                speculation=speculation, kwargs=kwargs,
+            )  # fmt: skip
+
+    def compile(self, *args, **kwargs):
+        """nn.Module.compile; with backend="ssmspec", the `kernels` option becomes this model's kernel policy
+        (for its compiled graphs and its eager commits), not the process's."""
+        if kwargs.get("backend") == "ssmspec":
+            option = (kwargs.get("options") or {}).get("kernels")
+            if option not in _KERNEL_POLICIES:
+                raise ValueError(f"ssmspec backend: kernels must be one of {list(_KERNEL_POLICIES)}, got {option!r}")
+            self.ssmspec_kernel_policy = _KERNEL_POLICIES[option]
+        return super().compile(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        _, _, *rest = super().__reduce_ex__(protocol)
+        return (_new_transformed, (type(self).__ssmspec_base__,), *rest)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        hf_seams.reinstall(self)  # a new process has HF's own seams in the modeling modules
 
 
-def transform(hf_model: nn.Module, config: object | None = None) -> nn.Module:
+_CLASSES: dict[type, type] = {}
+
+
+def transformed_class(cls: type) -> type:
+    """The class of a transformed `cls` model: same name (so save_pretrained writes the original
+    `architectures`), SpecGenerationMixin first. One per original class."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(
+            cls.__name__,
+            (SpecGenerationMixin, cls),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__ssmspec_base__": cls},
+        )
+    return _CLASSES[cls]
+
+
+def _new_transformed(base: type) -> nn.Module:
+    """Unpickling: an empty instance of the transformed class of `base` (its state is set next)."""
+    return object.__new__(transformed_class(base))
+
+
+def transform(hf_model: nn.Module, config: SpecConfig | None = None) -> nn.Module:
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
 
     Plain forward logits stay HF's own, and so does `generate` without speculation arguments, unless
-    `config` (a SpecConfig) is given: then `generate` speculates with it by default.
-    """
-    if not hasattr(hf_model, "generate") or not hasattr(hf_model, "config"):
+    `config` (a SpecConfig) is given: then `generate` speculates with it by default. Raises
+    UnsupportedModelError (naming the module and the reason) for a model ssmspec cannot verify exactly,
+    leaving it untouched."""
+    if not hasattr(hf_model, "generate") or not hasattr(hf_model, "config") or not isinstance(hf_model, nn.Module):
         raise TypeError("ssmspec.transform expects a Hugging Face causal LM (a PreTrainedModel with generate)")
-    mixers = rewrite_mixers(hf_model)
-    info = _check(hf_model, mixers)
-    cls = type(hf_model)
-    mixins = tuple(m for m in GENERATE_MIXINS if not isinstance(hf_model, m))
-    if mixins:
-        if cls not in _CLASS_CACHE:
-            _CLASS_CACHE[cls] = type(f"SSMSpec{cls.__name__}", (*mixins, cls), {"__module__": cls.__module__})
-        hf_model.__class__ = _CLASS_CACHE[cls]
-    hf_model.ssmspec_info = info
-    hf_model.ssmspec_config = config
-    for check in POST_TRANSFORM_CHECKS:
-        check(hf_model)
+    if config is not None and not isinstance(config, SpecConfig):
+        raise TypeError(f"ssmspec.transform(model, config): config must be an ssmspec.SpecConfig, got {config!r}")
+    if isinstance(hf_model, SpecGenerationMixin):
+        hf_model.ssmspec_config = config
+        return hf_model
+    original_class = hf_model.__class__
+    changed: list[nn.Module] = []
+    try:
+        mixers, changed = hf_seams.install(hf_model)
+        info = _check(hf_model, mixers)
+        hf_model.__class__ = transformed_class(original_class)
+        hf_model.ssmspec_info = info
+        result = probe(hf_model)
+        info.trees, info.batches, info.limits = result.trees, result.batches, result.limits
+        info.slot_positions = result.slot_positions
+        info.probe_diffs = {"logits": result.max_logit_diff, "layers": result.max_layer_diff}
+        hf_model.ssmspec_config = config
+    except BaseException:
+        hf_seams.uninstall(changed)
+        hf_model.__class__ = original_class
+        for name in ("ssmspec_info", "ssmspec_config"):
+            hf_model.__dict__.pop(name, None)
+        raise
     return hf_model
+
+
+_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepare_draft(draft: nn.Module) -> nn.Module:
+    """A transformed draft for `draft` without changing it: the draft itself if already transformed, else a
+    transformed copy of its module structure sharing its parameters and buffers (made once per draft)."""
+    if isinstance(draft, SpecGenerationMixin):
+        return draft
+    clone = _DRAFTS.get(draft)
+    if clone is None:
+        shared = {id(t): t for t in (*draft.parameters(), *draft.buffers())}
+        clone = transform(copy.deepcopy(draft, memo=dict(shared)))
+        _DRAFTS[draft] = clone
+    return clone

@@ -69,6 +69,7 @@ class TokenTree:
                 row[:t] = a[p][:t]
                 row[t] = True
         dev = self.tokens.device
+        self.depth_is_index = all(d == list(range(n)) for d in depth)  # every row a chain (positions = slots)
         self._parents_list = par
         self.depth = torch.tensor(depth, dtype=torch.long, device=dev)
         self.ancestor_mask = torch.tensor(anc, dtype=torch.bool, device=dev)
@@ -83,7 +84,8 @@ class TokenTree:
         pad_token_id: int = 0,
         device: torch.device | str | None = None,
     ) -> TokenTree:
-        """Build a batch from per-row python lists, padding short rows with unacceptable children of the root."""
+        """Build a batch from per-row python lists, padding short rows with unacceptable nodes (a chain below
+        the row's last node, so that a batch of chains is a chain)."""
         if len(tokens) != len(parents) or len(tokens) == 0:
             raise InvalidTreeError("tokens and parents need one (non-empty) entry per batch row")
         n = max(len(t) for t in tokens)
@@ -95,7 +97,8 @@ class TokenTree:
                 raise InvalidTreeError("a token tree needs at least its root node")
             pad = n - len(row_t)
             tok.append(list(row_t) + [pad_token_id] * pad)
-            par.append(list(row_p) + [0] * pad)
+            # padding continues the row's last node as a chain: a row of chains stays a chain
+            par.append(list(row_p) + list(range(len(row_t) - 1, n - 1)))
             ok.append([True] * len(row_t) + [False] * pad)
         return cls(
             torch.tensor(tok, dtype=torch.long, device=device),
@@ -109,6 +112,49 @@ class TokenTree:
         b, n = tokens.shape
         parents = (torch.arange(n, device=tokens.device) - 1).expand(b, n).clone()
         return cls(tokens, parents)
+
+    def level_aligned(self, pad_token_id: int = 0) -> tuple[TokenTree, torch.Tensor]:
+        """The same trees with nodes sorted by depth and each level padded (with never-acceptable nodes) to
+        the same width in every row, so that node index t has one depth in all rows. Needed by models that
+        derive positions from cache slots. Returns (tree, source [B, N'] = original node index, -1 padding)."""
+        depth = self.depth.tolist()
+        ok = self.acceptable.tolist()
+        tok = self.tokens.tolist()
+        levels = [[[t for t in range(self.num_nodes) if d[t] == lv] for lv in range(max(d) + 1)] for d in depth]
+        widths = [max(len(rows[lv]) if lv < len(rows) else 0 for rows in levels) for lv in range(max(map(len, levels)))]
+        tokens, parents, accept, source = [], [], [], []
+        for r, rows in enumerate(levels):
+            new_index: dict[int, int] = {}
+            t_r, p_r, a_r, s_r = [], [], [], []
+            level_start = 0
+            for lv, width in enumerate(widths):
+                nodes = rows[lv] if lv < len(rows) else []
+                for k in range(width):
+                    if k < len(nodes):
+                        old = nodes[k]
+                        new_index[old] = len(t_r)
+                        par = self._parents_list[r][old]
+                        t_r.append(tok[r][old])
+                        p_r.append(new_index[par] if par >= 0 else -1)
+                        a_r.append(ok[r][old])
+                        s_r.append(old)
+                    else:  # padding: a child of the first node one level up
+                        t_r.append(pad_token_id)
+                        p_r.append(level_start - widths[lv - 1])
+                        a_r.append(False)
+                        s_r.append(-1)
+                level_start += width
+            tokens.append(t_r)
+            parents.append(p_r)
+            accept.append(a_r)
+            source.append(s_r)
+        dev = self.tokens.device
+        tree = TokenTree(
+            torch.tensor(tokens, dtype=self.tokens.dtype, device=dev),
+            torch.tensor(parents, dtype=torch.long, device=dev),
+            torch.tensor(accept, dtype=torch.bool, device=dev),
+        )
+        return tree, torch.tensor(source, dtype=torch.long, device=dev)
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ssmspec
-from ssmspec.backend import STATS
+from ssmspec.compile.backend import STATS
 from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.testing import OracleDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES
@@ -40,8 +40,8 @@ def _compiled_vs_eager(family: str, options: dict) -> None:
     for model in (eager, compiled):
         got, _, _ = speculative_generate(
             model, ids, mask, max_new_tokens=8, eos_token_ids=eos, pad_token_id=pad,
-            drafter=OracleDrafter(rows, vocab_size=96, right_prefix=2, distractors=1), max_draft_nodes=6,
-            max_draft_depth=3,
+            drafter=OracleDrafter(rows, vocab_size=96, right_prefix=2, distractors=1), tree_budget=6,
+            num_draft_tokens=3,
         )  # fmt: skip
         assert torch.equal(got, want)
     assert STATS.graphs > 0 and STATS.tree_ops > 0, "no tree op reached the backend"

@@ -33,7 +33,7 @@ def test_verify_then_discard_or_restore_is_a_no_op(family):
     tree = TokenTree.from_lists([[5, 6, 7, 8], [9, 10]], [[-1, 0, 0, 1], [-1, 0]])
     logits = runner.verify(tree)
     assert logits.shape[:2] == (2, 4)
-    runner.cache.discard()
+    runner.discard()
     for a, b in zip(before, _states(runner.cache)):
         assert torch.equal(a, b)
     snap = runner.snapshot()
@@ -46,13 +46,13 @@ def test_verify_then_discard_or_restore_is_a_no_op(family):
 
 def test_commit_strategy_is_validated():
     with pytest.raises(ValueError, match="commit strategy"):
-        ssmspec.SpecCache(cached_tiny_model("mamba2").config, strategy="nope")
+        ssmspec.SpecCache(cached_tiny_model("mamba2").config, commit="nope")
 
 
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_layer_by_layer_replay_equals_batched_replay(family, monkeypatch):
     """Commit replays small SSD states in one batched call and big ones layer by layer: same result."""
-    import ssmspec.cache as cache_module
+    import ssmspec.ops.ssd as ssd_module
 
     ref = cached_tiny_model(family)
     ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -60,6 +60,6 @@ def test_layer_by_layer_replay_equals_batched_replay(family, monkeypatch):
     model = ssmspec.transform(copy.deepcopy(ref))
     spec = ssmspec.SpecConfig(tree=True, num_draft_tokens=3)
     batched = model.generate(ids, max_new_tokens=10, speculation=spec)
-    monkeypatch.setattr(cache_module, "_BATCH_REPLAY_MAX_STATE", 0)
+    monkeypatch.setattr(ssd_module, "BATCH_REPLAY_MAX_STATE", 0)
     assert torch.equal(model.generate(ids, max_new_tokens=10, speculation=spec), batched)
     assert torch.equal(batched, want)

@@ -30,7 +30,8 @@ def test_from_lists_pads_with_unacceptable_nodes():
     tree = TokenTree.from_lists([[5, 6, 7], [8]], [[-1, 0, 1], [-1]], pad_token_id=0)
     assert tree.tokens.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert tree.acceptable.tolist() == [[True, True, True], [True, False, False]]
-    assert tree.depth.tolist() == [[0, 1, 2], [0, 1, 1]]
+    assert tree.depth.tolist() == [[0, 1, 2], [0, 1, 2]]  # padding continues the row as a chain
+    assert tree.depth_is_index
 
 
 @given(tree=trees(batch_size=2, max_nodes=12))

@@ -34,14 +34,13 @@ KERNELS = {
 _EAGER_ENABLED = False
 
 
-def enable_eager_kernels(policy: str | None = None) -> None:
+def enable_eager_kernels() -> None:
     """Give every reference op a CUDA implementation that dispatches through `SELECTOR`, so eager calls on
     CUDA tensors (the commit after each step, uncompiled verification, reference ops left in a compiled
-    graph) run the kernel where it is faster. `policy` ("auto", "kernels", "reference") sets
-    SELECTOR.policy when given. CPU calls are unchanged."""
+    graph) run the kernel where the running model's policy says so (ssmspec.ops.kernel_policy: "reference"
+    for models not compiled with the backend, so registering changes nothing for them). CPU calls are
+    unchanged. Idempotent."""
     global _EAGER_ENABLED
-    if policy is not None:
-        SELECTOR.policy = policy
     if _EAGER_ENABLED:
         return
     for ref, kernel in KERNELS.items():

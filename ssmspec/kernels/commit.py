@@ -1,5 +1,6 @@
 """Triton commit kernels: the new conv window (last S inputs along each row's accepted path, committed
-columns filling the rest) and the materialize gather. Same interfaces as ssmspec.ops.commit."""
+columns filling the rest) and the materialize gather. Same interfaces as ssmspec.ops.conv.conv_window and
+ssmspec.ops.gather_states."""
 
 from __future__ import annotations
 

@@ -4,8 +4,10 @@ A kernel that is slower than its reference must not run by default, and which on
 the dtype and the shapes (tree size, heads, state size). Under the default policy "auto", the first call of
 an op with a new argument signature runs both sides, checks that they agree, times them (warm-up, then the
 median of a few interleaved calls, synchronised), and every later call with that signature runs the faster
-one. "kernels" and "reference" force one side (benchmarks, debugging). A kernel whose output disagrees
-with the reference is never chosen, and a warning names the op and the difference.
+one. "kernels" and "reference" force one side (benchmarks, debugging). A kernel that fails (a compile error)
+or whose output disagrees with the reference is never chosen, and a warning names the op and the reason.
+The policy is the running model's (ssmspec.ops.kernel_policy, per thread): "reference" unless that model
+was compiled with the ssmspec backend, so compiling one model never changes how another runs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-POLICIES = ("auto", "kernels", "reference")
+from ssmspec.ops import kernel_policy, using_kernel_policy
 
 
 @dataclass(frozen=True)
@@ -80,37 +82,30 @@ def _timer(device_type: str) -> Callable[[Callable[[], Any]], float]:
 
 
 class KernelSelector:
-    """Per-(op, signature) choice between a kernel and its reference (see the module docstring)."""
+    """Per-(op, signature) choice between a kernel and its reference (see the module docstring). The
+    measurements are a cache of facts about this GPU; the policy that uses them is per thread."""
 
-    def __init__(self, policy: str = "auto", repeats: int = 5) -> None:
-        self.policy = policy
+    def __init__(self, repeats: int = 5) -> None:
         self.repeats = repeats
         self.choices: dict[tuple, Choice] = {}
 
     @property
     def policy(self) -> str:
-        return self._policy
-
-    @policy.setter
-    def policy(self, value: str) -> None:
-        if value not in POLICIES:
-            raise ValueError(f"kernel policy must be one of {POLICIES}, got {value!r}")
-        self._policy = value
+        """The policy of the model running in this thread."""
+        return kernel_policy()
 
     @contextlib.contextmanager
     def forced(self, policy: str) -> Iterator[None]:
-        """Run a block under another policy."""
-        old, self.policy = self.policy, policy
-        try:
+        """Run a block under another policy (this thread only)."""
+        with using_kernel_policy(policy):
             yield
-        finally:
-            self.policy = old
 
     def run(self, name: str, reference: Callable, kernel: Callable, args: Sequence[Any]) -> Any:
         """Call the side the policy (and, under "auto", the measurement for this signature) picks."""
-        if self.policy == "kernels":
+        policy = kernel_policy()
+        if policy == "kernels":
             return kernel(*args)
-        if self.policy == "reference":
+        if policy == "reference":
             return reference(*args)
         key = (name, signature(args))
         choice = self.choices.get(key)
@@ -122,7 +117,17 @@ class KernelSelector:
         """Run both sides on these arguments: agreement first, then the median time of each."""
         device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
         timer = _timer(device)
-        want, got = reference(*args), kernel(*args)  # also the warm-up (Triton compiles here)
+        want = reference(*args)
+        try:
+            got = kernel(*args)  # also the warm-up (Triton compiles here)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run is never chosen
+            warnings.warn(
+                f"ssmspec: kernel {name} failed for {signature(args)} ({type(exc).__name__}: {str(exc)[:200]}); "
+                "running the reference for these shapes",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return Choice(False, float("nan"), float("nan"), float("nan"), False)
         diff, agrees = _max_diff(want, got)
         if not agrees:
             warnings.warn(

@@ -1,8 +1,13 @@
-"""Helpers shared by the reference tree ops: compute dtypes and level-by-level tree evaluation."""
+"""Shared by the op families: the custom-op registration, compute dtypes, level-by-level tree evaluation,
+the seam-adapter and commit registries each family file fills in, and the materialize commit (a gather)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -99,3 +104,133 @@ def levelwise_states(
         keep = valid.view(b, k, *([1] * (h0.ndim - 1)))
         states[rows, idx] = torch.where(keep, new, states[rows, idx])
     return states
+
+
+# ------------------------------------------------------------------------------------------ seam adapters
+class SeamCall(Protocol):
+    """What a seam adapter sees of the verification in progress (ssmspec.hf.seams.MixerCall implements it):
+    the tree, the commit strategy, the calling mixer's committed state, and a place to leave commit records."""
+
+    module: str
+
+    @property
+    def tree(self) -> Any: ...
+
+    @property
+    def commit_strategy(self) -> str: ...
+
+    def committed_state(self, seam: str, expected: tuple[int, ...]) -> torch.Tensor | None: ...
+
+    def record(self, seam: str, kind: str, *, states: torch.Tensor | None = None, **replay: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class SeamAdapter:
+    """How one HF kernel seam is verified on a tree.
+
+    run(call, arguments) returns what the seam would return; `understands` are the arguments it reads,
+    `ignores` those that cannot change the result (chunk sizes, backend switches). Any other argument
+    given a non-default value makes the call fail closed (UnsupportedModelError names the argument)."""
+
+    seam: str
+    run: Callable[[SeamCall, dict[str, Any]], Any]
+    understands: frozenset[str]
+    ignores: frozenset[str] = frozenset()
+
+
+@dataclass
+class Record:
+    """What a tree op left for commit, for one (layer, state index): every node's state (materialize) or
+    the recurrence inputs to replay along the accepted path (replay)."""
+
+    kind: str
+    layer: int
+    state_idx: int
+    states: torch.Tensor | None = None
+    replay: dict[str, Any] = field(default_factory=dict)
+
+
+# commit(items: [(committed state tensor to overwrite, Record)], path [B, M], lengths [B], last [B])
+CommitFn = Callable[[list[tuple[torch.Tensor, Record]], torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+ADAPTERS: dict[str, SeamAdapter] = {}
+COMMITS: dict[str, CommitFn] = {}
+
+
+def seam_adapter(*seams: str, understands: tuple[str, ...], ignores: tuple[str, ...] = ()) -> Callable:
+    """Register a function as the tree adapter of one or more HF kernel seams."""
+
+    def wrap(fn: Callable) -> Callable:
+        for seam in seams:
+            ADAPTERS[seam] = SeamAdapter(seam, fn, frozenset(understands), frozenset(ignores))
+        return fn
+
+    return wrap
+
+
+def commits(kind: str) -> Callable[[CommitFn], CommitFn]:
+    """Register a function as the commit of every Record of this kind."""
+
+    def wrap(fn: CommitFn) -> CommitFn:
+        COMMITS[kind] = fn
+        return fn
+
+    return wrap
+
+
+@reference_op("gather_states")
+def gather_states(states: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Materialize commit: states [B,N,*S], last [B] -> each row's state at its last accepted node [B,*S]."""
+    return states[torch.arange(states.shape[0], device=states.device), last].clone()
+
+
+@gather_states.register_fake
+def _(states, last):
+    return states.new_empty(states.shape[0], *states.shape[2:])
+
+
+gather_states_fast = eager_fast_path(gather_states)
+
+
+def commit_materialized(items: list[tuple[torch.Tensor, Record]], last: torch.Tensor) -> list[tuple]:
+    """Write the materialized records' states (gather at `last`); returns the items left to replay."""
+    rest = []
+    for target, rec in items:
+        if rec.states is not None:
+            target.copy_(gather_states_fast(rec.states, last).to(target.dtype))
+        else:
+            rest.append((target, rec))
+    return rest
+
+
+# ------------------------------------------------------------------------------------------ kernel policy
+KERNEL_POLICIES = ("auto", "kernels", "reference")
+
+
+class _Policy(threading.local):
+    value: str = "reference"  # what a model that was not compiled with the ssmspec backend runs
+
+
+_POLICY = _Policy()
+
+
+def kernel_policy() -> str:
+    """The kernel policy of the model running in this thread: "reference" (plain PyTorch ops), "kernels"
+    (Triton kernels) or "auto" (per shape, whichever was measured faster; ssmspec.kernels.select)."""
+    return _POLICY.value
+
+
+@contextlib.contextmanager
+def using_kernel_policy(policy: str | None) -> Iterator[None]:
+    """Run a block under a model's kernel policy (None: leave the current one). Per thread, so compiling
+    one model never changes how another runs."""
+    if policy is None:
+        yield
+        return
+    if policy not in KERNEL_POLICIES:
+        raise ValueError(f"kernel policy must be one of {KERNEL_POLICIES}, got {policy!r}")
+    outer, _POLICY.value = _POLICY.value, policy
+    try:
+        yield
+    finally:
+        _POLICY.value = outer

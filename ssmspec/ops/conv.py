@@ -1,15 +1,19 @@
-"""Tree causal conv1d (Mamba/Mamba2/GDN/KDA conv, LFM2 short conv): reference op.
+"""Tree causal conv1d (Mamba/Mamba2/GDN/KDA conv, LFM2/LFM3 short conv, Inkling's K/V and residual convs).
 
-Node t convolves its own input with its K-1 nearest ancestors' inputs; where the root-to-t path is
-shorter than K-1, the missing taps come from the committed conv state (the last inputs before the root).
+Reference op: node t convolves its own input with its K-1 nearest ancestors' inputs; where the root-to-t path
+is shorter than K-1, the missing taps come from the committed conv state (the last inputs before the root).
+Seam adapter for `causal_conv1d_fn`; commit `conv_window`: the new conv state is the last S inputs along the
+accepted path (committed columns fill the rest).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ssmspec.ops._common import reference_op
+from ssmspec.ops._common import Record, SeamCall, commits, eager_fast_path, reference_op, seam_adapter
 
 _ACTIVATIONS = {None: None, "": None, "identity": None, "silu": F.silu, "swish": F.silu}
 
@@ -48,3 +52,56 @@ def tree_causal_conv1d(
 @tree_causal_conv1d.register_fake
 def _(x_ext, weight, bias, ancestors, activation):
     return x_ext.new_empty(x_ext.shape[0], x_ext.shape[1], ancestors.shape[1])
+
+
+@reference_op("conv_window")
+def conv_window(
+    committed: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """committed [B,C,S], nodes [B,C,N] (pre-conv inputs of the tree), path [B,M] node indices (padded),
+    lengths [B] path lengths. Returns the new committed state [B,C,S]."""
+    b, c, s = committed.shape
+    ext = torch.cat([committed, nodes.to(committed.dtype)], dim=-1)  # [B, C, S+N]
+    pos = torch.arange(s, device=committed.device)[None, :] - s + lengths[:, None]  # index into the path
+    rows = torch.arange(b, device=committed.device)[:, None]
+    from_path = path[rows, pos.clamp(min=0)] + s
+    from_committed = s + pos  # pos < 0: column s + pos of the committed state
+    idx = torch.where(pos >= 0, from_path, from_committed)
+    return torch.gather(ext, 2, idx[:, None, :].expand(b, c, s))
+
+
+@conv_window.register_fake
+def _(committed, nodes, path, lengths):
+    return torch.empty_like(committed)
+
+
+_tree_conv, _conv_window = eager_fast_path(tree_causal_conv1d), eager_fast_path(conv_window)
+
+
+@seam_adapter("causal_conv1d_fn", understands=("hidden_states", "weight", "bias", "activation"))
+def verify_conv(call: SeamCall, a: dict[str, Any]) -> torch.Tensor:
+    """`causal_conv1d_fn` on [committed conv state | node inputs] (what the cache's update_conv_state handed the
+    mixer): the tree conv of the nodes, left-padded with zeros where the committed columns were, so that the
+    mixer's own `[..., -seq_len:]` slice picks the node outputs."""
+    x_ext, weight = a["hidden_states"], a["weight"]
+    tree = call.tree
+    out = _tree_conv(x_ext, weight, a.get("bias"), tree.ancestors(weight.shape[-1]), a.get("activation") or "")
+    s = x_ext.shape[-1] - tree.num_nodes
+    return torch.cat([out.new_zeros(out.shape[0], out.shape[1], s), out], dim=-1)
+
+
+@commits("conv")
+def commit_conv(items: list[tuple[torch.Tensor, Record]], path: torch.Tensor, lengths: torch.Tensor, last) -> None:
+    """New conv windows: one conv_window call per group of states of equal shape (all layers at once)."""
+    groups: dict[tuple, list] = {}
+    for target, rec in items:
+        nodes = rec.replay["nodes"]
+        key = (tuple(target.shape), target.dtype, tuple(nodes.shape), nodes.dtype)
+        groups.setdefault(key, []).append((target, nodes))
+    for group in groups.values():
+        k = len(group)
+        new = _conv_window(
+            torch.cat([t for t, _ in group]), torch.cat([n for _, n in group]), path.repeat(k, 1), lengths.repeat(k)
+        )
+        for (target, _), part in zip(group, new.split(group[0][0].shape[0])):
+            target.copy_(part)

@@ -2,13 +2,27 @@
 
     S_t = exp(g_t) * S_parent;  S_t += k_t ((v_t - S_t^T k_t) beta_t)^T;  o_t = S_t^T q_t
 with g per head (GDN) or per head and key channel (KDA). Not diagonal, so evaluated level by level.
+Seam adapter for `chunk_gated_delta_rule` and `chunk_kda`; commit: replay along the accepted path or gather.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states, reference_op
+from ssmspec.ops._common import (
+    Record,
+    SeamCall,
+    commit_materialized,
+    commits,
+    compute_dtype,
+    eager_fast_path,
+    gather_nodes,
+    levelwise_states,
+    reference_op,
+    seam_adapter,
+)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -62,3 +76,41 @@ def _(q, k, v, g, beta, h0, parents, depth, use_qk_l2norm, return_states):
     b, n, h, dv = v.shape
     states = q.new_empty(b, n, h, k.shape[-1], dv, dtype=cd) if return_states else q.new_empty(0, dtype=cd)
     return q.new_empty(b, n, h, dv), states
+
+
+_tree_delta = eager_fast_path(tree_delta_rule)
+
+
+@seam_adapter(
+    "chunk_gated_delta_rule",
+    "chunk_kda",
+    understands=("query", "key", "value", "g", "beta", "output_final_state", "use_qk_l2norm_in_kernel"),
+    ignores=("chunk_size",),
+)
+def verify_delta_rule(call: SeamCall, a: dict[str, Any]):
+    """Gated delta rule / KDA on the tree; records the replay inputs (or every node's state)."""
+    keep = call.commit_strategy == "materialize"
+    q, k, v, g, beta = a["query"], a["key"], a["value"], a["g"], a["beta"]
+    seam = "chunk_gated_delta_rule"
+    h0 = call.committed_state(seam, (q.shape[0], v.shape[2], k.shape[3], v.shape[3]))
+    l2 = bool(a.get("use_qk_l2norm_in_kernel", False))
+    tree = call.tree
+    o, states = _tree_delta(q, k, v, g, beta, h0, tree.parents, tree.depth, l2, keep)
+    if keep:
+        call.record(seam, "delta_rule", states=states)
+    else:
+        call.record(seam, "delta_rule", q=q, k=k, v=v, g=g, beta=beta, h0=h0, l2=l2)
+    return o, (h0 if a.get("output_final_state", False) else None)
+
+
+@commits("delta_rule")
+def commit_delta_rule(items: list[tuple[torch.Tensor, Record]], path, lengths, last: torch.Tensor) -> None:
+    """Replay: run the recurrence on each row's accepted path (a chain) from the committed state."""
+    rows = torch.arange(path.shape[0], device=path.device)
+    chain_parents = (torch.arange(path.shape[1], device=path.device) - 1).expand_as(path)
+    chain_depth = torch.arange(path.shape[1], device=path.device).expand_as(path)
+    for target, rec in commit_materialized(items, last):
+        a = rec.replay
+        q, k, v, g, beta = (gather_nodes(a[n], path) for n in ("q", "k", "v", "g", "beta"))
+        states = _tree_delta(q, k, v, g, beta, a["h0"], chain_parents, chain_depth, a["l2"], True)[1]
+        target.copy_(states[rows, lengths - 1].to(target.dtype))

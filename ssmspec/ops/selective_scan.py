@@ -1,15 +1,29 @@
 """Tree selective scan (Mamba1, Jamba, Falcon-Mamba: diagonal A per channel and state): reference op.
 
 The decay exp(dt_t[d] A[d, n]) depends on the state index, so the C.B factorisation of SSD does not hold:
-node states are computed from the parent's state one tree level at a time.
+node states are computed from the parent's state one tree level at a time. Seam adapter for
+`selective_scan_fn`; commit: replay (the recurrence re-run along the accepted path) or materialize (gather).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ssmspec.ops._common import compute_dtype, gather_nodes, levelwise_states, reference_op
+from ssmspec.ops._common import (
+    Record,
+    SeamCall,
+    commit_materialized,
+    commits,
+    compute_dtype,
+    eager_fast_path,
+    gather_nodes,
+    levelwise_states,
+    reference_op,
+    seam_adapter,
+)
 
 
 @reference_op("tree_selective_scan")
@@ -63,3 +77,47 @@ def _(x, dt, A, Bm, Cm, D, z, dt_bias, h0, parents, depth, dt_softplus, return_s
         else x.new_empty(0, dtype=cd)
     )
     return x.new_empty(x.shape), states
+
+
+_tree_scan = eager_fast_path(tree_selective_scan)
+
+
+@seam_adapter(
+    "selective_scan_fn",
+    understands=("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state"),
+    ignores=("use_mambapy", "use_associative_scan"),  # backend switches of the same scan
+)
+def verify_selective_scan(call: SeamCall, a: dict[str, Any]):
+    """Mamba1 selective scan on the tree; records the replay inputs (or every node's state)."""
+    keep = call.commit_strategy == "materialize"
+    x, dt, A, Bm, Cm = a["hidden_states"], a["dt"], a["A"], a["B"], a["C"]
+    seam = "selective_scan_fn"
+    h0 = call.committed_state(seam, (x.shape[0], x.shape[1], A.shape[-1]))
+    bias, sp = a.get("delta_bias"), bool(a.get("delta_softplus", False))
+    tree = call.tree
+    y, states = _tree_scan(x, dt, A, Bm, Cm, a.get("D"), a.get("z"), bias, h0, tree.parents, tree.depth, sp, keep)
+    if keep:
+        call.record(seam, "selective_scan", states=states)
+    else:
+        call.record(seam, "selective_scan", x=x, dt=dt, A=A, Bm=Bm, Cm=Cm, dt_bias=bias, h0=h0, dt_softplus=sp)
+    return (y, h0) if a.get("return_last_state", False) else y
+
+
+def _along(x: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """x [B, C, N] -> [B, C, M]: the nodes of each row's path, along the last dim."""
+    return torch.gather(x, 2, path[:, None, :].expand(x.shape[0], x.shape[1], path.shape[1]))
+
+
+@commits("selective_scan")
+def commit_selective_scan(items: list[tuple[torch.Tensor, Record]], path, lengths, last: torch.Tensor) -> None:
+    """Replay: run the scan on each row's accepted path (a chain) from the committed state; keep its last state."""
+    rows = torch.arange(path.shape[0], device=path.device)
+    chain_parents = (torch.arange(path.shape[1], device=path.device) - 1).expand_as(path)
+    chain_depth = torch.arange(path.shape[1], device=path.device).expand_as(path)
+    for target, rec in commit_materialized(items, last):
+        a = rec.replay
+        states = _tree_scan(
+            _along(a["x"], path), _along(a["dt"], path), a["A"], _along(a["Bm"], path), _along(a["Cm"], path),
+            None, None, a["dt_bias"], a["h0"], chain_parents, chain_depth, a["dt_softplus"], True,
+        )[1]  # fmt: skip
+        target.copy_(states[rows, lengths - 1].to(target.dtype))

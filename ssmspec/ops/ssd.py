@@ -3,16 +3,29 @@
     dt_t = clamp(softplus(dt_raw + dt_bias)), L_t = sum_{s on root->t} dt_s A_h
     y_t  = exp(L_t) C_t h0 + sum_{s on root->t} (C_t . B_s) exp(L_t - L_s) dt_s x_s + D x_t
 
-which is one SSD chunk with the causal mask replaced by the tree's ancestor mask.
+which is one SSD chunk with the causal mask replaced by the tree's ancestor mask. Seam adapter for
+`mamba_chunk_scan_combined`; commit: replay (`ssd_state_at` along the accepted path, all small layers in one
+call) or materialize (gather).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ssmspec.ops._common import compute_dtype, reference_op
+from ssmspec.ops._common import (
+    Record,
+    SeamCall,
+    commit_materialized,
+    commits,
+    compute_dtype,
+    eager_fast_path,
+    reference_op,
+    seam_adapter,
+)
 
 
 def _prepare(x, dt, A, Bm, Cm, dt_bias, dt_softplus, dt_min, dt_max):
@@ -135,3 +148,83 @@ def ssd_states_ref(x, dt, A, Bm, Cm, dt_bias, h0, parents, dt_softplus=True, dt_
         )
         states.append(new)
     return torch.stack(states, 1)
+
+
+_tree_ssd, _ssd_state_at = eager_fast_path(tree_ssd), eager_fast_path(ssd_state_at)
+# SSD layers whose committed states are at most this many elements are replayed in one batched call (small
+# models are bound by per-op overhead); larger states are replayed layer by layer, since the batched call
+# would first copy every layer's state.
+BATCH_REPLAY_MAX_STATE = 65536
+
+
+@seam_adapter(
+    "mamba_chunk_scan_combined",
+    understands=(
+        "hidden_states",
+        "dt",
+        "A",
+        "B",
+        "C",
+        "D",
+        "dt_bias",
+        "dt_softplus",
+        "dt_limit",
+        "return_final_states",
+    ),  # fmt: skip
+    ignores=("chunk_size",),
+)
+def verify_ssd(call: SeamCall, a: dict[str, Any]):
+    """Mamba2 chunk scan on the tree: outputs of every node from the committed state; records the replay
+    inputs (or, for materialize, every node's state)."""
+    lo, hi = a.get("dt_limit", (0.0, float("inf")))
+    keep = call.commit_strategy == "materialize"
+    x, dt, A, Bm, Cm = a["hidden_states"], a["dt"], a["A"], a["B"], a["C"]
+    seam = "mamba_chunk_scan_combined"
+    h0 = call.committed_state(seam, (x.shape[0], x.shape[2], x.shape[3], Bm.shape[-1]))
+    D, bias, sp = a.get("D"), a.get("dt_bias"), bool(a.get("dt_softplus", False))
+    mask = call.tree.ancestor_mask
+    y, states = _tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, mask, sp, float(lo), float(hi), keep)
+    if keep:
+        call.record(seam, "ssd", states=states)
+    else:
+        call.record(seam, "ssd", x=x, dt=dt, A=A, Bm=Bm, dt_bias=bias, h0=h0, ancestor_mask=mask, dt_softplus=sp,
+                    dt_min=float(lo), dt_max=float(hi))  # fmt: skip
+    return (y, h0) if a.get("return_final_states", False) else y
+
+
+@commits("ssd")
+def commit_ssd(items: list[tuple[torch.Tensor, Record]], path, lengths, last: torch.Tensor) -> None:
+    """Materialized states are gathered; replayed layers of equal shapes share one ssd_state_at call."""
+    groups: dict[tuple, list] = {}
+    for target, rec in commit_materialized(items, last):
+        key = tuple(
+            (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, v) for n, v in rec.replay.items()
+        )
+        if target.numel() > BATCH_REPLAY_MAX_STATE:  # big states: concatenating them costs more than it saves
+            key = (rec.layer, rec.state_idx)
+        groups.setdefault(key, []).append((target, rec.replay))
+    rows = torch.arange(last.shape[0], device=last.device)
+    for group in groups.values():
+        _replay(group, rows, last)
+
+
+def _replay(items: list, rows: torch.Tensor, last: torch.Tensor) -> None:
+    """Replay the accepted paths of several SSD layers (same shapes) in one ssd_state_at call."""
+    first = items[0][1]
+    b, h = first["x"].shape[0], first["x"].shape[2]
+
+    def cat(name):
+        vals = [a[name] for _, a in items]
+        if vals[0] is None:
+            return None
+        if vals[0].ndim == 1:  # per-layer parameters -> one row per (layer, batch row)
+            return torch.cat([v.expand(b, h) for v in vals])
+        return torch.cat(vals)
+
+    mask = first["ancestor_mask"][rows, last].repeat(len(items), 1)
+    new = _ssd_state_at(
+        cat("x"), cat("dt"), cat("A"), cat("Bm"), cat("dt_bias"), cat("h0"), mask,
+        first["dt_softplus"], first["dt_min"], first["dt_max"],
+    )  # fmt: skip
+    for (target, _), part in zip(items, new.split(b)):
+        target.copy_(part.to(target.dtype))

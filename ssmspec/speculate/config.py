@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from ssmspec.cache import COMMIT_STRATEGIES
+from ssmspec.verification import COMMIT_STRATEGIES
 
 DRAFTERS = ("prompt_lookup", "draft_model", "none")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpecConfig:
     """Speculation settings for `model.generate(..., speculation=SpecConfig(...))`.
 
     drafter:           "prompt_lookup" (n-gram match in prompt + output), "draft_model" (needs
-                       `assistant_model`), or "none" (plain decoding through the tree path)
+                       `assistant_model`), or "none" (plain decoding through ssmspec's engine)
     num_draft_tokens:  maximum draft depth per step (a chain has this many drafted nodes)
     tree:              False = chain; True = a tree from several matches / candidates
     tree_budget:       maximum drafted nodes per row in tree mode
     max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones)
     commit:            "replay" (re-run the recurrence along the accepted path; small memory) or
                        "materialize" (keep every node's state; commit is a gather)
+
+    Every field is type-checked: a wrong type raises TypeError, a wrong value ValueError, both naming it.
     """
 
     drafter: str = "prompt_lookup"
@@ -31,13 +33,19 @@ class SpecConfig:
     commit: str = "replay"
 
     def __post_init__(self) -> None:
+        types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
+                 "max_matching_ngram_size": int, "commit": str}  # fmt: skip
+        for f in fields(self):
+            value, want = getattr(self, f.name), types[f.name]
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise TypeError(f"SpecConfig.{f.name} must be a {want.__name__}, got {value!r}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.commit not in COMMIT_STRATEGIES:
             raise ValueError(f"SpecConfig.commit must be one of {COMMIT_STRATEGIES}, got {self.commit!r}")
         if self.num_draft_tokens < 0:
-            raise ValueError("SpecConfig.num_draft_tokens must be >= 0")
+            raise ValueError(f"SpecConfig.num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.tree_budget < 1:
-            raise ValueError("SpecConfig.tree_budget must be >= 1")
+            raise ValueError(f"SpecConfig.tree_budget must be >= 1, got {self.tree_budget}")
         if self.max_matching_ngram_size < 1:
-            raise ValueError("SpecConfig.max_matching_ngram_size must be >= 1")
+            raise ValueError(f"SpecConfig.max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}")

@@ -14,7 +14,6 @@ from torch import nn
 
 from ssmspec.errors import VocabMismatchError
 from ssmspec.speculate.runner import ModelRunner
-from ssmspec.transform import transform
 from ssmspec.tree import TokenTree
 
 Draft = tuple[list[int], list[int]]
@@ -117,18 +116,31 @@ def _weighted_draft(
     return [tokens[k] for k in keep], [-1] + [index[parents[k]] for k in keep[1:]]
 
 
-class DraftModelDrafter(Drafter):
-    """A smaller causal LM drafts a chain greedily. The draft is itself transformed, so an SSM draft rolls
-    its state back exactly (snapshot/restore around drafting, catch-up through tree verification)."""
+def check_vocab(draft_model: nn.Module, target_vocab_size: int) -> None:
+    """A draft must share the target's vocabulary (VocabMismatchError names both sizes)."""
+    draft_vocab = getattr(draft_model.config.get_text_config(), "vocab_size", None)
+    if draft_vocab != target_vocab_size:
+        raise VocabMismatchError(
+            f"draft model vocab_size {draft_vocab} != target vocab_size {target_vocab_size}; the draft must "
+            "share the target's tokenizer"
+        )
 
-    def __init__(self, draft_model: nn.Module, target_vocab_size: int, strategy: str = "replay") -> None:
-        draft_vocab = getattr(draft_model.config.get_text_config(), "vocab_size", None)
-        if draft_vocab != target_vocab_size:
-            raise VocabMismatchError(
-                f"draft model vocab_size {draft_vocab} != target vocab_size {target_vocab_size}; the draft must "
-                "share the target's tokenizer"
-            )
-        self.runner = ModelRunner(transform(draft_model), strategy=strategy)
+
+class DraftModelDrafter(Drafter):
+    """A smaller causal LM drafts a chain greedily. The draft must be transformed (ssmspec.transform, on a
+    copy: the user's draft is never changed), so an SSM draft rolls its state back exactly (snapshot/restore
+    around drafting, catch-up through tree verification). With `confidence_threshold`, drafting stops once
+    the draft's top probability falls below it (HF's `assistant_confidence_threshold`)."""
+
+    def __init__(
+        self, draft_model: nn.Module, target_vocab_size: int, commit: str = "replay",
+        confidence_threshold: float = 0.0,
+    ) -> None:  # fmt: skip
+        check_vocab(draft_model, target_vocab_size)
+        if getattr(draft_model, "ssmspec_info", None) is None:
+            raise TypeError("DraftModelDrafter needs a transformed draft: pass ssmspec.transform(copy of the draft)")
+        self.runner = ModelRunner(draft_model, commit=commit)
+        self.confidence_threshold = confidence_threshold
         self.processed: list[int] = []
 
     def start(self, input_ids, attention_mask):
@@ -152,12 +164,23 @@ class DraftModelDrafter(Drafter):
         nxt = logits[torch.arange(len(pending), device=dev), last].argmax(-1)
         drafts = [[int(t)] for t in nxt]
         # 2. draft greedily, then roll back
+        confident = self._confident(logits[torch.arange(len(pending), device=dev), last])
         snap = self.runner.snapshot()
         for _ in range(depth - 1):
+            if not any(confident):
+                break
             logits = self.runner.verify(TokenTree.chain(nxt[:, None]))
             self.runner.commit(torch.zeros_like(nxt))
             nxt = logits[:, 0].argmax(-1)
             for b, t in enumerate(nxt.tolist()):
-                drafts[b].append(t)
+                if confident[b]:
+                    drafts[b].append(t)
+            confident = [c and k for c, k in zip(confident, self._confident(logits[:, 0]))]
         self.runner.restore(snap)
         return [([int(ctx[-1])] + d, list(range(-1, len(d)))) for ctx, d in zip(contexts, drafts)]
+
+    def _confident(self, logits: torch.Tensor) -> list[bool]:
+        """Per row, whether the draft's top probability reaches the threshold (always, without one)."""
+        if self.confidence_threshold <= 0:
+            return [True] * logits.shape[0]
+        return (logits.float().softmax(-1).max(-1).values >= self.confidence_threshold).tolist()

@@ -21,13 +21,12 @@ class SpecStats:
     accepted_tokens: int = 0  # drafted tokens accepted, summed over rows
     emitted_tokens: int = 0  # tokens appended to the outputs (accepted + bonus, after EOS/max truncation)
     tree_nodes_per_step: list[int] = field(default_factory=list)  # nodes per row verified, per step (max over rows)
+    row_steps: int = 0  # verify steps counted per active row
 
     @property
     def mean_accepted_per_step(self) -> float:
         """Tokens gained per verify step and row: accepted drafts + the bonus token."""
         return (self.accepted_tokens + self.row_steps) / max(self.row_steps, 1)
-
-    row_steps: int = 0  # verify steps counted per active row
 
 
 def eos_and_pad(generation_config) -> tuple[list[int], int]:
@@ -47,17 +46,20 @@ def speculative_generate(
     eos_token_ids: list[int],
     pad_token_id: int,
     drafter: Drafter,
-    max_draft_nodes: int,
-    max_draft_depth: int,
-    strategy: str = "replay",
+    tree_budget: int,
+    num_draft_tokens: int,
+    commit: str = "replay",
     decode_single_nodes: bool = True,
+    schedule: str = "constant",
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner]:
     """Greedy speculative decoding. Returns (sequences [B, L + T] as HF generate, stats, the target's runner
-    holding the final committed cache). Steps that verify one node per row use HF's own decode path
-    unless `decode_single_nodes` is False (then the tree path, as for any tree)."""
+    holding the final committed cache). Each step drafts at most `tree_budget` nodes per row, at most
+    `num_draft_tokens` deep. `schedule` "heuristic" adapts the depth as HF's assisted generation does (+2
+    after a step that accepted every drafted token, -1 otherwise). Steps that verify one node per row use
+    HF's own decode path unless `decode_single_nodes` is False (then the tree path, as for any tree)."""
     stats = SpecStats()
     b = input_ids.shape[0]
-    runner = ModelRunner(model, strategy=strategy, single_node_decode=decode_single_nodes)
+    runner = ModelRunner(model, commit=commit, decode_single_nodes=decode_single_nodes)
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
     logits = runner.prefill(input_ids, attention_mask)
@@ -67,6 +69,7 @@ def speculative_generate(
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
     eos = set(eos_token_ids)
+    depth_limit = num_draft_tokens
 
     def emit(row: int, toks: list[int]) -> None:
         for t in toks:
@@ -82,21 +85,27 @@ def speculative_generate(
         emit(r, [t])
     while not all(done):
         remaining = [max_new_tokens - len(g) for g in generated]
-        depth = min(max_draft_depth, max(remaining) - 1)
-        drafts = drafter.propose(contexts, max_draft_nodes, max(depth, 0))
+        depth = min(depth_limit, max(remaining) - 1)
+        drafts = drafter.propose(contexts, tree_budget, max(depth, 0))
         drafts = [_trim(d, remaining[r] - 1) if not done[r] else ([d[0][0]], [-1]) for r, d in enumerate(drafts)]
-        tree = TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=input_ids.device)
+        tree = runner.prepare(
+            TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=input_ids.device)
+        )
         node_logits = runner.verify(tree)
         last, emitted = greedy_verify(tree, node_logits)
         runner.commit(last)
         stats.verify_steps += 1
         stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
+        all_accepted = True
         for r in range(b):
             if done[r]:
                 continue
             stats.row_steps += 1
             stats.accepted_tokens += len(emitted[r]) - 1
+            all_accepted &= len(emitted[r]) == len(drafts[r][0])
             emit(r, emitted[r])
+        if schedule != "constant":
+            depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
     width = max(len(g) for g in generated)
     out = torch.full((b, width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     for r, g in enumerate(generated):

@@ -1,8 +1,8 @@
 """ModelRunner: one transformed model plus its SpecCache, with prefill / verify(tree) / commit.
 
-It owns the bookkeeping that makes batched trees exact: a per-row validity mask over attention slots
-(rows accept different numbers of tokens, so compacted K/V keep stale slots that are masked out) and
-per-row positions (HF's `cumsum(attention_mask) - 1` convention, continued by tree depth).
+Per-row positions follow HF's `cumsum(attention_mask) - 1` convention, continued by tree depth; the
+attention masks come from the cache's slot layout (ssmspec.cache) and each layer's window (ssmspec.hf.masks).
+One-node trees (nothing drafted) run through HF's own decode path: always accepted, nothing to commit.
 """
 
 from __future__ import annotations
@@ -13,16 +13,10 @@ import torch
 from torch import nn
 
 from ssmspec.cache import SpecCache
+from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import masks as hf_masks
 from ssmspec.tree import TokenTree
-
-_RECURRENT_MASK_KEYS = ("linear_attention", "conv", "mamba")
-
-
-class _LayerMasks(dict):
-    """Per-layer-type masks as HF hybrid models accept them; an unknown layer type is an error, not None."""
-
-    def __missing__(self, key):
-        raise KeyError(f"ssmspec: no tree attention mask for layer type {key!r} (only full attention is supported)")
+from ssmspec.verification import Verification
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -37,17 +31,18 @@ def cache_kwarg(model: nn.Module) -> str:
 class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
-    def __init__(self, model: nn.Module, *, strategy: str = "replay", single_node_decode: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True) -> None:
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
-        self.strategy = strategy
+        self.commit_strategy = commit
         # one-node trees go through HF's decode path (False: the tree path, e.g. to test it on one node)
-        self.single_node_decode = single_node_decode
+        self.decode_single_nodes = decode_single_nodes
         self.dtype = next(model.parameters()).dtype
+        self.info = getattr(model, "ssmspec_info", None)
+        self.level_aligned = bool(getattr(self.info, "slot_positions", False))
         self.cache: SpecCache | None = None
-        self.kv_valid: torch.Tensor | None = None  # [B, L] bool
-        self.n_real: torch.Tensor | None = None  # [B] tokens processed per row (padding excluded)
+        self._pending: tuple[TokenTree, Verification | None] | None = None
 
     def _call(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
@@ -59,65 +54,93 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Process the (left-padded) prompt with HF's own forward; returns the last position's logits [B, V]."""
-        self.cache = SpecCache(self.model.config, strategy=self.strategy, state_dtype=self.dtype)
+        """Process the (padded) prompt with HF's own forward; returns the last position's logits [B, V]."""
+        if input_ids.shape[0] > 1 and self.info is not None and not self.info.batches:
+            raise UnsupportedModelError(
+                type(self.model).__name__,
+                "speculative decoding of a batch is not exact for this model, only one prompt at a time (found at "
+                f"transform: {self.info.limits['batches']})",
+            )
+        self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype)
         mask = attention_mask.to(torch.long)
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         logits = self._call(input_ids, mask, position_ids)
-        self.kv_valid = mask.bool()
-        self.n_real = mask.sum(-1)
+        self.cache.start(mask)
         return logits[:, -1]
 
-    def _tree_mask(self, tree: TokenTree) -> torch.Tensor:
-        b, n = tree.tokens.shape
-        allowed = torch.cat([self.kv_valid[:, None, :].expand(b, n, -1), tree.ancestor_mask], dim=-1)
-        mask = torch.zeros(b, 1, n, allowed.shape[-1], dtype=self.dtype, device=tree.tokens.device)
-        return mask.masked_fill(~allowed[:, None], torch.finfo(self.dtype).min)
+    @property
+    def n_real(self) -> torch.Tensor:
+        """Tokens processed per row (padding excluded)."""
+        return self.cache.n_real
+
+    def prepare(self, tree: TokenTree) -> TokenTree:
+        """The tree to verify for `tree`: level-aligned for models that read positions from cache slots."""
+        if self.level_aligned and tree.batch_size > 1 and not tree.depth_is_index:
+            return tree.level_aligned()[0]
+        return tree
+
+    def masks(self, tree: TokenTree):
+        """The attention masks of a verify (or decode) step on `tree`, as the model takes them."""
+        cache = self.cache
+        if not cache.attention:
+            return None
+        masks = {
+            window: hf_masks.additive(hf_masks.allowed(cache.window_view(window), tree, window), self.dtype)
+            for window in cache.windows()
+        }
+        return hf_masks.package(masks, recurrent=bool(cache.linear_layers()))
 
     def _decodes(self, tree: TokenTree) -> bool:
         """Whether `verify(tree)` runs HF's decode path instead of the tree path."""
-        return tree.num_nodes == 1 and self.single_node_decode
+        return tree.num_nodes == 1 and self.decode_single_nodes
 
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> torch.Tensor:
         """Logits [B, N, V] for every node of the tree; committed state is untouched until `commit`."""
-        self._pending_tree = tree
-        attention = None
-        if self.cache.attention_layers():
-            attention = self._tree_mask(tree)
-            if self.cache.linear_layers():  # hybrids take per-layer-type masks; recurrent layers need none
-                attention = _LayerMasks({"full_attention": attention}, **dict.fromkeys(_RECURRENT_MASK_KEYS))
-        positions = self.n_real[:, None] + tree.depth
+        if self._pending is not None:
+            raise RuntimeError("commit or discard the previous tree before verifying another")
+        if not tree.depth_is_index and self.info is not None and not self.info.trees:
+            raise UnsupportedModelError(
+                type(self.model).__name__,
+                "tree verification is not exact for this model, only chains: use SpecConfig(tree=False) (found at "
+                f"transform: {self.info.limits['trees']})",
+            )
+        positions = self.cache.n_real[:, None] + tree.depth
+        attention = self.masks(tree)
         if self._decodes(tree):
             # one node per row is always accepted: HF's own decode path (in-place state update) is exact by
             # definition and cheaper than the tree path plus a commit
-            return self._call(tree.tokens, attention, positions)
-        with self.cache.verifying(tree):
             logits = self._call(tree.tokens, attention, positions)
+            self.cache.after_decode()
+            self._pending = (tree, None)
+            return logits
+        with self.cache.verifying(tree) as verification:
+            logits = self._call(tree.tokens, attention, positions)
+        self._pending = (tree, verification)
         return logits
 
     @torch.no_grad()
     def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance each row past root -> last[b] of the tree verified last; returns (path, lengths)."""
-        tree = self._pending_tree
-        if self._decodes(tree):  # the decode step already advanced every row by its one token
-            path, lengths = tree.paths(last)
-        else:
-            path, lengths = self.cache.commit(tree, last)
-        m = path.shape[1]
-        if self.cache.attention_layers():
-            new = torch.arange(m, device=path.device)[None, :] < lengths[:, None]
-            self.kv_valid = torch.cat([self.kv_valid, new], dim=1)
-        self.n_real = self.n_real + lengths
-        self._pending_tree = None
-        return path, lengths
+        tree, verification = self._pending
+        self._pending = None
+        if verification is None:  # the decode step already advanced every row by its one token
+            return tree.paths(last)
+        return verification.commit(last)
 
-    def snapshot(self) -> tuple:
-        """Everything needed to roll the runner back (states, K/V length, masks)."""
-        return self.cache.snapshot(), self.kv_valid.clone(), self.n_real.clone()
+    def discard(self) -> None:
+        """Forget the tree verified last (its K/V slots are dropped; nothing else changed)."""
+        if self._pending is not None:
+            tree, verification = self._pending
+            self._pending = None
+            if verification is None:
+                raise RuntimeError("a decode step cannot be discarded (HF's decode path updates states in place)")
+            verification.discard()
 
-    def restore(self, snap: tuple) -> None:
+    def snapshot(self) -> dict:
+        """Everything needed to roll the runner back."""
+        return self.cache.snapshot()
+
+    def restore(self, snap: dict) -> None:
         """Roll back to a snapshot."""
-        states, kv_valid, n_real = snap
-        self.cache.restore(states)
-        self.kv_valid, self.n_real = kv_valid, n_real
+        self.cache.restore(snap)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin
 
+from ssmspec.hf import layers as hf_layers
 from ssmspec.speculate.drafters import Drafter, NoDrafter
 from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.speculate.runner import ModelRunner
@@ -40,24 +40,28 @@ class CheckReport:
     seams: list[str] = field(default_factory=list)  # the kernel seams transform made tree-aware
 
 
+def _valid_kv(runner: ModelRunner, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = runner.cache.layers[layer_idx]
+    keys, values = hf_layers.kv(layer)
+    valid = runner.cache.valid[row, runner.cache.valid.shape[1] - keys.shape[2] :]
+    return keys[row][:, valid], values[row][:, valid]
+
+
 def state_diff(a: ModelRunner, b: ModelRunner, rows: Sequence[int]) -> float:
     """Max abs difference of committed conv/recurrent states and valid K/V between two runners, on rows."""
     if not rows:
         return 0.0
     idx = torch.tensor(list(rows))
     worst = 0.0
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        for name in ("conv_states", "recurrent_states"):
-            for k, ta in getattr(la, name, {}).items():
-                tb = getattr(lb, name)[k]
+    for i, (la, lb) in enumerate(zip(a.cache.layers, b.cache.layers)):
+        for name, states in hf_layers.state_dicts(la).items():
+            for k, ta in states.items():
+                tb = hf_layers.state_dicts(lb)[name][k]
                 if ta is not None and tb is not None:
                     worst = max(worst, float((ta[idx].double() - tb[idx].double()).abs().max()))
-        if isinstance(la, CacheLayerMixin) and getattr(la, "keys", None) is not None:
+        if i in a.cache.attention_layers():
             for r in rows:
-                ka = la.keys[r][:, a.kv_valid[r]]
-                kb = lb.keys[r][:, b.kv_valid[r]]
-                va = la.values[r][:, a.kv_valid[r]]
-                vb = lb.values[r][:, b.kv_valid[r]]
+                (ka, va), (kb, vb) = _valid_kv(a, i, r), _valid_kv(b, i, r)
                 if ka.shape != kb.shape:
                     return float("inf")
                 worst = max(worst, float((ka - kb).abs().max()), float((va - vb).abs().max()))
@@ -70,9 +74,9 @@ def check_model(
     drafters: Sequence[Callable[[torch.Tensor], Drafter]] | None = None,
     *,
     max_new_tokens: int = 12,
-    max_draft_nodes: int = 8,
-    max_draft_depth: int = 4,
-    strategies: Sequence[str] = ("replay", "materialize"),
+    tree_budget: int = 8,
+    num_draft_tokens: int = 4,
+    commits: Sequence[str] = ("replay", "materialize"),
     tie_tolerance: float | None = None,
     state_tolerance: float | None = None,
     logit_tolerance: float | None = None,
@@ -134,7 +138,7 @@ def check_model(
             ref_seq[r, : input_ids.shape[1]][mask[r]].tolist() + ref_seq[r, input_ids.shape[1] :].tolist()
             for r in range(ref_seq.shape[0])
         ]
-        for strategy in strategies:
+        for commit in commits:
             ar_seq, _, ar_runner = speculative_generate(
                 target,
                 input_ids,
@@ -143,9 +147,9 @@ def check_model(
                 eos_token_ids=eos,
                 pad_token_id=pad,
                 drafter=NoDrafter(),
-                max_draft_nodes=0,
-                max_draft_depth=0,
-                strategy=strategy,
+                tree_budget=0,
+                num_draft_tokens=0,
+                commit=commit,
                 decode_single_nodes=decode_single_nodes,
             )
             _compare(ar_seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "ssmspec autoregressive")
@@ -158,21 +162,21 @@ def check_model(
                     eos_token_ids=eos,
                     pad_token_id=pad,
                     drafter=make(ref_rows),
-                    max_draft_nodes=max_draft_nodes,
-                    max_draft_depth=max_draft_depth,
-                    strategy=strategy,
+                    tree_budget=tree_budget,
+                    num_draft_tokens=num_draft_tokens,
+                    commit=commit,
                     decode_single_nodes=decode_single_nodes,
                 )
                 report.runs += 1
                 report.mean_accepted_per_step.append(stats.mean_accepted_per_step)
                 flips = _compare(seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "speculative")
                 if not torch.equal(seq, ar_seq) and not flips:
-                    raise EquivalenceError(f"speculative output differs from ssmspec autoregressive ({strategy})")
+                    raise EquivalenceError(f"speculative output differs from ssmspec autoregressive ({commit})")
                 same = [r for r in range(seq.shape[0]) if int(runner.n_real[r]) == int(ar_runner.n_real[r])]
                 sd = state_diff(runner, ar_runner, same)
                 report.max_state_diff = max(report.max_state_diff, sd)
                 if sd > state_tolerance:
-                    raise EquivalenceError(f"committed states after speculation differ by {sd:.3g} ({strategy})")
+                    raise EquivalenceError(f"committed states after speculation differ by {sd:.3g} ({commit})")
     return report
 
 

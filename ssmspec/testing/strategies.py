@@ -6,7 +6,6 @@ Users testing a new architecture combine these with `check_model`; ssmspec's own
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
+from ssmspec.transform import prepare_draft
 from ssmspec.tree import TokenTree
 
 DrafterFactory = Callable[[list[list[int]]], Drafter]
@@ -76,7 +76,7 @@ def drafter_factories(vocab_size: int) -> st.SearchStrategy[tuple[str, DrafterFa
 
     def draft_model(family: str) -> tuple[str, DrafterFactory]:
         draft = cached_tiny_model(family, 0, torch.float64, 5)
-        return f"draft_model({family})", lambda ref: DraftModelDrafter(copy.deepcopy(draft), vocab_size)
+        return f"draft_model({family})", lambda ref: DraftModelDrafter(prepare_draft(draft), vocab_size)
 
     return st.one_of(
         st.just(("none", lambda ref: NoDrafter())),

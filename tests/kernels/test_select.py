@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from ssmspec import kernels as K
-from ssmspec.backend import _reference_only, ssmspec_backend
+from ssmspec.compile.backend import _with_policy, ssmspec_backend
 from ssmspec.kernels import _dispatcher
 from ssmspec.kernels.select import KernelSelector
+from ssmspec.ops import kernel_policy, using_kernel_policy
 from ssmspec.ops._common import reference_impl
 from ssmspec.tree import TokenTree
 
@@ -34,6 +35,11 @@ def test_faster_side_is_chosen_once_per_signature(kernel_faster):
     ref, ker = (slow, fast) if kernel_faster else (fast, slow)
     sel = KernelSelector(repeats=3)
     x = torch.ones(3)
+    with sel.forced("auto"):
+        _choose_and_rerun(sel, ref, ker, x, kernel_faster)
+
+
+def _choose_and_rerun(sel, ref, ker, x, kernel_faster):
     torch.testing.assert_close(sel.run("op", ref, ker, (x,)), x * 2)
     (choice,) = sel.choices.values()
     assert choice.use_kernel is kernel_faster and choice.agrees
@@ -51,22 +57,64 @@ def test_faster_side_is_chosen_once_per_signature(kernel_faster):
 def test_disagreeing_kernel_is_never_chosen():
     sel = KernelSelector(repeats=1)
     x = torch.ones(3)
-    with pytest.warns(RuntimeWarning, match="kernel bad disagrees with its reference"):
+    with pytest.warns(RuntimeWarning, match="kernel bad disagrees with its reference"), sel.forced("auto"):
         out = sel.run("bad", Counted(0.002), Counted(0.0, offset=1e-2), (x,))
     torch.testing.assert_close(out, x * 2)
     (choice,) = sel.choices.values()
     assert not choice.use_kernel and not choice.agrees and choice.max_abs_diff == pytest.approx(1e-2)
 
 
+def test_failing_kernel_is_never_chosen():
+    """A kernel that raises (e.g. a Triton compile error for a dtype) falls back to the reference, with a warning."""
+
+    def broken(x):
+        raise RuntimeError("CompilationError: Expected dtype ['fp32', 'fp64'] but got bf16")
+
+    sel = KernelSelector(repeats=1)
+    x = torch.ones(3)
+    with pytest.warns(RuntimeWarning, match="kernel k failed"), sel.forced("auto"):
+        out = sel.run("k", Counted(0.0), broken, (x,))
+        out2 = sel.run("k", Counted(0.0), broken, (x,))  # decided once: no second attempt, no second warning
+    torch.testing.assert_close(out, x * 2)
+    torch.testing.assert_close(out2, x * 2)
+    (choice,) = sel.choices.values()
+    assert not choice.use_kernel and not choice.agrees
+
+
 def test_forced_policies():
     ref, ker = Counted(0.0), Counted(0.0, offset=1.0)
-    sel = KernelSelector(policy="kernels")
-    assert float(sel.run("op", ref, ker, (torch.zeros(1),))) == 1.0
-    with sel.forced("reference"):
-        assert float(sel.run("op", ref, ker, (torch.zeros(1),))) == 0.0
-    assert sel.policy == "kernels" and not sel.choices
-    with pytest.raises(ValueError, match="kernel policy must be one of"):
-        KernelSelector(policy="fastest")
+    sel = KernelSelector()
+    assert sel.policy == "reference"  # a model not compiled with the backend runs the references
+    assert float(sel.run("op", ref, ker, (torch.zeros(1),))) == 0.0
+    with sel.forced("kernels"):
+        assert float(sel.run("op", ref, ker, (torch.zeros(1),))) == 1.0
+        with sel.forced("reference"):
+            assert float(sel.run("op", ref, ker, (torch.zeros(1),))) == 0.0
+    assert sel.policy == "reference" and not sel.choices
+    with pytest.raises(ValueError, match="kernel policy must be one of"), sel.forced("fastest"):
+        pass
+
+
+def test_policy_is_per_thread():
+    """A model running under "kernels" in one thread does not change what another thread runs."""
+    import threading
+
+    seen = {}
+    started, release = threading.Event(), threading.Event()
+
+    def other():
+        started.wait()
+        seen["other"] = kernel_policy()
+        release.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with using_kernel_policy("kernels"):
+        started.set()
+        release.wait(10)
+        seen["main"] = kernel_policy()
+    t.join()
+    assert seen == {"main": "kernels", "other": "reference"}
 
 
 def test_real_kernel_measured_against_its_reference():
@@ -81,7 +129,7 @@ def test_real_kernel_measured_against_its_reference():
     old, K.SELECTOR = K.SELECTOR, sel
     try:
         run = _dispatcher("ssmspec::tree_causal_conv1d", reference_impl(op), K.KERNELS[op])
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), sel.forced("auto"):
             warnings.simplefilter("error")
             out = run(x, w, None, anc, activation="silu")
     finally:
@@ -97,5 +145,5 @@ def test_backend_kernel_option():
     with pytest.raises(ValueError, match="kernels must be one of"):
         ssmspec_backend(gm, [torch.ones(1)], options={"kernels": "fastest"})
     seen = []
-    _reference_only(lambda *a: seen.append(K.SELECTOR.policy))()
-    assert seen == ["reference"] and K.SELECTOR.policy == "auto"
+    _with_policy(lambda *a: seen.append(K.SELECTOR.policy), "kernels")()
+    assert seen == ["kernels"] and K.SELECTOR.policy == "reference"  # a compiled graph runs under its own policy

@@ -25,8 +25,8 @@ def test_speculative_equals_hf_greedy(family, data):
     name, factory = data.draw(drafter_factories(vocab), label="drafter")
     strategy = data.draw(st.sampled_from(["replay", "materialize"]), label="commit")
     max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
-    nodes = data.draw(st.integers(1, 12), label="max_draft_nodes")
-    depth = data.draw(st.integers(1, 6), label="max_draft_depth")
+    nodes = data.draw(st.integers(1, 12), label="tree_budget")
+    depth = data.draw(st.integers(1, 6), label="num_draft_tokens")
     eos = None
     if data.draw(st.booleans(), label="eos from reference"):
         # stop on a token the model really emits, so EOS handling (and per-row finishing) is exercised
@@ -43,9 +43,9 @@ def test_speculative_equals_hf_greedy(family, data):
         [prompt],
         [factory],
         max_new_tokens=max_new,
-        max_draft_nodes=nodes,
-        max_draft_depth=depth,
-        strategies=[strategy],
+        tree_budget=nodes,
+        num_draft_tokens=depth,
+        commits=[strategy],
         eos_token_id=eos,
         state_tolerance=state_tol,
         decode_single_nodes=decode_single,

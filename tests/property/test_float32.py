@@ -27,7 +27,7 @@ def test_float32_diverges_only_at_near_ties(family, data):
         [prompt],
         [factory],
         max_new_tokens=data.draw(st.integers(1, 10)),
-        strategies=[data.draw(st.sampled_from(["replay", "materialize"]))],
+        commits=[data.draw(st.sampled_from(["replay", "materialize"]))],
         tie_tolerance=TIE_TOLERANCE,
     )
     family_report.record(family, n_tie_flips=report.tie_flips, n_float32_tokens=report.tokens_compared)

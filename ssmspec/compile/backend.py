@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ssmspec.passes.lower import fold_conv_padding, is_tree_op, lower_tree_ops
+from ssmspec.compile.passes import fold_conv_padding, is_tree_op, lower_tree_ops
+from ssmspec.ops import using_kernel_policy
 
 _OPTION_NAMES = ("kernels", "fuse", "inductor")
 _KERNEL_OPTION = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
@@ -59,8 +60,9 @@ def ssmspec_backend(
     if policy != "reference" and any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
         from ssmspec.kernels import enable_eager_kernels
 
-        # reference ops left in the graph and the eager commit after each step dispatch through the selector
-        enable_eager_kernels(policy)
+        # reference ops left in the graph (and the model's eager commits) dispatch through the selector, under
+        # the policy of the model running (this graph's, set below; "reference" for every other model)
+        enable_eager_kernels()
     STATS.graphs += 1
     STATS.tree_ops += tree_ops
     STATS.lowered += lowered
@@ -72,18 +74,14 @@ def ssmspec_backend(
         from torch._inductor.compile_fx import compile_fx
 
         compiled = compile_fx(gm, example_inputs)
-    if policy == "reference":
-        return _reference_only(compiled)
-    return compiled
+    return _with_policy(compiled, policy)
 
 
-def _reference_only(compiled: Callable) -> Callable:
-    """Run a compiled graph with every reference op on its reference path, even where the CUDA kernels
-    were enabled for eager calls."""
-    from ssmspec.kernels.select import SELECTOR
+def _with_policy(compiled: Callable, policy: str) -> Callable:
+    """Run a compiled graph under its own kernel policy (per thread: other models are unaffected)."""
 
     def run(*args):
-        with SELECTOR.forced("reference"):
+        with using_kernel_policy(policy):
             return compiled(*args)
 
     return run

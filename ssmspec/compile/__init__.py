@@ -1,0 +1,1 @@
+"""The `ssmspec` torch.compile backend (FX passes, lowering of tree ops to Triton kernels, Inductor)."""

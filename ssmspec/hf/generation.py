@@ -1,0 +1,160 @@
+"""Coupling to transformers' `generate`: resolve a call's settings exactly as HF does (its own private
+helpers for the config merge, special tokens, attention mask and lengths), then hold every GenerationConfig
+field against a whitelist: each value that differs from HF's default is applied by speculative generate or
+refused with an error naming it. Nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from ssmspec.errors import UnsupportedSettingError
+
+# applied exactly by ssmspec's speculative generate
+APPLIED = frozenset({
+    "max_length", "max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "do_sample", "num_beams",
+    "num_return_sequences", "use_cache", "return_dict_in_generate", "prompt_lookup_num_tokens",
+    "max_matching_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "disable_compile",
+})  # fmt: skip
+# settings HF's greedy search itself never reads (sampling and beam-only knobs): no effect, as in HF
+NO_EFFECT_WHEN_GREEDY = frozenset({
+    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+    "length_penalty", "early_stopping", "low_memory",
+})  # fmt: skip
+# bookkeeping, not settings; and universal-assisted-decoding knobs, meaningless without an assistant tokenizer
+METADATA = frozenset({
+    "transformers_version", "_from_model_config", "is_assistant", "decoder_start_token_id",
+    "assistant_lookbehind", "target_lookbehind",
+})  # fmt: skip
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+# what each refused setting would need (the error message says why it is not applied)
+REASONS = {
+    "do_sample": "speculative sampling is not implemented yet: use do_sample=False (greedy)",
+    "num_beams": "speculative decoding does not combine with beam search (num_beams > 1)",
+    "output_scores": "speculative generate does not return scores yet",
+    "output_logits": "speculative generate does not return logits yet",
+    "output_attentions": "speculative generate does not return attentions",
+    "output_hidden_states": "speculative generate does not return hidden states",
+    "cache_implementation": "speculative decoding runs on ssmspec's own cache",
+    "penalty_alpha": "contrastive search is not speculative decoding",
+    "num_return_sequences": "speculative generate returns one sequence per prompt",
+}
+# arguments of HF's generate() outside the GenerationConfig
+CALL_ARGUMENTS = (
+    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "streamer",
+    "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "assistant_tokenizer",
+)  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """A generate call, resolved: what the speculative loop needs."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    max_new_tokens: int
+    eos_token_ids: list[int]
+    pad_token_id: int
+    return_dict: bool
+    config: GenerationConfig
+
+
+def _is_set(value: Any, default: Any) -> bool:
+    if isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
+        return value is not default
+    if not value and not default:  # None, False, 0, empty: all "unset"
+        return False
+    return value != default
+
+
+def refused_settings(config: GenerationConfig) -> list[tuple[str, Any, str]]:
+    """(name, value, reason) of every setting speculative generate would not apply exactly."""
+    defaults = GenerationConfig._get_default_generation_params()
+    blank = GenerationConfig()
+    out = []
+    for name, value in config.to_dict().items():
+        if name in METADATA or name.startswith("_"):
+            continue
+        default = defaults.get(name, getattr(blank, name, None))
+        if not _is_set(value, default):
+            continue
+        if name in NO_EFFECT_WHEN_GREEDY:
+            continue
+        if name == "do_sample" and not value:
+            continue
+        if name == "num_beams" and value in (None, 1):
+            continue
+        if name == "num_return_sequences" and value in (None, 1):
+            continue
+        if name == "use_cache" or name == "disable_compile":
+            continue  # a cache is always used; ssmspec never compiles behind the user's back
+        if name == "num_assistant_tokens_schedule" and value in SCHEDULES:
+            continue
+        if name in APPLIED and name not in ("do_sample", "num_beams", "num_return_sequences"):
+            continue
+        reason = REASONS.get(name, "this setting is not applied by speculative decoding yet")
+        out.append((name, value, reason))
+    return out
+
+
+def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, kwargs: dict) -> Plan:
+    """Resolve a speculative generate call as HF's generate() would, refusing what it would not apply."""
+    kwargs = dict(kwargs)
+    kwargs.pop("trust_remote_code", None)
+    kwargs.pop("tokenizer", None)  # only used by stop strings, which are refused below
+    for name in CALL_ARGUMENTS:
+        value = kwargs.pop(name, None)
+        if value is None or value is False or (name in ("logits_processor", "stopping_criteria") and len(value) == 0):
+            continue
+        raise UnsupportedSettingError(name, f"generate argument `{name}` is not applied by speculative decoding yet")
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if input_ids is None:
+        raise ValueError("speculative generate needs input_ids (inputs_embeds are not supported)")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got {shape}")
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    if model_kwargs:
+        raise ValueError(f"speculative generate does not take {sorted(model_kwargs)}")
+    refused = refused_settings(config)
+    if refused:
+        name, value, reason = refused[0]
+        raise UnsupportedSettingError(name, f"generation setting {name}={value!r} is set: {reason}")
+    batch = input_ids.shape[0]
+    model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device, batch_size=batch)
+    if attention_mask is None:
+        attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    config = model._prepare_generated_length(
+        generation_config=config, has_default_max_length=has_default_max_length, has_default_min_length=True,
+        model_input_name="input_ids", inputs_tensor=input_ids, input_ids_length=input_ids.shape[1],
+    )  # fmt: skip
+    model._validate_generated_length(config, input_ids.shape[1], has_default_max_length)
+    eos = config._eos_token_tensor
+    eos_ids = [] if eos is None else [int(e) for e in eos.flatten().tolist()]
+    pad = config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0)
+    return Plan(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=int(config.max_length) - input_ids.shape[1],
+        eos_token_ids=eos_ids,
+        pad_token_id=pad_id,
+        return_dict=bool(config.return_dict_in_generate),
+        config=config,
+    )

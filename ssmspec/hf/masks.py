@@ -1,0 +1,52 @@
+"""Coupling to transformers' attention-mask conventions: the 4-D additive masks ssmspec hands a model for a
+tree (or a one-token step), keyed the way HF hybrid models look their per-layer-type masks up."""
+
+from __future__ import annotations
+
+import torch
+
+from ssmspec.tree import TokenTree
+
+# masks of layer types without attention (HF builds a 2-D padding mask or None for them; trees have no padding)
+RECURRENT_MASK_KEYS = ("linear_attention", "conv", "mamba", "moe", "mlp")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class LayerMasks(dict):
+    """Per-layer-type masks as HF models accept them; an unknown layer type is an error, not None."""
+
+    def __missing__(self, key):
+        raise KeyError(f"ssmspec: no tree attention mask for layer type {key!r} (full and sliding attention only)")
+
+
+def allowed(valid: torch.Tensor, tree: TokenTree, window: int | None) -> torch.Tensor:
+    """[B, N, W + N] which slots each node sees: valid committed slots (within the window: W + depth - slot
+    < window, slots counted back from the node's own position) and its ancestors (depth difference < window)."""
+    b, width = valid.shape
+    see_prefix = valid[:, None, :].expand(b, tree.num_nodes, width)
+    see_tree = tree.ancestor_mask
+    if window is not None:
+        depth = tree.depth
+        col = torch.arange(width, device=valid.device)
+        see_prefix = see_prefix & ((width + depth[:, :, None] - col) < window)
+        see_tree = see_tree & ((depth[:, :, None] - depth[:, None, :]) < window)
+    return torch.cat([see_prefix, see_tree], dim=-1)
+
+
+def additive(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, N, S] float mask: 0 where allowed, the dtype's minimum elsewhere."""
+    mask = torch.zeros(allow.shape[0], 1, *allow.shape[1:], dtype=dtype, device=allow.device)
+    return mask.masked_fill(~allow[:, None], torch.finfo(dtype).min)
+
+
+def package(masks: dict[int | None, torch.Tensor], recurrent: bool):
+    """What the model's forward takes as `attention_mask`: the tensor itself for a model with one kind of
+    attention layer and no recurrent layers, else a dict keyed by layer type."""
+    if not masks:
+        return None
+    if len(masks) == 1 and not recurrent:
+        return next(iter(masks.values()))
+    out = LayerMasks(dict.fromkeys(RECURRENT_MASK_KEYS))
+    for window, mask in masks.items():
+        out[FULL if window is None else SLIDING] = mask
+    return out

@@ -1,0 +1,265 @@
+"""The transform-time probe: ssmspec's tree verification must compute what HF computes, or the model is refused.
+
+It verifies random branching trees on a random prompt (one row, then a left-padded batch of two), commits
+a path and verifies a second tree on top of it, and compares every node's logits and every decoder layer's
+output with HF's own forward of the node's root-to-node path (the same model outside verification, where
+every seam is HF's own function). A difference beyond the dtype's tolerance on two independent random
+inputs raises UnsupportedModelError naming the first layer that differs: a model whose semantics ssmspec
+does not reproduce (a position bias keyed on cache slots, an unknown mixer path) is refused at transform
+time, never run with wrong tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ssmspec.errors import UnsupportedModelError
+from ssmspec.speculate.runner import ModelRunner
+from ssmspec.tree import TokenTree
+
+# relative tolerance (max |difference| / max |reference|, per layer output and for the logits) per dtype:
+# the tree path and HF's sequential path round differently (different op orders, float32 compute of ssmspec's
+# recurrences); a semantic difference is orders of magnitude above these
+# (float64: HF's own fallbacks compute several recurrences in float32 even for float64 models, so its reference
+# carries float32 rounding: ~1e-7 relative on the tiny test models)
+TOLERANCE = {torch.float64: 1e-5, torch.float32: 2e-3, torch.bfloat16: 8e-2, torch.float16: 4e-2}
+_TREE_A = [-1, 0, 0, 1, 1, 2, 4]  # a branching tree, node index != depth
+_TREE_B = [-1, 0, 1, 1, 0]
+_CHAIN = [-1, 0, 1]
+_CHAIN_4 = [-1, 0, 1, 2]
+
+
+@dataclass
+class ProbeResult:
+    """What the probe learnt: whether trees (beyond chains) and batches verify exactly, with the reason where
+    they do not, whether the model reads positions from cache slots, and the largest relative differences."""
+
+    trees: bool = True
+    batches: bool = True
+    limits: dict[str, str] = field(default_factory=dict)  # "trees" / "batches" -> why not (where and by how much)
+    slot_positions: bool = False
+    max_logit_diff: float = 0.0
+    max_layer_diff: float = 0.0
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The model's list of decoder layers (the ModuleList with one entry per hidden layer), for per-layer
+    comparisons; None if there is no such list."""
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n and n:
+            return path, module
+    return None
+
+
+@contextlib.contextmanager
+def _capture(layers: nn.ModuleList | None, out: list) -> Iterator[None]:
+    if layers is None:
+        yield
+        return
+
+    def hook(_module, _args, output):
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        out.append(first.detach() if isinstance(first, torch.Tensor) else None)
+
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).abs().max() / (b.abs().max() + 1e-6))
+
+
+class _Probe:
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        self.model = model
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab = model.config.get_text_config().vocab_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        found = decoder_layers(model)
+        self.layers_path, self.layers = found if found else ("", None)
+        self.tol = TOLERANCE.get(self.dtype, 8e-2)
+        self.max_logit = self.max_layer = 0.0
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+    @torch.no_grad()
+    def reference(self, ids: list[int], pad: int) -> tuple[torch.Tensor, list]:
+        """HF's own forward of one left-padded sequence: logits [L, V] and each layer's output [L, H]."""
+        full = torch.tensor([[0] * pad + ids], device=self.device)
+        mask = torch.tensor([[0] * pad + [1] * len(ids)], device=self.device)
+        kwargs = {"attention_mask": mask}
+        runner_positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        if "position_ids" in self._forward_params():
+            kwargs["position_ids"] = runner_positions
+        outs: list = []
+        with _capture(self.layers, outs):
+            logits = self.model(input_ids=full, **kwargs).logits
+        return logits[0, pad:], [o[0, pad:] if o is not None else None for o in outs]
+
+    def _forward_params(self):
+        import inspect
+
+        return inspect.signature(self.model.forward).parameters
+
+    def compare(self, what: str, got_logits, got_layers, want_logits, want_layers) -> None:
+        diffs = []
+        for i, (g, w) in enumerate(zip(got_layers, want_layers)):
+            if g is None or w is None or g.shape != w.shape:
+                continue
+            d = _rel(g, w)
+            self.max_layer = max(self.max_layer, d)
+            if d > self.tol:
+                diffs.append((i, d))
+        d_logits = _rel(got_logits, want_logits)
+        self.max_logit = max(self.max_logit, d_logits)
+        if diffs or d_logits > self.tol:
+            where = f"{self.layers_path}.{diffs[0][0]}" if diffs else type(self.model).__name__
+            worst = diffs[0][1] if diffs else d_logits
+            raise _Mismatch(
+                where,
+                f"{what}: output differs from HF's forward of the same path by {worst:.3g} "
+                f"(relative; tolerance {self.tol:g} for {self.dtype}); logits differ by {d_logits:.3g}",
+            )
+
+    def single(self, trees: bool) -> bool:
+        """Two verify + commit steps on one row (branching trees, or chains); returns whether the model read
+        positions from cache slots."""
+        runner = ModelRunner(self.model, decode_single_nodes=False)
+        prompt = self.tokens(5)
+        ones = torch.ones(1, 5, dtype=torch.long, device=self.device)
+        runner.prefill(torch.tensor([prompt], device=self.device), ones)
+        history = prompt
+        slot_positions = False
+        for step, parents in enumerate((_TREE_A, _TREE_B) if trees else (_CHAIN_4, _CHAIN)):
+            tree = TokenTree(torch.tensor([self.tokens(len(parents))], device=self.device),
+                             torch.tensor([parents], device=self.device))  # fmt: skip
+            got_layers: list = []
+            with _capture(self.layers, got_layers):
+                logits = runner.verify(tree)
+            slot_positions |= runner.cache.reads_slot_positions
+            what = f"{'tree' if trees else 'chain'} verification, step {step + 1}"
+            self._check_nodes(what, tree, 0, history, 0, logits, got_layers)
+            last = torch.tensor([tree.num_nodes - 1], device=self.device)
+            path, length = tree.paths(last)
+            runner.commit(last)
+            history = history + tree.tokens[0, path[0, : int(length[0])]].tolist()
+        return slot_positions
+
+    def batched(self, trees: bool, slot_positions: bool) -> None:
+        """Two steps on a left-padded batch of two rows that accept different lengths."""
+        runner = ModelRunner(self.model, decode_single_nodes=False)
+        runner.level_aligned = slot_positions
+        rows = [self.tokens(6), self.tokens(4)]
+        ids = torch.tensor([rows[0], [0, 0] + rows[1]], device=self.device)
+        mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], device=self.device)
+        runner.prefill(ids, mask)
+        steps = ((_TREE_A, _CHAIN), (_CHAIN, _TREE_B)) if trees else ((_CHAIN_4, _CHAIN), (_CHAIN, _CHAIN_4))
+        for step, shapes in enumerate(steps):
+            tree = TokenTree.from_lists([self.tokens(len(p)) for p in shapes], list(shapes), device=self.device)
+            tree = runner.prepare(tree)
+            got_layers: list = []
+            with _capture(self.layers, got_layers):
+                logits = runner.verify(tree)
+            for r in range(2):
+                self._check_nodes(f"batched verification, row {r}, step {step + 1}", tree, r, rows[r], 2 * r,
+                                  logits, got_layers)  # fmt: skip
+            last = tree.depth.masked_fill(~tree.acceptable, -1).argmax(1)  # each row's deepest real node
+            path, length = tree.paths(last)
+            runner.commit(last)
+            for r in range(2):
+                rows[r] = rows[r] + tree.tokens[r, path[r, : int(length[r])]].tolist()
+
+    def _check_nodes(self, what, tree, row, history, pad, logits, got_layers) -> None:
+        """Compare each acceptable node of one row with HF's forward of history + its root-to-node path."""
+        ok = tree.acceptable[row].tolist()
+        leaves = [t for t in range(tree.num_nodes) if ok[t] and not any(
+            ok[c] and int(tree.parents[row, c]) == t for c in range(tree.num_nodes))]  # fmt: skip
+        for leaf in leaves:
+            path, length = tree.paths(torch.full((tree.batch_size,), leaf, device=self.device))
+            nodes = path[row, : int(length[row])].tolist()
+            seq = history + tree.tokens[row, nodes].tolist()
+            want_logits, want_layers = self.reference(seq, pad)
+            at = len(history) + torch.arange(len(nodes))
+            got = [g[row, nodes] if g is not None else None for g in got_layers]
+            want = [w[at] if w is not None else None for w in want_layers]
+            self.compare(what, logits[row, nodes], got, want_logits[at], want)
+
+
+class _Mismatch(Exception):
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def probe(model: nn.Module) -> ProbeResult:
+    """Check that tree verification reproduces HF's computation on this model. Capabilities are narrowed by
+    evidence: if branching trees differ but chains agree, the model verifies chains only; if one row agrees but
+    a left-padded batch does not (e.g. positions read from absolute cache slots), it speculates one prompt at a
+    time; the reasons name the layer. If nothing agrees, UnsupportedModelError names the first layer that
+    differs. A difference must show on two independent random inputs (a float near-tie in a router flips on
+    one input, a semantic difference on every input)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        return _probe(model)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _attempt(model: nn.Module, fn) -> tuple[_Mismatch | None, _Probe]:
+    """Run one probe part on two seeds; the mismatch if both disagree with HF."""
+    failure = None
+    for seed in (0, 1):
+        p = _Probe(model, seed)
+        try:
+            fn(p)
+            return None, p
+        except _Mismatch as exc:
+            failure = failure or exc
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure means this model cannot be verified as is
+            raise UnsupportedModelError(
+                type(model).__name__, f"tree verification probe failed: {type(exc).__name__}: {exc}"
+            ) from exc
+    return failure, p
+
+
+def _probe(model: nn.Module) -> ProbeResult:
+    result = ProbeResult()
+    seen: list[bool] = []
+    failure, p = _attempt(model, lambda p: seen.append(p.single(trees=True)))
+    if failure is not None:
+        chain_failure, p = _attempt(model, lambda p: seen.append(p.single(trees=False)))
+        if chain_failure is not None:
+            raise UnsupportedModelError(
+                failure.where, f"tree verification does not reproduce HF's computation ({failure})"
+            )
+        result.trees = False
+        result.limits["trees"] = f"{failure.where}: {failure}"
+    result.slot_positions = any(seen)
+    diffs = [p]
+    batch_failure, p = _attempt(model, lambda p: p.batched(result.trees, result.slot_positions))
+    diffs.append(p)
+    if batch_failure is not None:
+        result.batches = False
+        result.limits["batches"] = f"{batch_failure.where}: {batch_failure}"
+    result.max_logit_diff = max(d.max_logit for d in diffs)
+    result.max_layer_diff = max(d.max_layer for d in diffs)
+    return result

@@ -1,0 +1,76 @@
+"""Verification: one object per verify call, holding everything between a tree's forward and its commit.
+
+The cache creates it (`SpecCache.verifying(tree)`); the seam adapters of the mixers that receive that cache
+leave their per-layer records on it (ssmspec.hf.seams passes it to them explicitly through the mixer call);
+`commit(last)` folds each row's accepted root-to-`last` path into the committed states: each op family's
+commit for its records (ssmspec.ops), then the attention K/V (the cache keeps the path's slots).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ssmspec.errors import UnsupportedModelError
+from ssmspec.ops import COMMITS, Record
+from ssmspec.tree import TokenTree
+
+if TYPE_CHECKING:  # the cache owns its verifications; only its type is needed here
+    from ssmspec.cache import SpecCache
+
+COMMIT_STRATEGIES = ("replay", "materialize")
+
+
+class Verification:
+    """The tree being verified, the commit strategy, and what every layer recorded for commit."""
+
+    def __init__(self, cache: SpecCache, tree: TokenTree, commit: str) -> None:
+        if commit not in COMMIT_STRATEGIES:
+            raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
+        self.cache = cache
+        self.tree = tree
+        self.commit_strategy = commit
+        self.records: dict[tuple[int, int, bool], Record] = {}
+        self.kv_start = cache.kv_widths()  # attention slots per layer before the tree's K/V were appended
+        self.done = False
+
+    def record(self, module: str, seam: str, rec: Record) -> None:
+        """Remember what commit needs for (layer, state index); one recurrence call per state and forward."""
+        key = (rec.layer, rec.state_idx, rec.kind == "conv")
+        if key in self.records:
+            raise UnsupportedModelError(
+                module, f"calls `{seam}` more than once per forward on layer {rec.layer}, state {rec.state_idx}"
+            )
+        self.records[key] = rec
+
+    def committed_state(self, layer: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The committed recurrent state a tree op starts from (None before the layer's first update)."""
+        return self.cache.committed_recurrent(layer, state_idx)
+
+    def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance every row past root -> last[b]; returns (path [B, M] padded node indices, lengths [B])."""
+        if self.done:
+            raise RuntimeError("this verification was already committed or discarded")
+        path, lengths = self.tree.paths(last)
+        groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
+        for rec in self.records.values():
+            groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))
+        for kind, items in groups.items():
+            COMMITS[kind](items, path, lengths, last)
+        self.cache.keep_kv(self.kv_start, path, lengths)
+        self.done = True
+        return path, lengths
+
+    def discard(self) -> None:
+        """Drop the tree: committed states were never touched; the tree's K/V slots are removed."""
+        if not self.done:
+            self.cache.drop_kv(self.kv_start)
+            self.done = True
+
+    def summary(self) -> dict[str, Any]:
+        """Per record kind, how many (layer, state) records this verification holds (for debugging)."""
+        out: dict[str, Any] = {}
+        for rec in self.records.values():
+            out[rec.kind] = out.get(rec.kind, 0) + 1
+        return out
