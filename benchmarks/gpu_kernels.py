@@ -115,7 +115,7 @@ def model_section(device: str, dtype: torch.dtype, layers: int, hidden: int, nod
 
             def verify():
                 runner.verify(tree)
-                runner.cache.discard()
+                runner.discard()
 
             def commit():
                 runner.verify(tree)

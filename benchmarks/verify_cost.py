@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (1, args.prompt), generator=g)
     decode = hf_decode_step(ref, ids)
-    runner = ModelRunner(model, strategy=args.commit)
+    runner = ModelRunner(model, commit=args.commit)
     runner.prefill(ids, torch.ones_like(ids))
     desc += f", CPU {torch.get_num_threads()} threads, commit={args.commit}"
     print(desc + f"; medians of {args.repeats}, decode and verify + commit timed alternately")

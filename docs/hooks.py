@@ -19,11 +19,14 @@ _PLACEHOLDER = re.compile(r"<!-- ssmspec:(\w+)(?: (\S+))? -->")
 
 
 def _families() -> str:
+    from transformers.utils import logging as hf_logging
+
     from ssmspec.errors import UnsupportedModelError
     from ssmspec.testing import report
     from ssmspec.testing.configs import SUPPORTED_FAMILIES, UNSUPPORTED_FAMILIES, build_tiny_model
     from ssmspec.transform import transform
 
+    hf_logging.set_verbosity_error()  # the refused families' tiny models would print HF's kernel fallbacks
     path = Path(os.environ.get(report.ENV_VAR, ROOT / "build" / "family-report.json"))
     data = report.load(path) if path.exists() else {}
     note = (

@@ -16,7 +16,7 @@ from ssmspec.compile.backend import STATS
 from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.testing import OracleDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES
-from ssmspec.testing.strategies import cached_tiny_model
+from ssmspec.testing.strategies import cached_tiny_model, capabilities
 
 
 def _compiled_vs_eager(family: str, options: dict) -> None:
@@ -31,7 +31,8 @@ def _compiled_vs_eager(family: str, options: dict) -> None:
     mask[1, :2] = 0
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     # the HF-style API (prompt lookup: trees only where the n-gram matches) ...
-    spec = ssmspec.SpecConfig(tree=True, num_draft_tokens=3, tree_budget=6)
+    caps = capabilities(family)  # a chain-only family gets chains (trees are refused for it, by name)
+    spec = ssmspec.SpecConfig(tree=caps.trees, num_draft_tokens=3, tree_budget=6)
     assert torch.equal(eager.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec), want)
     assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec), want)
     # ... and an oracle that drafts a multi-node tree every step (right chain + a wrong sibling per level)
@@ -40,7 +41,7 @@ def _compiled_vs_eager(family: str, options: dict) -> None:
     for model in (eager, compiled):
         got, _, _ = speculative_generate(
             model, ids, mask, max_new_tokens=8, eos_token_ids=eos, pad_token_id=pad,
-            drafter=OracleDrafter(rows, vocab_size=96, right_prefix=2, distractors=1), tree_budget=6,
+            drafter=OracleDrafter(rows, vocab_size=96, right_prefix=2, distractors=int(caps.trees)), tree_budget=6,
             num_draft_tokens=3,
         )  # fmt: skip
         assert torch.equal(got, want)
@@ -85,3 +86,27 @@ def test_backend_registered_by_entry_point_in_a_fresh_interpreter():
         "assert out.tolist() == [2.0, 2.0, 2.0] and 'ssmspec' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_kernel_policy_belongs_to_the_compiled_model(monkeypatch):
+    """Compiling one model with `kernels=...` used to set a process-global policy, changing how every other
+    model's eager probe and commits ran."""
+    import ssmspec.speculate.generate as spec_generate
+    from ssmspec.ops import kernel_policy
+
+    torch._dynamo.reset()
+    ref = cached_tiny_model("mamba2")
+    compiled = ssmspec.transform(copy.deepcopy(ref))
+    compiled.compile(backend="ssmspec", options={"kernels": "kernels", "inductor": False})
+    other = ssmspec.transform(copy.deepcopy(ref))  # transformed (and probed) after the compile
+    seen = []
+    real = spec_generate.generate
+    monkeypatch.setattr(spec_generate, "generate", lambda *a, **k: (seen.append(kernel_policy()), real(*a, **k))[1])
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    other.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
+    compiled.generate(ids, max_new_tokens=3, speculation=ssmspec.SpecConfig(drafter="none"))
+    other.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
+    assert seen == ["reference", "kernels", "reference"]
+    assert kernel_policy() == "reference"
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        copy.deepcopy(other).compile(backend="ssmspec", options={"kernels": "fastest"})

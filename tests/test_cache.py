@@ -63,3 +63,34 @@ def test_layer_by_layer_replay_equals_batched_replay(family, monkeypatch):
     monkeypatch.setattr(ssd_module, "BATCH_REPLAY_MAX_STATE", 0)
     assert torch.equal(model.generate(ids, max_new_tokens=10, speculation=spec), batched)
     assert torch.equal(batched, want)
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm3"])
+def test_batched_attention_slots_stay_bounded(family):
+    """Rows accept different lengths every step; the slots of rejected drafts used to stay forever (bamba-hybrid,
+    batch 4 x 3,000 tokens: up to 5,395 slots per row for at most 3,730 real). After every commit each row holds
+    exactly its own tokens, right-aligned, and the layout is no wider than the longest row."""
+    import random
+
+    from ssmspec.hf import layers as hf_layers
+
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model(family, 2)))
+    runner = ModelRunner(model, decode_single_nodes=False)
+    ids = torch.randint(3, 96, (4, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[2, :3], mask[2, :3] = 0, 0
+    runner.prefill(ids, mask)
+    rng = random.Random(0)
+    for _ in range(30):
+        parents = [[-1] + [rng.randrange(t) for t in range(1, rng.randint(1, 7))] for _ in range(4)]
+        tree = runner.prepare(TokenTree.from_lists([[5] * len(p) for p in parents], parents))
+        runner.verify(tree)
+        last = torch.tensor([rng.randrange(len(p)) for p in parents])
+        runner.commit(last)
+        cache = runner.cache
+        longest = int(cache.n_real.max())
+        assert cache.valid.shape[1] <= longest
+        assert cache.valid.sum(1).tolist() == [min(n, cache.valid.shape[1]) for n in cache.n_real.tolist()]
+        for a in cache.attention:
+            width = hf_layers.kv_width(cache.layers[a.index])
+            assert width == (cache.valid.shape[1] if a.window is None else min(a.window - 1, cache.valid.shape[1]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,3 +34,9 @@ def test_loads_with_plain_from_pretrained_and_speculates_exactly(name):
     model = ssmspec.transform(copy.deepcopy(ref))
     for spec in (ssmspec.SpecConfig(), ssmspec.SpecConfig(tree=True)):
         assert torch.equal(model.generate(ids, max_new_tokens=24, speculation=spec), want)
+
+
+def test_models_available_after_import_ssmspec():
+    """`import ssmspec; ssmspec.models.load(...)` used to fail without `import ssmspec.models`."""
+    code = "import ssmspec\nm, tok = ssmspec.models.load('mamba2-draft')\nassert m.config.vocab_size == len(tok)\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -30,16 +30,21 @@ def test_transform_keeps_plain_forward_and_generate(family):
         assert torch.equal(ref(ids).logits, model(ids).logits)
     want = ref.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)  # HF's own path
-    assert isinstance(model, type(ref))
+    assert isinstance(model, type(ref)) and type(model).__name__ == type(ref).__name__
 
 
 @pytest.mark.parametrize("family", UNSUPPORTED_FAMILIES)
-def test_unsupported_family_names_the_module(family):
+def test_unsupported_family_names_the_module_and_is_left_as_it_was(family):
+    """A refused transform used to leave the model mutated (class swapped, forwards patched)."""
     model = build_tiny_model(family)
+    cls, attrs = type(model), set(model.__dict__)
     with pytest.raises(UnsupportedModelError) as err:
         ssmspec.transform(model)
-    assert err.value.module_path and err.value.module_path in str(err.value)
-    assert "seam" in str(err.value) or "cache" in str(err.value)
+    assert err.value.module_path and err.value.module_path in str(err.value) and err.value.reason
+    assert type(model) is cls and set(model.__dict__) == attrs
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.generate(ids, max_new_tokens=3), build_tiny_model(family).generate(ids, max_new_tokens=3))
 
 
 def test_transformer_without_state_is_accepted():

@@ -125,6 +125,8 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     )
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
+    for name in ("output_attentions", "output_hidden_states"):  # HF copies these to the model kwargs too
+        model_kwargs.pop(name, None)
     if model_kwargs:
         raise ValueError(f"speculative generate does not take {sorted(model_kwargs)}")
     refused = refused_settings(config)

@@ -16,9 +16,10 @@ import torch
 from ssmspec.kernels.commit import conv_window, gather_states
 from ssmspec.kernels.conv import tree_causal_conv1d
 from ssmspec.kernels.delta_rule import tree_delta_rule
-from ssmspec.kernels.select import POLICIES, SELECTOR, KernelSelector
+from ssmspec.kernels.select import SELECTOR, KernelSelector
 from ssmspec.kernels.selective_scan import tree_selective_scan
 from ssmspec.kernels.ssd import ssd_state_at, tree_ssd
+from ssmspec.ops import KERNEL_POLICIES as POLICIES
 from ssmspec.ops._common import reference_impl
 
 KERNELS = {

@@ -51,16 +51,22 @@ SUPPORTED_FAMILIES: tuple[str, ...] = (
     "kimi_linear",
     "lfm2",
     "lfm2_moe",
+    "lfm3",
+    "inkling",
+    "inkling2",
+    "bailing_hybrid",
+    "qwen3_5_moe",
 )
 
-UNSUPPORTED_FAMILIES: tuple[str, ...] = ("zamba", "rwkv", "recurrent_gemma", "xlstm")
+UNSUPPORTED_FAMILIES: tuple[str, ...] = ("zamba", "rwkv", "recurrent_gemma", "xlstm", "glm5_next", "qwen4_exp", "zaya")
 
 _TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 # Families whose feed-forward blocks contain routed experts (grouped_mm lacks float64).
-_MOE_FAMILIES: frozenset[str] = frozenset(
-    {"jamba", "granitemoehybrid", "qwen3_next", "kimi_linear", "lfm2_moe", "nemotron_h"}
-)
+_MOE_FAMILIES: frozenset[str] = frozenset({
+    "jamba", "granitemoehybrid", "qwen3_next", "kimi_linear", "lfm2_moe", "nemotron_h", "inkling", "inkling2",
+    "bailing_hybrid", "glm5_next", "zaya", "qwen4_exp", "qwen3_5_moe",
+})  # fmt: skip
 
 
 def _pick(variant: int, *options: Any) -> Any:
@@ -402,6 +408,296 @@ def _lfm2_moe(v: int) -> dict[str, Any]:
     return kwargs
 
 
+def _lfm3(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.Lfm3Config` (width-7 gated short convs + full and sliding attention)."""
+    layer_types = _pick(
+        v,
+        ["conv", "sliding_attention", "full_attention"],
+        ["conv", "conv", "full_attention", "sliding_attention"],
+        ["sliding_attention", "conv", "full_attention", "conv", "sliding_attention"],
+    )
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": _pick(v, 2, 4, 1),
+        "head_dim": 8,
+        "sliding_window": _pick(v, 4, 5, 6),
+        "conv_L_cache": 7,
+        "use_attention_gate": _pick(v, True, True, False),
+        "max_position_embeddings": 256,
+    }
+
+
+def _inkling(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.InklingTextConfig` (short convs around sliding / full attention, MoE)."""
+    layer_types = _pick(
+        v,
+        ["hybrid_sliding", "hybrid"],
+        ["hybrid", "hybrid"],
+        ["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+    )
+    n = len(layer_types)
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": n,
+        "layer_types": layer_types,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1),
+        "num_attention_heads": 4,
+        "num_key_value_heads": _pick(v, 2, 4, 1),
+        "head_dim": 8,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 8,
+        "sliding_window_size": _pick(v, 4, 5, 6),
+        "d_rel": 4,
+        "rel_extent": 16,
+        # variant 1 (full attention only) also exercises the log-scaling of queries by position
+        "log_scaling_n_floor": _pick(v, None, 8, None),
+        "conv_kernel_size": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "logits_mup_width_multiplier": 1.0,
+        "max_position_embeddings": 256,
+    }
+
+
+def _inkling2(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.Inkling2TextConfig` (static / dynamic short convs, attention residuals, MoE).
+
+    ``unpadded_vocab_size`` keeps its default (200058 > vocab): the logits slice is then a no-op.
+    """
+    layer_types = _pick(
+        v,
+        ["hybrid_sliding", "hybrid"],
+        ["hybrid", "hybrid"],
+        ["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+    )
+    return {
+        "hidden_size": 32,
+        "moe_intermediate_size": 32,  # ``intermediate_size`` is an alias of this field
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": _pick(v, 2, 4, 1),
+        "head_dim": 8,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 8,
+        "sliding_window_size": _pick(v, 4, 5, 6),
+        "d_rel": 4,
+        "rel_extent": 16,
+        "log_scaling_n_floor": _pick(v, 128000, 8, 128000),
+        "conv_kernel_size": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_layers_per_attn_res_block": 2,
+        "max_position_embeddings": 256,
+    }
+
+
+def _bailing_hybrid(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.BailingHybridConfig` (KDA linear attention + gated MLA, MoE MLPs)."""
+    layer_types = _gated_delta_layers(v)
+    n = len(layer_types)
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": n,
+        "layer_types": layer_types,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 8,  # becomes the KDA head dim; ``head_dim`` is then reset to ``qk_rope_head_dim``
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "short_conv_kernel_size": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_mtp_layers": 0,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+    }
+
+
+def _glm5_next(v: int) -> dict[str, Any]:
+    """Flat text kwargs for :class:`transformers.Glm5NextConfig` (KDA + DSA/MLA, mHC streams, MoE) + tiny vision.
+
+    ``indexed_attention`` layers select ``index_topk`` keys in pools of ``index_kpool`` tokens (plus the tail pool).
+    Variants 0/1 use a budget (64) above any short test context, so the selection keeps every visible key. Variant 2
+    (budget 12) is genuinely sparse on ~20-token contexts and has two consecutive indexed layers, the second reusing
+    the first one's top-k (``indexer_types`` "shared"). Caveat: the indexer ranks pools by ``relu`` scores, so pools
+    tie at exactly 0.0 and ``topk`` breaks the tie by position in a tensor whose length is the number of pools in the
+    forward; HF's own cached decode and full forward then pick different keys (observed: max logit diff ~4e-2).
+    """
+    layer_types = _pick(
+        v,
+        ["linear_attention", "indexed_attention"],
+        ["linear_attention", "linear_attention", "indexed_attention"],
+        ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+    )
+    n = len(layer_types)
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": n,
+        "layer_types": layer_types,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1),
+        "indexer_types": _pick(v, ["full"] * 2, ["full"] * 3, ["full", "full", "shared", "full"]),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 0,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "index_n_heads": _pick(v, 2, 2, 4),
+        "index_head_dim": 8,
+        "index_kpool": 2,
+        # 64 >= any test context: dense selection. Variant 2 (12) is genuinely sparse; see the tie note above.
+        "index_topk": _pick(v, 64, 64, 12),
+        "linear_num_heads": 4,
+        "linear_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "hc_mult": _pick(v, 2, 4, 2),
+        "hc_sinkhorn_iters": 5,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "max_position_embeddings": 256,
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 16,
+            "num_heads": 2,
+            "intermediate_size": 32,
+            "out_hidden_size": 32,
+            "projection_intermediate_size": 32,
+            "patch_size": 2,
+            "image_size": 8,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+        },
+    }
+
+
+def _zaya(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.ZayaConfig` (CCA attention with conv + delayed-value state, top-1 MoE)."""
+    layer_types = _pick(
+        v,
+        ["hybrid_sliding", "hybrid"],
+        ["hybrid", "hybrid", "hybrid"],
+        ["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+    )
+    return {
+        "hidden_size": 32,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": _pick(v, 2, 4, 1),
+        "head_dim": 8,
+        "sliding_window": _pick(v, 4, None, 6),
+        "cca_time0": _pick(v, 2, 2, 3),
+        "cca_time1": _pick(v, 2, 3, 2),
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 1,  # ZayaConfig.validate_architecture rejects anything else
+        "router_hidden_size": 16,
+        # tied embeddings make the tiny model echo its last input token forever (greedy fixed point)
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 256,
+    }
+
+
+def _qwen_mrope(head_dim: int, partial: float) -> dict[str, Any]:
+    half_rot = int(head_dim * partial) // 2
+    return {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": partial,
+        "mrope_section": [half_rot - half_rot // 2, half_rot // 2, 0],
+        "mrope_interleaved": True,
+    }
+
+
+def _qwen4_exp(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.Qwen4ExpTextConfig` (gated delta net + QSA-indexed gated attention,
+    hyper-connection residual streams, MoE; variant 1 adds PLE on layer 1)."""
+    layer_types = _gated_delta_layers(v)  # "full_attention" is renamed "indexed_attention" by the config
+    head_dim = 16
+    return {
+        "hidden_size": 32,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_num_key_heads": _pick(v, 2, 2, 4),
+        "linear_num_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "hc_count": _pick(v, 2, 2, 3),
+        "hc_lowrank": 8,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 8,
+        "indexer_budget": _pick(v, 4, 8, 4),
+        "indexer_compress_ratio": 2,
+        "ple_layer_ids": _pick(v, [], [1], []),
+        "ple_embed_dim": 32,
+        "ple_conv_kernel_size": 4,
+        "ngram_size": 3,
+        "heads_per_ngram": 2,
+        "ngram_vocab_size_base": 101,
+        "make_ngram_vocab_size_divisible_by": 8,
+        "max_position_embeddings": 256,
+        "rope_parameters": _qwen_mrope(head_dim, 0.25),
+    }
+
+
+def _qwen3_5_moe(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.Qwen3_5MoeTextConfig` (text-only Qwen3.5-MoE: GDN + gated attention, MoE)."""
+    layer_types = _gated_delta_layers(v)
+    head_dim = 16
+    return {
+        "hidden_size": 32,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_num_key_heads": _pick(v, 2, 2, 4),
+        "linear_num_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 256,
+        "rope_parameters": _qwen_mrope(head_dim, 0.25),
+    }
+
+
 def _zamba(v: int) -> dict[str, Any]:
     """Kwargs for :class:`transformers.ZambaConfig` (unsupported: Zamba v1).
 
@@ -490,6 +786,14 @@ _BUILDERS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
     "kimi_linear": ("KimiLinearConfig", _kimi_linear),
     "lfm2": ("Lfm2Config", _lfm2),
     "lfm2_moe": ("Lfm2MoeConfig", _lfm2_moe),
+    "lfm3": ("Lfm3Config", _lfm3),
+    "inkling": ("InklingTextConfig", _inkling),
+    "inkling2": ("Inkling2TextConfig", _inkling2),
+    "bailing_hybrid": ("BailingHybridConfig", _bailing_hybrid),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", _qwen3_5_moe),
+    "glm5_next": ("Glm5NextConfig", _glm5_next),
+    "zaya": ("ZayaConfig", _zaya),
+    "qwen4_exp": ("Qwen4ExpTextConfig", _qwen4_exp),
     "zamba": ("ZambaConfig", _zamba),
     "rwkv": ("RwkvConfig", _rwkv),
     "recurrent_gemma": ("RecurrentGemmaConfig", _recurrent_gemma),
@@ -513,6 +817,14 @@ _MODEL_CLASSES: dict[str, str] = {
     "kimi_linear": "KimiLinearForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
+    "lfm3": "Lfm3ForCausalLM",
+    "inkling": "InklingForCausalLM",
+    "inkling2": "Inkling2ForCausalLM",
+    "bailing_hybrid": "BailingHybridForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "glm5_next": "Glm5NextForConditionalGeneration",  # no text-only causal LM in 5.23
+    "zaya": "ZayaForCausalLM",
+    "qwen4_exp": "Qwen4ExpForCausalLM",
     "zamba": "ZambaForCausalLM",
     "rwkv": "RwkvForCausalLM",
     "recurrent_gemma": "RecurrentGemmaForCausalLM",
@@ -555,6 +867,21 @@ def _reinit_degenerate(model: nn.Module, std: float) -> None:
                 param.normal_(0.0, std)
 
 
+def _post_build(model: nn.Module, family: str) -> None:
+    """Fix-ups after the cast (deterministic, no RNG use).
+
+    * inkling2: its router computes `F.linear(hidden_states.float(), self.weight)`, relying on
+      `_keep_in_fp32_modules_strict`, which HF enforces only when loading in fp16/bf16: keep the weight float32.
+    * zaya: `ZayaQKNorm.temp` is zero-initialised (every key zero, uniform attention): set it to 1.
+    """
+    for name, param in model.named_parameters():
+        if family == "inkling2" and name.endswith("mlp.gate.weight"):
+            param.data = param.data.to(torch.float32)
+        elif family == "zaya" and name.endswith("qk_norm.temp") and not torch.any(param):
+            with torch.no_grad():
+                param.fill_(1.0)
+
+
 def build_tiny_model(
     family: str,
     *,
@@ -577,6 +904,7 @@ def build_tiny_model(
     model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     _reinit_degenerate(model, std=getattr(config, "initializer_range", 0.02))
     model = model.to(device="cpu", dtype=dtype)
+    _post_build(model, family)
     if family in _MOE_FAMILIES and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
     model.generation_config.pad_token_id = _TOKEN_IDS["pad_token_id"]

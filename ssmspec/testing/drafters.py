@@ -13,11 +13,12 @@ from ssmspec.speculate.drafters import Draft, Drafter
 
 
 class RandomDrafter(Drafter):
-    """Random tokens in random tree shapes (mostly rejected: exercises 'accept nothing')."""
+    """Random tokens in random tree shapes, or random chains (mostly rejected: exercises 'accept nothing')."""
 
-    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, seed: int = 0, chain: bool = False) -> None:
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
+        self.chain = chain
 
     def propose(self, contexts, max_nodes, max_depth):
         out = []
@@ -25,7 +26,9 @@ class RandomDrafter(Drafter):
             tokens, parents, depth = [int(ctx[-1])], [-1], [0]
             for _ in range(self.rng.randint(0, max_nodes) if max_depth > 0 else 0):
                 cands = [t for t in range(len(tokens)) if depth[t] < max_depth]
-                p = self.rng.choice(cands)
+                if not cands or (self.chain and depth[-1] >= max_depth):
+                    break
+                p = len(tokens) - 1 if self.chain else self.rng.choice(cands)
                 tokens.append(self.rng.randrange(self.vocab_size))
                 parents.append(p)
                 depth.append(depth[p] + 1)

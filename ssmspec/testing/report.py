@@ -26,6 +26,11 @@ FLOAT32_IN_HF_CODE = {
     "qwen3_next": "GDN gate `softplus(a.float() + dt_bias)`",
     "qwen3_5": "GDN gate `softplus(a.float() + dt_bias)`",
     "olmo_hybrid": "GDN gate `softplus(self.a_proj(hidden_states).float() + dt_bias)`",
+    "inkling": "short convolutions computed and cached in float32 (`hidden_states.float()`); MoE router in float32",
+    "inkling2": "residual stream, short convolutions, router and logits in float32 (`hidden_states.float()`, "
+    "`lm_head(...).float()`)",
+    "bailing_hybrid": "KDA recurrent state stored in float32 (explicit cast); MoE router in float32",
+    "qwen3_5_moe": "GDN gate `softplus(a.float() + dt_bias)`, recurrent state in float32; MoE router in float32",
 }
 
 _REPORT: dict[str, dict[str, Any]] = {}
@@ -74,17 +79,18 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
 def families_markdown(report: dict[str, dict[str, Any]], families: list[str] | tuple[str, ...]) -> str:
     """The supported-families table: one row per family, '(not run)' where the report has no examples."""
     head = (
-        "| family | HF model class | kernel seams wrapped | float64 examples | tokens compared | drafters "
-        "exercised | max state diff, tree path only | max state diff, with HF decode steps | float32 tie "
-        "flips / tokens |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| family | HF model class | exact for | kernel seams wrapped | float64 examples | tokens compared | "
+        "drafters exercised | max state diff, tree path only | max state diff, with HF decode steps | float32 "
+        "tie flips / tokens |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for fam in families:
         r = report.get(fam, {})
         if not r.get("n_examples"):
-            rows.append(f"| {fam} | (not run) | | 0 | | | | | |")
+            rows.append(f"| {fam} | (not run) | | | 0 | | | | | |")
             continue
         f32 = f"{r['n_tie_flips']} / {r['n_float32_tokens']}" if "n_float32_tokens" in r else "–"
+        exact = "; ".join(r["limits"]) if r.get("limits") else "trees, batches"
 
         def diff(kind: str, r=r) -> str:
             if f"max_state_diff_{kind}" not in r:
@@ -92,7 +98,8 @@ def families_markdown(report: dict[str, dict[str, Any]], families: list[str] | t
             return f"{r[f'max_state_diff_{kind}']:.1e} (≤ {r[f'tolerance_{kind}']:.0e})"
 
         rows.append(
-            f"| {fam} | `{r.get('model_class', '?')}` | {', '.join(r.get('seams', []))} | {r['n_examples']} | "
+            f"| {fam} | `{r.get('model_class', '?')}` | {exact} | {', '.join(r.get('seams', []))} | "
+            f"{r['n_examples']} | "
             f"{r.get('n_tokens', 0)} | {', '.join(r.get('drafters', []))} | {diff('tree')} | {diff('decode')} | "
             f"{f32} |"
         )

@@ -6,6 +6,7 @@ Users testing a new architecture combine these with `check_model`; ssmspec's own
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
-from ssmspec.transform import prepare_draft
+from ssmspec.transform import TransformInfo, prepare_draft, transform
 from ssmspec.tree import TokenTree
 
 DrafterFactory = Callable[[list[list[int]]], Drafter]
@@ -25,6 +26,12 @@ DrafterFactory = Callable[[list[list[int]]], Drafter]
 def cached_tiny_model(family: str, variant: int = 0, dtype: torch.dtype = torch.float64, seed: int = 0):
     """build_tiny_model, memoised: property tests draw many examples per model (check_model copies it)."""
     return build_tiny_model(family, dtype=dtype, seed=seed, seed_variant=variant)
+
+
+@functools.lru_cache(maxsize=64)
+def capabilities(family: str, variant: int = 0, dtype: torch.dtype = torch.float64, seed: int = 0) -> TransformInfo:
+    """What transform's probe established for a tiny model (trees, batches, limits), memoised."""
+    return transform(copy.deepcopy(cached_tiny_model(family, variant, dtype, seed))).ssmspec_info
 
 
 def families() -> st.SearchStrategy[str]:
@@ -68,15 +75,17 @@ def trees(draw, batch_size: int = 1, max_nodes: int = 16, vocab_size: int = 96) 
     return TokenTree.from_lists(tokens, parents)
 
 
-def drafter_factories(vocab_size: int) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
+def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
     """(description, factory(reference_rows) -> Drafter), adversarial ones included: no drafts, random
     tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
-    not the first child, prompt lookup chains and trees, and draft models (SSM, hybrid, short-conv)."""
+    not the first child, prompt lookup chains and trees, and draft models (SSM, hybrid, short-conv).
+    trees=False draws chain drafters only (for models whose probe found trees inexact)."""
     seeds = st.integers(0, 2**16)
+    if not trees:
+        return _chain_drafters(vocab_size, seeds)
 
     def draft_model(family: str) -> tuple[str, DrafterFactory]:
-        draft = cached_tiny_model(family, 0, torch.float64, 5)
-        return f"draft_model({family})", lambda ref: DraftModelDrafter(prepare_draft(draft), vocab_size)
+        return _draft_model(family, vocab_size)
 
     return st.one_of(
         st.just(("none", lambda ref: NoDrafter())),
@@ -94,4 +103,25 @@ def drafter_factories(vocab_size: int) -> st.SearchStrategy[tuple[str, DrafterFa
             lambda a: (f"prompt_lookup(n={a[0]}, tree={a[1]})", lambda ref: PromptLookupDrafter(a[0], tree=a[1]))
         ),
         st.sampled_from(["mamba2", "lfm2", "qwen3_next"]).map(draft_model),
+    )
+
+
+def _draft_model(family: str, vocab_size: int) -> tuple[str, DrafterFactory]:
+    draft = cached_tiny_model(family, 0, torch.float64, 5)
+    return f"draft_model({family})", lambda ref: DraftModelDrafter(prepare_draft(draft), vocab_size)
+
+
+def _chain_drafters(vocab_size: int, seeds) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
+    return st.one_of(
+        st.just(("none", lambda ref: NoDrafter())),
+        seeds.map(lambda s: (f"random(seed={s}, chain)", lambda ref: RandomDrafter(vocab_size, seed=s, chain=True))),
+        st.just(("oracle(distractors=0)", lambda ref: OracleDrafter(ref, vocab_size=vocab_size))),
+        st.tuples(st.integers(0, 4), seeds).map(
+            lambda a: (
+                f"oracle(right_prefix={a[0]}, distractors=0)",
+                lambda ref: OracleDrafter(ref, vocab_size=vocab_size, right_prefix=a[0], seed=a[1]),
+            )
+        ),
+        st.integers(1, 3).map(lambda n: (f"prompt_lookup(n={n}, tree=False)", lambda ref: PromptLookupDrafter(n))),
+        st.sampled_from(["mamba2", "lfm2", "qwen3_next"]).map(lambda f: _draft_model(f, vocab_size)),
     )

@@ -10,17 +10,19 @@ from hypothesis import strategies as st
 
 from ssmspec.testing import report as family_report
 from ssmspec.testing.check import check_model
-from ssmspec.testing.strategies import cached_tiny_model, drafter_factories, prompts
+from ssmspec.testing.strategies import cached_tiny_model, capabilities, drafter_factories, prompts
 
 TIE_TOLERANCE = 1e-3
 
 
-@pytest.mark.parametrize("family", ["mamba", "mamba2", "bamba", "qwen3_next", "kimi_linear", "lfm2"])
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "bamba", "qwen3_next", "kimi_linear", "lfm2", "lfm3", "inkling"])
 @given(data=st.data())
 def test_float32_diverges_only_at_near_ties(family, data):
-    model = cached_tiny_model(family, data.draw(st.integers(0, 1), label="variant"), torch.float32)
-    prompt = data.draw(prompts(96), label="prompt")
-    name, factory = data.draw(drafter_factories(96), label="drafter")
+    variant = data.draw(st.integers(0, 1), label="variant")
+    model = cached_tiny_model(family, variant, torch.float32)
+    caps = capabilities(family, variant, torch.float32)
+    prompt = data.draw(prompts(96, max_batch=3 if caps.batches else 1), label="prompt")
+    name, factory = data.draw(drafter_factories(96, trees=caps.trees), label="drafter")
     note(f"drafter={name}")
     report = check_model(
         model,

@@ -101,7 +101,7 @@ def test_edge_cases_behave_as_hf():
 def test_bad_arguments_raise_clear_errors():
     _, model = _pair("mamba2")
     ids, mask = _batch()
-    with pytest.raises(NotImplementedError, match="sampling"):
+    with pytest.raises(NotImplementedError, match="do_sample"):
         model.generate(ids, do_sample=True, max_new_tokens=3, prompt_lookup_num_tokens=3)
     with pytest.raises(ValueError, match="beam"):
         model.generate(ids, num_beams=2, max_new_tokens=3, prompt_lookup_num_tokens=3)
@@ -124,3 +124,41 @@ def test_transform_with_a_default_spec_config_speculates_by_default():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True)
     assert out.spec_stats is not None  # went through speculation
     assert torch.equal(out.sequences, ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+
+
+def test_assistant_model_is_never_changed():
+    """generate(assistant_model=d) used to transform the user's draft in place."""
+    ref, model = _pair("mamba2")
+    draft = copy.deepcopy(cached_tiny_model("mamba2", 0, torch.float64, 1))
+    cls, attrs = type(draft), set(draft.__dict__)
+    params = {k: v.clone() for k, v in draft.state_dict().items()}
+    ids, mask = _batch()
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, assistant_model=draft), want)
+    assert type(draft) is cls and set(draft.__dict__) == attrs
+    assert all("forward" not in m.__dict__ for m in draft.modules())
+    assert all(torch.equal(v, draft.state_dict()[k]) for k, v in params.items())
+    assert torch.equal(draft.generate(ids, max_new_tokens=4), draft.generate(ids, max_new_tokens=4))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [({"num_draft_tokens": "8"}, TypeError), ({"num_draft_tokens": 2.5}, TypeError), ({"tree": "no"}, TypeError),
+     ({"tree_budget": True}, TypeError), ({"drafter": 3}, TypeError), ({"commit": None}, TypeError),
+     ({"num_draft_tokens": -1}, ValueError), ({"max_matching_ngram_size": 0}, ValueError)],
+)  # fmt: skip
+def test_spec_config_checks_types_and_values(kwargs, error):
+    field = next(iter(kwargs))
+    with pytest.raises(error, match=f"SpecConfig.{field}"):
+        SpecConfig(**kwargs)
+
+
+@pytest.mark.parametrize("speculation", ["tree", {"tree": True}, 8])
+def test_speculation_must_be_a_spec_config(speculation):
+    _, model = _pair("mamba2")
+    ids, mask = _batch()
+    with pytest.raises(TypeError, match="SpecConfig"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, speculation=speculation)
+    with pytest.raises(TypeError, match="SpecConfig"):
+        ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")), speculation)

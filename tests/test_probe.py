@@ -1,0 +1,155 @@
+"""The value-checking probe: tree verification must compute what HF computes, or ssmspec refuses, naming the
+layer; where the cause is understood (positions read from cache slots) ssmspec reproduces HF exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers.models.lfm2.modeling_lfm2 import ALL_ATTENTION_FUNCTIONS, Lfm2Attention, apply_rotary_pos_emb
+
+import ssmspec
+from ssmspec import SpecConfig, UnsupportedModelError
+from ssmspec.testing.configs import tiny_config
+from ssmspec.testing.strategies import cached_tiny_model
+
+
+def _scaled_inkling(layer_types: list[str], scale: float = 30.0):
+    """A tiny Inkling with these layer types and its relative-position bias weights scaled x30 (as a trained
+    model may have them)."""
+    config = tiny_config("inkling", seed_variant=2)
+    config.layer_types = layer_types
+    config.num_hidden_layers = len(layer_types)
+    config.mlp_layer_types = ["dense"] + ["sparse"] * (len(layer_types) - 1)
+    torch.manual_seed(0)
+    model = transformers.InklingForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "InklingRelativeLogits":
+                module.proj.mul_(scale)
+    model = model.to(torch.float64).eval()
+    model.set_experts_implementation("eager")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
+    return model
+
+
+@pytest.mark.parametrize("layer_types", [["hybrid"] * 4, ["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid"]])
+def test_inkling_position_bias_from_cache_slots_is_exact(layer_types):
+    """The held-out case that returned wrong tokens: the bias is computed from cache slot indices, so tree nodes
+    (index != depth) and stale K/V slots of rejected drafts got the wrong bias. Now 15 single-prompt tree runs
+    and 10 batched chain runs equal HF greedy."""
+    ref = _scaled_inkling(layer_types)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    assert model.ssmspec_info.slot_positions and model.ssmspec_info.trees and model.ssmspec_info.batches
+    g = torch.Generator().manual_seed(0)
+    for i in range(15):
+        motif = torch.randint(3, 96, (3,), generator=g)
+        ids = torch.cat([torch.randint(3, 96, (2,), generator=g), motif, motif, motif])[None]
+        spec = SpecConfig(tree=True, tree_budget=12, num_draft_tokens=4)
+        want = ref.generate(ids, max_new_tokens=16, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=16, speculation=spec), want), f"tree run {i}"
+    for i in range(10):
+        motif = torch.randint(3, 96, (4,), generator=g)
+        ids = torch.stack([motif.repeat(3), torch.randint(3, 96, (12,), generator=g), motif.repeat(3).flip(0)])
+        mask = torch.ones_like(ids)
+        ids[1, :4], mask[1, :4] = 0, 0
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=16, prompt_lookup_num_tokens=4)
+        assert torch.equal(got, want), f"batched chain run {i}"
+
+
+class AbsoluteSlotKeys(Lfm2Attention):
+    """Scales keys by a function of their absolute cache slot index (arange over the keys it gets back)."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_layernorm(self.q_proj(hidden_states).view(*hidden_shape)).transpose(1, 2)
+        k = self.k_layernorm(self.k_proj(hidden_states).view(*hidden_shape)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(*hidden_shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        slots = torch.arange(k.shape[2], device=k.device, dtype=k.dtype)
+        k = k * (1.0 + 0.5 * torch.cos(slots))[:, None]
+        q = q * self.query_factor(q)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, _ = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.out_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+    def query_factor(self, q):
+        return 1.0
+
+
+class QueryIndexFromZero(AbsoluteSlotKeys):
+    """Also scales queries by their index inside the forward call: breaks even chains (never what HF's full
+    forward of the same path computes)."""
+
+    def query_factor(self, q):
+        return (1.0 + 0.5 * torch.cos(torch.arange(q.shape[2], dtype=q.dtype)))[:, None]
+
+
+def _with_attention(cls):
+    model = copy.deepcopy(cached_tiny_model("lfm2", 1))
+    for module in model.modules():
+        if isinstance(module, Lfm2Attention):
+            module.__class__ = cls
+    return model
+
+
+def test_slot_index_keys_narrow_what_speculation_may_do():
+    """Keys scaled by absolute slot index: exact for one prompt with chains; the probe finds trees and batches
+    inexact, names the layer, and generate refuses them instead of returning other tokens than HF."""
+    ref = _with_attention(AbsoluteSlotKeys)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    info = model.ssmspec_info
+    assert not info.trees and not info.batches
+    assert info.limits["trees"].startswith("model.layers.") and info.limits["batches"].startswith("model.layers.")
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([ids, ids, ids], dim=1)
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, max_new_tokens=12, prompt_lookup_num_tokens=4, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want) and out.spec_stats["accepted_tokens"] > 0
+    with pytest.raises(UnsupportedModelError, match="only chains") as err:
+        model.generate(ids, max_new_tokens=12, speculation=SpecConfig(tree=True))
+    assert "model.layers." in str(err.value)
+    with pytest.raises(UnsupportedModelError, match="one prompt at a time"):
+        model.generate(torch.cat([ids, ids]), max_new_tokens=4, prompt_lookup_num_tokens=4)
+
+
+def test_semantics_ssmspec_cannot_reproduce_are_refused_and_the_model_is_untouched():
+    ref = _with_attention(QueryIndexFromZero)
+    model = copy.deepcopy(ref)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attrs = set(model.__dict__)
+    with pytest.raises(UnsupportedModelError, match="does not reproduce HF's computation") as err:
+        ssmspec.transform(model)
+    assert err.value.module_path.startswith("model.layers.")
+    assert type(model) is type(ref)
+    assert set(model.__dict__) == attrs
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.generate(ids, max_new_tokens=4), ref.generate(ids, max_new_tokens=4))
+
+
+def test_chain_only_family_refuses_trees_by_name():
+    """Inkling2's full-attention layers convolve keys with a dynamic short conv outside any kernel seam: exact on
+    chains (the probe checks), not on branching trees, which are refused naming the layer."""
+    ref = cached_tiny_model("inkling2", 0)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    assert not model.ssmspec_info.trees and model.ssmspec_info.batches
+    ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([ids, ids], dim=1)
+    want = ref.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=10, prompt_lookup_num_tokens=3), want)
+    with pytest.raises(UnsupportedModelError, match="only chains"):
+        model.generate(ids, max_new_tokens=10, speculation=SpecConfig(tree=True))
+
+
+def test_probe_compares_every_layer_and_reports_its_margin():
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model("bamba")))
+    diffs = model.ssmspec_info.probe_diffs
+    assert 0 <= diffs["layers"] < 1e-5 and 0 <= diffs["logits"] < 1e-5

@@ -1,0 +1,87 @@
+"""Seam discovery and the seam adapters' contract: module-local seam functions are found by name and signature,
+and an adapter fails closed on any argument it does not understand."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+import ssmspec
+from ssmspec import UnsupportedModelError
+from ssmspec.hf import seams
+from ssmspec.speculate.runner import ModelRunner
+from ssmspec.testing.strategies import cached_tiny_model
+from ssmspec.tree import TokenTree
+
+
+def test_module_local_seam_functions_are_found_by_name_and_signature():
+    """LFM3 defines its own width-7 `causal_conv1d_fn` (no hub decorator): it is a seam."""
+    model = cached_tiny_model("lfm3")
+    conv = next(m for m in model.modules() if type(m).__name__ == "Lfm3ShortConv")
+    found = seams.seams_called_by(conv)
+    assert found["causal_conv1d_fn"][0] == "causal_conv1d_fn"
+    assert found["causal_conv1d_update"][0] == "causal_conv1d_update"
+    module = types.ModuleType("fake_modeling")
+
+    def causal_conv1d_fn(x, y):  # same name, other signature: not a seam
+        return x
+
+    causal_conv1d_fn.__module__ = module.__name__
+    assert seams.local_seam_name(causal_conv1d_fn, "causal_conv1d_fn", module.__name__) is None
+    assert seams.local_seam_name(causal_conv1d_fn, "causal_conv1d_fn", "elsewhere") is None
+
+
+def _conv_seam(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+    raise AssertionError("HF's function must not run while verifying")
+
+
+@pytest.fixture()
+def verifying_call():
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")))
+    runner = ModelRunner(model)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    runner.prefill(ids, torch.ones_like(ids))
+    tree = TokenTree.from_lists([[5, 6, 7]], [[-1, 0, 0]])
+    with runner.cache.verifying(tree) as verification:
+        outer = seams._LOCAL.mixer
+        seams._LOCAL.mixer = seams.MixerCall(verification, 0, "model.layers.0.mixer")
+        try:
+            yield tree
+        finally:
+            seams._LOCAL.mixer = outer
+
+
+@pytest.mark.parametrize(
+    "extra,refused",
+    [({"seq_idx": torch.zeros(1, 7, dtype=torch.int32)}, "seq_idx"),
+     ({"cu_seqlens": torch.tensor([0, 7])}, "cu_seqlens"),
+     ({"initial_states": torch.zeros(1, 4, 3)}, "initial_states"),
+     ({"position_embeddings": (torch.ones(1), torch.ones(1))}, None),
+     ({"seq_idx": None}, None)],
+)  # fmt: skip
+def test_adapters_fail_closed_on_arguments_they_do_not_know(verifying_call, extra, refused):
+    wrapper = seams.tree_aware(_conv_seam, "causal_conv1d_fn")
+    x = torch.randn(1, 4, 3 + verifying_call.num_nodes, dtype=torch.float64)
+    w = torch.randn(4, 4, dtype=torch.float64)
+    if refused:
+        with pytest.raises(UnsupportedModelError, match=f"`{refused}` set") as err:
+            wrapper(x, w, **extra)
+        assert err.value.module_path == "model.layers.0.mixer"
+    else:
+        assert wrapper(x, w, activation="silu", **extra).shape == x.shape
+
+
+def test_outside_verification_the_seam_is_hf_s_own():
+    calls = []
+
+    def seam(hidden_states, weight, bias=None, activation=None, **kwargs):
+        calls.append(kwargs)
+        return hidden_states
+
+    wrapper = seams.tree_aware(seam, "causal_conv1d_fn")
+    x = torch.ones(1, 2, 3)
+    assert wrapper(x, None, seq_idx=None, anything=1) is x
+    assert calls == [{"seq_idx": None, "anything": 1}]
