@@ -1,7 +1,7 @@
 """ssmspec: exact speculative decoding (chains and trees) for Hugging Face SSM and hybrid models."""
 
 from ssmspec import models  # noqa: F401  (ssmspec.models.load(...) after `import ssmspec`)
-from ssmspec.cache import SpecCache
+from ssmspec.hf.cache import SpecCache
 from ssmspec.compile import backend as _backend  # noqa: F401  (registers the "ssmspec" torch.compile backend)
 from ssmspec.errors import (
     InvalidTreeError,

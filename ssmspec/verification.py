@@ -8,7 +8,7 @@ commit for its records (ssmspec.ops), then the attention K/V (the cache keeps th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -16,16 +16,27 @@ from ssmspec.errors import UnsupportedModelError
 from ssmspec.ops import COMMITS, Record
 from ssmspec.tree import TokenTree
 
-if TYPE_CHECKING:  # the cache owns its verifications; only its type is needed here
-    from ssmspec.cache import SpecCache
-
 COMMIT_STRATEGIES = ("replay", "materialize")
+
+
+class CommittedState(Protocol):
+    """What a verification needs from the cache that owns it (ssmspec.hf.cache.SpecCache)."""
+
+    def kv_widths(self) -> dict[int, int]: ...
+
+    def committed_recurrent(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None: ...
+
+    def state_tensor(self, rec: Record) -> torch.Tensor: ...
+
+    def keep_kv(self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor) -> None: ...
+
+    def drop_kv(self, widths: dict[int, int]) -> None: ...
 
 
 class Verification:
     """The tree being verified, the commit strategy, and what every layer recorded for commit."""
 
-    def __init__(self, cache: SpecCache, tree: TokenTree, commit: str) -> None:
+    def __init__(self, cache: CommittedState, tree: TokenTree, commit: str) -> None:
         if commit not in COMMIT_STRATEGIES:
             raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
         self.cache = cache

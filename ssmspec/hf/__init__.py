@@ -1,8 +1,6 @@
-"""Every coupling to transformers internals, in one place: kernel seams (seams.py), cache layers (layers.py),
-attention masks (masks.py), generate's settings (generation.py), and the version guard below.
-
-Submodules are imported where used (this package imports none of them), so that the cache can use
-`hf.layers` while `hf.seams` builds on the cache.
+"""Every coupling to transformers internals, in one place: kernel seams (seams.py), the HF Cache that verifies
+trees (cache.py) and its layer internals (layers.py), attention masks (masks.py), generate's settings
+(generation.py), and the version guard below. Submodules are imported where used.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import inspect
 import torch
 from torch import nn
 
-from ssmspec.cache import SpecCache
+from ssmspec.hf.cache import SpecCache
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import masks as hf_masks
 from ssmspec.tree import TokenTree
