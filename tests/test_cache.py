@@ -88,8 +88,9 @@ def test_batched_attention_slots_stay_bounded(family):
         last = torch.tensor([rng.randrange(len(p)) for p in parents])
         runner.commit(last)
         cache = runner.cache
-        longest = int(cache.n_real.max())
-        assert cache.valid.shape[1] <= longest
+        # each row: its prompt's pads + its real tokens, as in HF's own cache for that row; nothing else
+        assert (cache.block - cache.n_real).tolist() == [0, 0, 3, 0]
+        assert cache.valid.shape[1] == int(cache.block.max())
         assert cache.valid.sum(1).tolist() == [min(n, cache.valid.shape[1]) for n in cache.n_real.tolist()]
         for a in cache.attention:
             width = hf_layers.kv_width(cache.layers[a.index])

@@ -42,8 +42,9 @@ class SpecCache(DynamicCache):
         self.verification: Verification | None = None
         self.attention = hf_layers.attention_layers(self.layers)
         self.valid: torch.Tensor | None = None  # [B, W] validity of the last W absolute slots
-        self.seen = 0  # absolute slot count
+        self.seen = 0  # absolute slot count (of the longest row)
         self.n_real: torch.Tensor | None = None  # [B] real tokens processed per row
+        self.block: torch.Tensor | None = None  # [B] slots of each row in HF's layout (its pads included)
         self.reads_slot_positions = False  # a model read query/key offsets while verifying a tree
 
     # ---------------------------------------------------------------- layout bookkeeping
@@ -70,11 +71,13 @@ class SpecCache(DynamicCache):
         self.seen = mask.shape[1]
         self.valid = mask[:, mask.shape[1] - self._needed_width(mask.shape[1]) :]
         self.n_real = mask.sum(-1)
+        self.block = torch.full_like(self.n_real, mask.shape[1])
 
     def after_decode(self) -> None:
         """After one HF decode step (one token per row, HF's own cache update)."""
         self.seen += 1
         self.n_real = self.n_real + 1
+        self.block = self.block + 1
         valid = torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], 1)], dim=1)
         self.valid = valid[:, valid.shape[1] - self._needed_width(valid.shape[1]) :]
 
@@ -218,15 +221,18 @@ class SpecCache(DynamicCache):
                 hf_layers.set_kv(layer, keys[:, :, : widths[a.index]], values[:, :, : widths[a.index]], self.seen)
 
     def keep_kv(self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Keep each row's committed slots plus its accepted path, right-aligned, and nothing else."""
+        """Keep each row's committed slots plus its accepted path, right-aligned, and nothing else: every row
+        is again laid out as in HF's own cache for that row (its pads, its tokens), the slots of rejected drafts
+        are gone, and the layout is as wide as the longest row."""
         self.n_real = self.n_real + lengths
+        self.block = self.block + lengths
+        self.seen = int(self.block.max())
         if not self.attention:
-            self.seen += int(lengths.max())
             return
         b, w = self.valid.shape
         dev = self.valid.device
-        first = torch.where(self.valid.any(1), self.valid.int().argmax(1), torch.full_like(lengths, w))
-        block = w - first  # each row's slots, from its first real one
+        block = torch.minimum(self.block - lengths, torch.full_like(lengths, w))  # each row's stored columns
+        first = w - block
         new_block = block + lengths
         width = int(new_block.max())
         j = torch.arange(width, device=dev)[None, :] - (width - new_block)[:, None]  # index inside the row's block
@@ -237,7 +243,6 @@ class SpecCache(DynamicCache):
         source = torch.where(j < 0, torch.full_like(source, -1), source)
         old_valid = torch.gather(self.valid, 1, (first[:, None] + j).clamp(0, max(w - 1, 0))) if w else old
         valid = (j >= 0) & (~old | old_valid)
-        self.seen = max(int(self.n_real.max()), width)
         needed = self._needed_width(width)
         self.valid = valid[:, width - needed :]
         simple = b == 1 and bool((first == 0).all())
@@ -266,7 +271,7 @@ class SpecCache(DynamicCache):
                     for name, d in hf_layers.state_dicts(layer).items()}  # fmt: skip
             item["kv"] = hf_layers.kv(layer) if hasattr(layer, "keys") else (None, None)
             states.append(item)
-        return {"layers": states, "valid": self.valid, "seen": self.seen, "n_real": self.n_real}
+        return {"layers": states, "valid": self.valid, "seen": self.seen, "n_real": self.n_real, "block": self.block}
 
     def restore(self, snap: dict) -> None:
         """Put back the state saved by `snapshot` (conv/recurrent states in place, keeping addresses)."""
@@ -278,4 +283,4 @@ class SpecCache(DynamicCache):
             keys, values = item["kv"]
             if keys is not None:
                 hf_layers.set_kv(layer, keys, values, snap["seen"])
-        self.valid, self.seen, self.n_real = snap["valid"], snap["seen"], snap["n_real"]
+        self.valid, self.seen, self.n_real, self.block = snap["valid"], snap["seen"], snap["n_real"], snap["block"]
