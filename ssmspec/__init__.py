@@ -1,7 +1,6 @@
 """ssmspec: exact speculative decoding (chains and trees) for Hugging Face SSM and hybrid models."""
 
 from ssmspec import models  # noqa: F401  (ssmspec.models.load(...) after `import ssmspec`)
-from ssmspec.hf.cache import SpecCache
 from ssmspec.compile import backend as _backend  # noqa: F401  (registers the "ssmspec" torch.compile backend)
 from ssmspec.errors import (
     InvalidTreeError,
@@ -10,6 +9,7 @@ from ssmspec.errors import (
     UnsupportedSettingError,
     VocabMismatchError,
 )
+from ssmspec.hf.cache import SpecCache
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.transform import transform
 from ssmspec.tree import TokenTree

@@ -12,9 +12,9 @@ import inspect
 import torch
 from torch import nn
 
-from ssmspec.hf.cache import SpecCache
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import masks as hf_masks
+from ssmspec.hf.cache import SpecCache
 from ssmspec.tree import TokenTree
 from ssmspec.verification import Verification
 
