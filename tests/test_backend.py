@@ -110,3 +110,34 @@ def test_kernel_policy_belongs_to_the_compiled_model(monkeypatch):
     assert kernel_policy() == "reference"
     with pytest.raises(ValueError, match="kernels must be one of"):
         copy.deepcopy(other).compile(backend="ssmspec", options={"kernels": "fastest"})
+
+
+@pytest.mark.parametrize("when", ["compile", "first run"])
+def test_inductor_failure_falls_back_per_graph(monkeypatch, when):
+    """`model.compile(backend="ssmspec")` crashed user code where Inductor failed (torch 2.11's Triton codegen
+    on HF's Mamba2 path in bf16). Now the failing graph runs without Inductor, with one warning naming it."""
+    import torch._inductor.compile_fx as inductor
+
+    from ssmspec.compile.backend import STATS
+
+    def broken(gm, example_inputs, *args, **kwargs):
+        if when == "compile":
+            raise TypeError("list indices must be integers or slices, not NoneType")
+
+        def run(*a):
+            raise TypeError("list indices must be integers or slices, not NoneType")
+
+        return run
+
+    monkeypatch.setattr(inductor, "compile_fx", broken)
+    torch._dynamo.reset()
+    STATS.__init__()
+    ref = cached_tiny_model("bamba")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    model.compile(backend="ssmspec")
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="Inductor failed on a graph .TypeError: list indices"):
+        got = model.generate(ids, max_new_tokens=6, speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3))
+    assert torch.equal(got, want)
+    assert STATS.fallbacks >= 1

@@ -14,6 +14,7 @@ False runs the rewritten FX graph as is, for debugging). Registered on `import s
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ class BackendStats:
     tree_ops: int = 0
     lowered: int = 0
     folded: int = 0
+    fallbacks: int = 0  # graphs run without Inductor after it failed on them
     per_graph: list[dict[str, int]] = field(default_factory=list)
 
 
@@ -71,10 +73,45 @@ def ssmspec_backend(
     if not options.get("inductor", True):
         compiled = gm.forward
     else:
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled = compile_fx(gm, example_inputs)
+        compiled = _inductor_or_fallback(gm, example_inputs)
     return _with_policy(compiled, policy)
+
+
+def _inductor_or_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """Inductor's compilation of the graph, or, if Inductor fails on it (at compile time or at its first
+    run: Triton codegen bugs such as torch 2.11's `get_block_shape` TypeError on HF's Mamba2 path), the
+    graph as ssmspec's passes left it, with one warning naming the failure. User code never crashes
+    because of a compiler failure; errors the graph itself raises still propagate."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def fallback(exc: BaseException) -> Callable:
+        warnings.warn(
+            f"ssmspec backend: Inductor failed on a graph ({type(exc).__name__}: {str(exc).splitlines()[0][:200]});"
+            " running that graph without Inductor's code generation",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        STATS.fallbacks += 1
+        return gm.forward
+
+    try:
+        compiled = compile_fx(gm, example_inputs)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back for this graph
+        return fallback(exc)
+    state = {"run": compiled, "proven": False}
+
+    def run(*args):
+        if state["proven"]:
+            return state["run"](*args)
+        try:
+            out = state["run"](*args)
+        except Exception as exc:  # noqa: BLE001 - the first run compiles Triton code lazily
+            state["run"] = fallback(exc)
+            out = state["run"](*args)
+        state["proven"] = True
+        return out
+
+    return run
 
 
 def _with_policy(compiled: Callable, policy: str) -> Callable:

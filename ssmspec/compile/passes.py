@@ -98,13 +98,19 @@ def fold_conv_padding(gm: fx.GraphModule) -> int:
     return folded
 
 
+def _float64(node: fx.Node) -> bool:
+    vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
+    return any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in vals)
+
+
 def lower_tree_ops(gm: fx.GraphModule) -> int:
-    """Point every tree-op call at its Triton kernel; returns the number of calls lowered."""
+    """Point every tree-op call at its Triton kernel (float64 calls keep the reference: ssmspec.kernels
+    routes float64 to the reference by design); returns the number of calls lowered."""
     from ssmspec.kernels import KERNELS
 
     lowered = 0
     for node in gm.graph.nodes:
-        if is_tree_op(node) and node.target in KERNELS:
+        if is_tree_op(node) and node.target in KERNELS and not _float64(node):
             node.target = KERNELS[node.target]
             lowered += 1
     if lowered:

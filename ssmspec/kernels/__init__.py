@@ -50,6 +50,12 @@ def enable_eager_kernels() -> None:
     _EAGER_ENABLED = True
 
 
+def kernel_supports(args) -> bool:
+    """Whether the kernels take these arguments: not float64 (Triton's float64 support on GPUs is partial; a
+    float64 tree SSD fails to compile on an H100), so float64 always runs the reference, by design."""
+    return not any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args)
+
+
 def _dispatcher(name, reference, kernel):
     sig = inspect.signature(reference)
     n_params = len(sig.parameters)
@@ -59,6 +65,8 @@ def _dispatcher(name, reference, kernel):
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
+        if not kernel_supports(args):
+            return reference(*args)
         return SELECTOR.run(name, reference, kernel, args)
 
     return run
@@ -70,6 +78,7 @@ __all__ = [
     "SELECTOR",
     "KernelSelector",
     "enable_eager_kernels",
+    "kernel_supports",
     "conv_window",
     "gather_states",
     "ssd_state_at",

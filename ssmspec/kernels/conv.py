@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from ssmspec.kernels.ssd import _tl_dtype
+from ssmspec.ops._common import compute_dtype
 from ssmspec.ops.conv import _check_activation
 
 
@@ -16,20 +18,20 @@ def _tree_conv_kernel(
     x_ptr, w_ptr, b_ptr, anc_ptr, out_ptr,
     C, N, S, K,
     sxb, sxc, sxt, swc, swk, sab, san, sak, sob, soc, son,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     n = tl.program_id(1)
     c = tl.program_id(2) * BC + tl.arange(0, BC)
     cm = c < C
-    acc = tl.zeros([BC], dtype=w_ptr.dtype.element_ty)
+    acc = tl.zeros([BC], dtype=ACC)  # at least float32: half-precision inputs accumulate in float32
     for j in range(0, K):
         pos = tl.load(anc_ptr + b * sab + n * san + j * sak) + S  # index into [committed | nodes]
-        xv = tl.load(x_ptr + b * sxb + c * sxc + pos * sxt, mask=cm, other=0.0).to(acc.dtype)
-        wv = tl.load(w_ptr + c * swc + (K - 1 - j) * swk, mask=cm, other=0.0)
+        xv = tl.load(x_ptr + b * sxb + c * sxc + pos * sxt, mask=cm, other=0.0).to(ACC)
+        wv = tl.load(w_ptr + c * swc + (K - 1 - j) * swk, mask=cm, other=0.0).to(ACC)
         acc += xv * wv
     if HAS_BIAS:
-        acc += tl.load(b_ptr + c, mask=cm, other=0.0)
+        acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(ACC)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + b * sob + c * soc + n * son, acc.to(out_ptr.dtype.element_ty), mask=cm)
@@ -55,5 +57,6 @@ def tree_causal_conv1d(
         c, n, s, k,
         *x_ext.stride(), *weight.stride(), *ancestors.stride(), *out.stride(),
         HAS_BIAS=bias is not None, SILU=act in ("silu", "swish"), BC=bc,
+        ACC=_tl_dtype(compute_dtype(x_ext, weight)),
     )  # fmt: skip
     return out

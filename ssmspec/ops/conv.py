@@ -13,7 +13,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ssmspec.ops._common import Record, SeamCall, commits, eager_fast_path, reference_op, seam_adapter
+from ssmspec.ops._common import (
+    Record,
+    SeamCall,
+    commits,
+    compute_dtype,
+    eager_fast_path,
+    reference_op,
+    seam_adapter,
+)
 
 _ACTIVATIONS = {None: None, "": None, "identity": None, "silu": F.silu, "swish": F.silu}
 
@@ -28,7 +36,8 @@ def tree_causal_conv1d(
     x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ancestors: torch.Tensor, activation: str
 ) -> torch.Tensor:
     """x_ext: [B, C, S+N] committed state (S columns) then the N node inputs; weight: [C, K];
-    ancestors: [B, N, K] from TokenTree.ancestors(K). Returns [B, C, N] in x_ext's dtype."""
+    ancestors: [B, N, K] from TokenTree.ancestors(K). Returns [B, C, N] in x_ext's dtype; computed in at least
+    float32 (half-precision inputs accumulate in float32, as a GPU conv does)."""
     act = activation or None
     _check_activation(act)
     b, c, total = x_ext.shape
@@ -38,11 +47,12 @@ def tree_causal_conv1d(
         raise ValueError(f"tree_causal_conv1d: weight {tuple(weight.shape)} does not match [C={c}, K={k}]")
     if s < k - 1:
         raise ValueError(f"tree_causal_conv1d: committed state has {s} columns, width {k} needs {k - 1}")
+    cd = compute_dtype(x_ext, weight)
     idx = (ancestors + s).reshape(b, 1, n * k).expand(b, c, n * k)
-    taps = torch.gather(x_ext.to(weight.dtype), 2, idx).view(b, c, n, k)  # tap j = j-th ancestor
-    out = (taps * weight.flip(-1)[None, :, None, :]).sum(-1)
+    taps = torch.gather(x_ext.to(cd), 2, idx).view(b, c, n, k)  # tap j = j-th ancestor
+    out = (taps * weight.to(cd).flip(-1)[None, :, None, :]).sum(-1)
     if bias is not None:
-        out = out + bias[None, :, None]
+        out = out + bias.to(cd)[None, :, None]
     fn = _ACTIVATIONS[act]
     if fn is not None:
         out = fn(out)

@@ -22,6 +22,10 @@ class SpecStats:
     emitted_tokens: int = 0  # tokens appended to the outputs (accepted + bonus, after EOS/max truncation)
     tree_nodes_per_step: list[int] = field(default_factory=list)  # nodes per row verified, per step (max over rows)
     row_steps: int = 0  # verify steps counted per active row
+    # emitted tokens whose top-2 logit gap was below near_tie_tolerance * max(1, |top logit|): where another
+    # arithmetic (a tree vs one token, another kernel) may pick the other token in float32/bf16
+    near_ties: int = 0
+    near_tie_tolerance: float = 0.0
 
     @property
     def mean_accepted_per_step(self) -> float:
@@ -60,6 +64,7 @@ def speculative_generate(
     stats = SpecStats()
     b = input_ids.shape[0]
     runner = ModelRunner(model, commit=commit, decode_single_nodes=decode_single_nodes)
+    stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
     logits = runner.prefill(input_ids, attention_mask)
@@ -81,7 +86,9 @@ def speculative_generate(
             if t in eos or len(generated[row]) >= max_new_tokens:
                 done[row] = True
 
+    first_ties = _near_ties(logits, stats.near_tie_tolerance).tolist()
     for r, t in enumerate(logits.argmax(-1).tolist()):
+        stats.near_ties += int(first_ties[r])
         emit(r, [t])
     while not all(done):
         remaining = [max_new_tokens - len(g) for g in generated]
@@ -93,7 +100,8 @@ def speculative_generate(
         )
         node_logits = runner.verify(tree)
         last, emitted = greedy_verify(tree, node_logits)
-        runner.commit(last)
+        path, _ = runner.commit(last)
+        ties = torch.gather(_near_ties(node_logits, stats.near_tie_tolerance), 1, path).tolist()
         stats.verify_steps += 1
         stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
         all_accepted = True
@@ -103,7 +111,9 @@ def speculative_generate(
             stats.row_steps += 1
             stats.accepted_tokens += len(emitted[r]) - 1
             all_accepted &= len(emitted[r]) == len(drafts[r][0])
+            before = len(generated[r])
             emit(r, emitted[r])
+            stats.near_ties += sum(ties[r][: len(generated[r]) - before])
         if schedule != "constant":
             depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
     width = max(len(g) for g in generated)
@@ -111,6 +121,17 @@ def speculative_generate(
     for r, g in enumerate(generated):
         out[r, : len(g)] = torch.tensor(g, dtype=input_ids.dtype)
     return torch.cat([input_ids, out], dim=1), stats, runner
+
+
+def near_tie_tolerance(dtype: torch.dtype) -> float:
+    """Relative top-2 gap below which a greedy token could flip under other rounding: 8 ulps of the dtype."""
+    return 8 * torch.finfo(dtype).eps
+
+
+def _near_ties(logits: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Per position, whether the top-2 logit gap is below tolerance * max(1, |top logit|)."""
+    top = logits.float().topk(2, dim=-1).values
+    return (top[..., 0] - top[..., 1]) < tolerance * top[..., 0].abs().clamp(min=1.0)
 
 
 def _trim(draft: tuple[list[int], list[int]], max_depth: int) -> tuple[list[int], list[int]]:

@@ -15,8 +15,9 @@ from ssmspec import ops as R
 from ssmspec.testing.strategies import trees
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float64, torch.float32]
-TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
+# every dtype users run: half precision inputs are computed in float32 by both sides (accumulation, exp)
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def _rand(g, *shape, dtype):
@@ -24,6 +25,7 @@ def _rand(g, *shape, dtype):
 
 
 def _close(a, b, dtype):
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
     torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
 
 

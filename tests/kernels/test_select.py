@@ -16,6 +16,8 @@ from ssmspec.ops import kernel_policy, using_kernel_policy
 from ssmspec.ops._common import reference_impl
 from ssmspec.tree import TokenTree
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 class Counted:
     """A side whose cost is a sleep and whose calls are counted."""
@@ -122,8 +124,8 @@ def test_real_kernel_measured_against_its_reference():
     argument binding: they agree, and the slower interpreter kernel is not chosen."""
     tree = TokenTree.from_lists([[5, 6, 7, 8]], [[-1, 0, 0, 2]])
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(1, 3, 3 + 4, generator=g), torch.randn(3, 3, generator=g)
-    anc = tree.ancestors(3)
+    x, w = torch.randn(1, 3, 3 + 4, generator=g).to(DEVICE), torch.randn(3, 3, generator=g).to(DEVICE)
+    anc = tree.ancestors(3).to(DEVICE)
     op = torch.ops.ssmspec.tree_causal_conv1d.default
     sel = KernelSelector(repeats=2)
     old, K.SELECTOR = K.SELECTOR, sel
@@ -138,6 +140,25 @@ def test_real_kernel_measured_against_its_reference():
     (choice,) = sel.choices.values()
     assert choice.agrees and choice.max_abs_diff < 1e-5
     assert choice.use_kernel is (choice.kernel_ms < choice.reference_ms)
+
+
+def test_float64_runs_the_reference_by_design():
+    """Triton's float64 support on GPUs is partial (a float64 tree SSD fails to compile on an H100): float64
+    calls never reach a kernel, whatever the policy."""
+    ref, ker = Counted(0.0), Counted(0.0, offset=1.0)
+
+    def reference(x_ext, weight, bias, ancestors, activation):
+        return ref(x_ext)
+
+    def kernel(x_ext, weight, bias, ancestors, activation):
+        return ker(x_ext)
+
+    run = _dispatcher("ssmspec::tree_causal_conv1d", reference, kernel)
+    with using_kernel_policy("kernels"):
+        run(torch.zeros(1, 1, 2, dtype=torch.float64), None, None, None, "")
+        run(torch.zeros(1, 1, 2, dtype=torch.float32), None, None, None, "")
+    assert (ref.calls, ker.calls) == (1, 1)
+    assert K.kernel_supports((torch.zeros(1),)) and not K.kernel_supports((torch.zeros(1, dtype=torch.float64),))
 
 
 def test_backend_kernel_option():

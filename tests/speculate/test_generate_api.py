@@ -162,3 +162,19 @@ def test_speculation_must_be_a_spec_config(speculation):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, speculation=speculation)
     with pytest.raises(TypeError, match="SpecConfig"):
         ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")), speculation)
+
+
+def test_near_ties_are_counted_in_spec_stats():
+    """A bf16 user sees where a flip could occur: emitted tokens whose top-2 logit gap is within a few ulps."""
+    ref = copy.deepcopy(cached_tiny_model("mamba2"))
+    ids, mask = _batch()
+    model = ssmspec.transform(copy.deepcopy(ref))
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert out.spec_stats["near_ties"] == 0 and 0 < out.spec_stats["near_tie_tolerance"] < 1e-14
+    with torch.no_grad():  # every token gets the same logit: every step is an exact tie
+        ref.lm_head.weight[:] = ref.lm_head.weight[5].clone()
+    model = ssmspec.transform(copy.deepcopy(ref))
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert out.spec_stats["near_ties"] == out.spec_stats["emitted_tokens"] == 16
