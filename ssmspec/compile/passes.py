@@ -99,13 +99,14 @@ def fold_conv_padding(gm: fx.GraphModule) -> int:
 
 
 def _float64(node: fx.Node) -> bool:
+    """Whether the call takes float64 CUDA tensors (which the kernels leave to the reference)."""
     vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
-    return any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in vals)
+    return any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 and v.is_cuda for v in vals)
 
 
 def lower_tree_ops(gm: fx.GraphModule) -> int:
-    """Point every tree-op call at its Triton kernel (float64 calls keep the reference: ssmspec.kernels
-    routes float64 to the reference by design); returns the number of calls lowered."""
+    """Point every tree-op call at its Triton kernel (float64 calls on CUDA keep the reference: ssmspec.kernels
+    routes them to the reference by design); returns the number of calls lowered."""
     from ssmspec.kernels import KERNELS
 
     lowered = 0

@@ -142,9 +142,10 @@ def test_real_kernel_measured_against_its_reference():
     assert choice.use_kernel is (choice.kernel_ms < choice.reference_ms)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="float64 is routed to the reference on CUDA only")
 def test_float64_runs_the_reference_by_design():
     """Triton's float64 support on GPUs is partial (a float64 tree SSD fails to compile on an H100): float64
-    calls never reach a kernel, whatever the policy."""
+    CUDA calls never reach a kernel, whatever the policy."""
     ref, ker = Counted(0.0), Counted(0.0, offset=1.0)
 
     def reference(x_ext, weight, bias, ancestors, activation):
@@ -155,10 +156,21 @@ def test_float64_runs_the_reference_by_design():
 
     run = _dispatcher("ssmspec::tree_causal_conv1d", reference, kernel)
     with using_kernel_policy("kernels"):
-        run(torch.zeros(1, 1, 2, dtype=torch.float64), None, None, None, "")
-        run(torch.zeros(1, 1, 2, dtype=torch.float32), None, None, None, "")
+        run(torch.zeros(1, 1, 2, dtype=torch.float64, device="cuda"), None, None, None, "")
+        run(torch.zeros(1, 1, 2, dtype=torch.float32, device="cuda"), None, None, None, "")
     assert (ref.calls, ker.calls) == (1, 1)
-    assert K.kernel_supports((torch.zeros(1),)) and not K.kernel_supports((torch.zeros(1, dtype=torch.float64),))
+
+
+def test_float64_is_kernel_material_only_off_the_gpu():
+    """The decision itself, on any machine (fake CUDA tensors): float64 CUDA calls go to the reference, float64
+    CPU calls (the interpreter) and half/single precision CUDA calls may use a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        cuda64 = torch.empty(2, dtype=torch.float64, device="cuda")
+        cuda16 = torch.empty(2, dtype=torch.bfloat16, device="cuda")
+    assert not K.kernel_supports((cuda16, cuda64)) and K.kernel_supports((cuda16, None, 1.0))
+    assert K.kernel_supports((torch.zeros(1, dtype=torch.float64),))
 
 
 def test_backend_kernel_option():
