@@ -8,6 +8,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
+DPI = 220  # 2x: sharp on high-resolution screens (the docs show them at half their pixel width)
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -43,16 +46,20 @@ def line_plot(
     logx: bool = False,
     hline: float | None = None,
     points: dict[str, tuple[float, float]] | None = None,
+    levels: dict[str, float] | None = None,
 ) -> None:
-    """One line per series ({label: (xs, ys)}), optional horizontal reference and labelled anchor points."""
+    """One line per series ({label: (xs, ys)}), an optional horizontal reference, labelled anchor points (only
+    where the anchor reported a value at that x) and labelled levels (anchors reported without an x)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=DPI)
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", markersize=3.5, label=label)
     if hline is not None:
         ax.axhline(hline, color="grey", linewidth=0.8, linestyle="--")
     for label, (x, y) in (points or {}).items():
         ax.plot([x], [y], marker="*", markersize=11, linestyle="none", label=label)
+    for i, (label, y) in enumerate((levels or {}).items()):
+        ax.axhline(y, color=f"C{len(series) + i + 2}", linewidth=1.0, linestyle=":", label=label)
     if logx:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -71,7 +78,7 @@ def bar_plot(
 ) -> None:
     """One bar per entry, value printed on top."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=DPI)
     bars = ax.bar(list(values), list(values.values()), color="#4c72b0")
     for bar, v in zip(bars, values.values()):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:.2f}", ha="center", va="bottom", fontsize=8)

@@ -6,7 +6,7 @@ interpreter, to check the script itself; writes nothing unless --json is given).
    single-token state updates (HF's selective_state_update seam; mamba-ssm's kernel when installed);
 2. verify(N) / decode for N = 1, 6, 16, 64 on a 1.3B-class random-init Mamba2 (48 layers, d_model 2048) in
    bf16: eager, and compiled with backend="ssmspec" against HF's decode compiled with torch.compile;
-   CUDA-graph verification (ssmspec issue "CUDA-graph verification") is not built yet: "graphs" stays empty;
+   verification under CUDA graphs is not supported yet: "graphs" stays empty;
 3. end to end on the embedded target and bamba-hybrid (float32, held-out prompts): HF greedy, ssmspec
    autoregressive eager and compiled, chain and tree n-gram speculation compiled; outputs compared with HF
    greedy and near-ties counted.
@@ -227,7 +227,7 @@ def main() -> None:
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
     result["torch"] = torch.__version__
     result["seconds"] = time.perf_counter() - t0
-    result["notes"] = {"graphs": "CUDA-graph verification is not built yet: no ratios under CUDA graphs"}
+    result["notes"] = {"graphs": "verification under CUDA graphs is not supported yet: no ratios under CUDA graphs"}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"\nwrote {args.json} ({result['seconds']:.0f} s)")

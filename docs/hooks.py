@@ -1,50 +1,135 @@
-"""MkDocs hook: render the generated parts of the docs at build time.
+"""MkDocs hook: render the generated parts of the docs at build time, from the code and committed data.
 
-- `<!-- ssmspec:families -->`: the supported-families table from the family report the property suite
-  writes ($SSMSPEC_FAMILY_REPORT, default build/family-report.json), and the refused families with the
-  error `ssmspec.transform` raises for each (computed now, on tiny models);
+- `<!-- ssmspec:families -->` / `<!-- ssmspec:family-details -->`: the supported families, from the report the
+  property suite wrote (docs/data/families.json, refreshed by scripts/docs-data.sh); the build fails if it is
+  missing or does not cover exactly the families the code supports. Refused families with the error
+  `ssmspec.transform` raises for each (computed now, on tiny models).
+- `<!-- ssmspec:settings -->`: every generation setting, applied / no effect / refused, from ssmspec.hf.generation.
+- `<!-- ssmspec:limitations -->`: what is refused and why, from the code's own lists.
+- `<!-- ssmspec:gpu -->`: docs/data/gpu.json (written by benchmarks/gpu.py), or a plain statement that it is missing.
 - `<!-- ssmspec:bench NAME -->`: a table from docs/data/NAME.json, which the benchmark scripts write.
+- Math: `$$ ... $$` blocks (each delimiter on its own line) become MathML at build time (latex2mathml):
+  rendered by the browser, nothing loaded from a CDN.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"
-_PLACEHOLDER = re.compile(r"<!-- ssmspec:(\w+)(?: (\S+))? -->")
+_PLACEHOLDER = re.compile(r"<!-- ssmspec:([\w-]+)(?: (\S+))? -->")
+_DISPLAY_MATH = re.compile(r"^\$\$\n(.+?)\n\$\$$", re.S | re.M)
 
 
-def _families() -> str:
+def _family_report() -> dict:
+    from ssmspec.testing import report
+    from ssmspec.testing.configs import SUPPORTED_FAMILIES
+
+    path = DATA / "families.json"
+    if not path.exists():
+        raise ValueError("docs/data/families.json is missing: run scripts/docs-data.sh (it runs the property suite)")
+    data = report.load(path)
+    stale = report.stale_families(data, SUPPORTED_FAMILIES)
+    if stale:
+        raise ValueError("docs/data/families.json is out of date (run scripts/docs-data.sh): " + "; ".join(stale))
+    return data
+
+
+def _refused_families() -> list[tuple[str, str]]:
     from transformers.utils import logging as hf_logging
 
     from ssmspec.errors import UnsupportedModelError
-    from ssmspec.testing import report
-    from ssmspec.testing.configs import SUPPORTED_FAMILIES, UNSUPPORTED_FAMILIES, build_tiny_model
+    from ssmspec.testing.configs import UNSUPPORTED_FAMILIES, build_tiny_model
     from ssmspec.transform import transform
 
     hf_logging.set_verbosity_error()  # the refused families' tiny models would print HF's kernel fallbacks
-    path = Path(os.environ.get(report.ENV_VAR, ROOT / "build" / "family-report.json"))
-    data = report.load(path) if path.exists() else {}
-    note = (
-        f"Generated from the property-suite run that wrote `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`."
-        if data
-        else "No family report found: run `bash scripts/test.sh` (it sets `SSMSPEC_FAMILY_REPORT`) before building."
-    )
-    out = [note, "", report.families_markdown(data, SUPPORTED_FAMILIES), "", "Refused, with the error "
-           "`ssmspec.transform` raises (computed while building these docs):", "",
-           "| family | error |", "|---|---|"]  # fmt: skip
+    out = []
     for fam in UNSUPPORTED_FAMILIES:
         try:
             transform(build_tiny_model(fam))
-            msg = "**accepted** (this table is out of date: the family should move to the property suite)"
         except UnsupportedModelError as exc:
-            msg = str(exc).replace("|", "\\|")
-        out.append(f"| {fam} | {msg} |")
+            out.append((fam, f"`{exc.module_path}`: {exc.reason}"))
+            continue
+        raise ValueError(f"{fam} is listed as refused but transform accepts it: move it to the property suite")
+    return out
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _families() -> str:
+    from ssmspec.testing import report
+    from ssmspec.testing.configs import SUPPORTED_FAMILIES
+
+    data = _family_report()
+    out = [report.families_markdown(data, SUPPORTED_FAMILIES), "",
+           "Refused, with the error `ssmspec.transform` raises (computed while building these docs):", "",
+           "| family | refused: the module and why |", "|---|---|"]  # fmt: skip
+    out += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
     return "\n".join(out) + "\n"
+
+
+def _family_details() -> str:
+    from ssmspec.testing import report
+    from ssmspec.testing.configs import SUPPORTED_FAMILIES
+
+    return report.family_details_markdown(_family_report(), SUPPORTED_FAMILIES)
+
+
+def _settings() -> str:
+    from ssmspec.hf.generation import settings_table
+
+    lines = ["| setting | speculative generate | note |", "|---|---|---|"]
+    lines += [f"| `{name}` | {status} | {_cell(note)} |" for name, status, note in settings_table()]
+    return "\n".join(lines) + "\n"
+
+
+def _limitations() -> str:
+    from ssmspec.hf.generation import settings_table
+    from ssmspec.hf.layers import SUPPORTED_ATTENTION_TYPES
+
+    refused = [(n, note) for n, status, note in settings_table() if status.startswith("refused")]
+    lines = ["### Generation settings refused", "", "| setting | why |", "|---|---|"]
+    lines += [f"| `{n}` | {_cell(note)} |" for n, note in refused]
+    lines += ["", "### Model families refused", "", "| family | the module and why |", "|---|---|"]
+    lines += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
+    limited = [(fam, "; ".join(r["limits"])) for fam, r in sorted(_family_report().items()) if r.get("limits")]
+    lines += ["", "### Supported, within limits the probe found", "", "| family | exact for |", "|---|---|"]
+    lines += [f"| {fam} | {_cell(lim)} |" for fam, lim in limited]
+    lines += ["", "### Attention", "",
+              f"Cache layer types that take a tree mask: {', '.join(f'`{t}`' for t in SUPPORTED_ATTENTION_TYPES)}; "
+              "attention implementations: `sdpa`, `eager`. Others (flash / flex attention, chunked or indexed sparse "
+              "attention, sliding-window layers with different windows) are refused by `ssmspec.transform`, naming "
+              "the layer."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _gpu() -> str:
+    path = DATA / "gpu.json"
+    if not path.exists():
+        return ("**No GPU measurements yet.** `docs/data/gpu.json` does not exist: `python benchmarks/gpu.py` on a "
+                "CUDA machine writes it, and this page then shows its numbers.\n")  # fmt: skip
+    data = json.loads(path.read_text())
+    lines = [f"Measured on **{data['device']}**, torch {data['torch']}.", "", "### verify(N) / decode", "",
+             "| N | eager | compiled | CUDA graphs |", "|---|---|---|---|"]  # fmt: skip
+    vod = data["verify_over_decode"]
+    for n in sorted({int(k) for mode in vod.values() for k in mode}):
+        cells = [f"{vod[m][str(n)]:.2f}" if str(n) in vod.get(m, {}) else "not measured" for m in
+                 ("eager", "compiled", "graphs")]  # fmt: skip
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "### End to end", "", "| model | method | tokens/s | vs HF greedy | vs best ssmspec AR | identical "
+              "| near-ties |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for model, rows in data["e2e"].items():
+        for method, r in rows.items():
+            lines.append(f"| {model} | {method} | {r['tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | "
+                         f"{r['speedup_vs_best_ar']:.2f} | {r['identical']} | {r['near_ties']} |")  # fmt: skip
+    for key, note in data.get("notes", {}).items():
+        lines += ["", f"*{key}: {note}*"]
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(v) -> str:
@@ -71,13 +156,29 @@ def _bench(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _math(markdown: str) -> str:
+    from latex2mathml.converter import convert
+
+    return _DISPLAY_MATH.sub(lambda m: '<div class="math">' + convert(m.group(1), display="block") + "</div>",
+                             markdown)  # fmt: skip
+
+
+_RENDERERS = {
+    "families": _families,
+    "family-details": _family_details,
+    "settings": _settings,
+    "limitations": _limitations,
+    "gpu": _gpu,
+}
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     def render(m: re.Match) -> str:
         kind, arg = m.group(1), m.group(2)
-        if kind == "families":
-            return _families()
         if kind == "bench":
             return _bench(arg)
+        if kind in _RENDERERS:
+            return _RENDERERS[kind]()
         raise ValueError(f"unknown ssmspec placeholder {m.group(0)} in {page.file.src_uri}")
 
-    return _PLACEHOLDER.sub(render, markdown)
+    return _math(_PLACEHOLDER.sub(render, markdown))

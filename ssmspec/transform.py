@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
+from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import layers as hf_layers
@@ -105,17 +106,40 @@ class SpecGenerationMixin:
     def generate(
         self,
         inputs: torch.Tensor | None = None,
-        generation_config=None,
+        generation_config: GenerationConfig | None = None,
         *,
         prompt_lookup_num_tokens: int | None = None,
         assistant_model: nn.Module | None = None,
         speculation: SpecConfig | None = None,
         **kwargs: Any,
-    ):
-        """HF generate; speculative (greedy, exact) when prompt_lookup_num_tokens, assistant_model or
-        speculation is given, when the generation config asks for prompt lookup, or when the model was
-        transformed with a default SpecConfig. The assistant model is never changed (a transformed copy
-        sharing its weights drafts)."""
+    ) -> torch.Tensor | ModelOutput:
+        """HF generate; speculative (greedy, exact) when asked to.
+
+        It speculates when `prompt_lookup_num_tokens`, `assistant_model` or `speculation` is given, when the
+        generation config asks for prompt lookup, or when the model was transformed with a default
+        SpecConfig; otherwise it is HF's own `generate`. Every other setting is resolved as HF's `generate`
+        resolves it and either applied exactly or refused (see the docs' Generation settings page).
+
+        Args:
+            inputs: [batch, length] token ids, left-padded for batches (with `attention_mask=`).
+            generation_config: as in HF; the model's own `generation_config` fills what it leaves unset.
+            prompt_lookup_num_tokens: draft this many tokens per step by n-gram lookup (HF's argument).
+            assistant_model: a causal LM with the same vocabulary that drafts; it is never changed (a
+                transformed copy sharing its weights drafts).
+            speculation: the speculation settings (drafter, chain or tree, budgets, commit strategy).
+            **kwargs: HF generate's keyword arguments (`max_new_tokens`, `attention_mask`, `eos_token_id`,
+                `return_dict_in_generate`, ...).
+
+        Returns:
+            [batch, length + new] token ids as HF's `generate`, or, with `return_dict_in_generate=True`, an
+            output with `sequences` and `spec_stats` (steps, accepted tokens, near-ties, ...).
+
+        Raises:
+            UnsupportedSettingError: a setting that is not applied exactly (named).
+            UnsupportedModelError: trees or batches the transform-time probe found inexact for this model.
+            VocabMismatchError: the assistant model's vocabulary differs from the target's.
+            TypeError: `speculation` is not a SpecConfig.
+        """
         asked = prompt_lookup_num_tokens is not None or assistant_model is not None or speculation is not None
         configured = any(getattr(c, "prompt_lookup_num_tokens", None) is not None
                          for c in (generation_config, self.generation_config))  # fmt: skip
@@ -175,9 +199,22 @@ def transform(hf_model: nn.Module, config: SpecConfig | None = None) -> nn.Modul
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
 
     Plain forward logits stay HF's own, and so does `generate` without speculation arguments, unless
-    `config` (a SpecConfig) is given: then `generate` speculates with it by default. Raises
-    UnsupportedModelError (naming the module and the reason) for a model ssmspec cannot verify exactly,
-    leaving it untouched."""
+    `config` is given: then `generate` speculates with it by default. At the end a probe checks, by value,
+    that tree verification reproduces HF's forward; what it found is in `model.ssmspec_info`.
+
+    Args:
+        hf_model: a Hugging Face causal LM (`PreTrainedModel` with `generate`): an SSM, a hybrid, or a plain
+            transformer (e.g. to use as a draft).
+        config: default speculation settings for `generate`; None keeps HF's plain `generate` by default.
+
+    Returns:
+        The same model object, its class extended with `SpecGenerationMixin` (same class name).
+
+    Raises:
+        TypeError: `hf_model` is not a causal LM, or `config` is not a SpecConfig.
+        UnsupportedModelError: a module ssmspec cannot verify exactly (named, with the reason); the model is
+            left exactly as it was.
+    """
     if not hasattr(hf_model, "generate") or not hasattr(hf_model, "config") or not isinstance(hf_model, nn.Module):
         raise TypeError("ssmspec.transform expects a Hugging Face causal LM (a PreTrainedModel with generate)")
     if config is not None and not isinstance(config, SpecConfig):
@@ -210,8 +247,18 @@ _DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def prepare_draft(draft: nn.Module) -> nn.Module:
-    """A transformed draft for `draft` without changing it: the draft itself if already transformed, else a
-    transformed copy of its module structure sharing its parameters and buffers (made once per draft)."""
+    """A transformed draft for `draft` without changing it.
+
+    Args:
+        draft: any causal LM; if already transformed it is used as is.
+
+    Returns:
+        A transformed copy of its module structure sharing its parameters and buffers (made once per draft
+        and remembered while the draft lives).
+
+    Raises:
+        UnsupportedModelError: the draft cannot be verified exactly (as for `transform`).
+    """
     if isinstance(draft, SpecGenerationMixin):
         return draft
     clone = _DRAFTS.get(draft)

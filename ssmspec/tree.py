@@ -16,12 +16,21 @@ from ssmspec.errors import InvalidTreeError
 
 @dataclass
 class TokenTree:
-    """A batch of B trees of N nodes each (rows padded to a common N with never-acceptable nodes).
+    """A batch of B token trees of N nodes each, in topological order (node 0 = root, parent[t] < t); rows
+    are padded to a common N with never-acceptable nodes. Everything the tree ops, the masks and the commit
+    need (depth, ancestor mask, nearest ancestors, paths) is derived once, at construction.
 
-    tokens:     [B, N] token ids; tokens[:, 0] is the root (the last emitted, not yet processed token)
-    parents:    [B, N] parent index, parents[:, 0] == -1 and 0 <= parents[:, t] < t for t >= 1
-    acceptable: [B, N] False for padding nodes that verification must never accept
+    Attributes:
+        tokens: [B, N] token ids; tokens[:, 0] is the root (the last emitted, not yet processed token).
+        parents: [B, N] parent index; parents[:, 0] == -1 and 0 <= parents[:, t] < t for t >= 1.
+        acceptable: [B, N] False for padding nodes that verification must never accept.
+        depth: [B, N] distance from the root.
+        ancestor_mask: [B, N, N] True where the column node is on the row node's root-to-node path.
+
+    Raises:
+        InvalidTreeError: shapes that differ, no root, a parent that is not an earlier node.
     """
+
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -84,8 +93,20 @@ class TokenTree:
         pad_token_id: int = 0,
         device: torch.device | str | None = None,
     ) -> TokenTree:
-        """Build a batch from per-row python lists, padding short rows with unacceptable nodes (a chain below
-        the row's last node, so that a batch of chains is a chain)."""
+        """Build a batch from per-row python lists.
+
+        Short rows are padded with unacceptable nodes: a chain below the row's last node, so that a batch of
+        chains is a chain.
+
+        Args:
+            tokens: per row, the node tokens (root first).
+            parents: per row, each node's parent (-1 for the root).
+            pad_token_id: the token of padding nodes.
+            device: where the tensors go.
+
+        Raises:
+            InvalidTreeError: rows of different lengths for tokens and parents, an empty row, a bad parent.
+        """
         if len(tokens) != len(parents) or len(tokens) == 0:
             raise InvalidTreeError("tokens and parents need one (non-empty) entry per batch row")
         n = max(len(t) for t in tokens)
@@ -200,7 +221,14 @@ class TokenTree:
         return torch.stack(cols, dim=-1)
 
     def paths(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Root-to-node paths for one node per row: ([B, M] node indices padded with the last node, [B] lengths)."""
+        """Root-to-node paths for one node per row.
+
+        Args:
+            last: [B] the last node of each row's path.
+
+        Returns:
+            ([B, M] node indices of each path, padded with its last node, [B] path lengths).
+        """
         rows = torch.arange(self.batch_size, device=self.tokens.device)
         lengths = self.depth[rows, last] + 1
         m = int(lengths.max())

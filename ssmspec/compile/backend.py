@@ -48,7 +48,23 @@ STATS = BackendStats()
 def ssmspec_backend(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None
 ) -> Callable:
-    """Dynamo backend entry point."""
+    """The Dynamo backend (`torch.compile(..., backend="ssmspec")`; use `model.compile(...)` on a model).
+
+    Args:
+        gm: the graph Dynamo captured.
+        example_inputs: its example inputs.
+        options: "kernels" (None / "auto": per shape the faster of kernel and reference on CUDA; True /
+            "kernels": lower every tree op to its Triton kernel; False / "reference": keep the references),
+            "fuse" (graph simplifications around the tree ops, default True), "inductor" (hand the graph to
+            Inductor, default True; a graph Inductor fails on runs without it, with a warning).
+        mode: accepted for torch.compile's interface.
+
+    Returns:
+        The compiled graph, running under its kernel policy.
+
+    Raises:
+        ValueError: an unknown option or kernels value.
+    """
     options = dict(options or {})
     unknown = set(options) - set(_OPTION_NAMES)
     if unknown:

@@ -102,6 +102,27 @@ def refused_settings(config: GenerationConfig) -> list[tuple[str, Any, str]]:
     return out
 
 
+def settings_table() -> list[tuple[str, str, str]]:
+    """(field, status, note) for every GenerationConfig field and generate argument, from the lists above: the
+    docs render it, so the documented behaviour is the code's."""
+    rows = []
+    for name in sorted(GenerationConfig().to_dict()):
+        if name in METADATA or name.startswith("_"):
+            rows.append((name, "not a setting", "bookkeeping, or meaningful only with an assistant tokenizer"))
+        elif name in ("do_sample", "num_beams", "num_return_sequences"):
+            rows.append((name, "refused unless default", REASONS[name]))
+        elif name == "num_assistant_tokens_schedule":
+            rows.append((name, "applied", f"one of {', '.join(SCHEDULES)}; heuristic adapts the draft depth"))
+        elif name in APPLIED:
+            rows.append((name, "applied", "exactly as HF's generate"))
+        elif name in NO_EFFECT_WHEN_GREEDY:
+            rows.append((name, "no effect", "greedy decoding does not read it (as in HF)"))
+        else:
+            rows.append((name, "refused", REASONS.get(name, "not applied by speculative decoding yet")))
+    rows += [(arg, "refused if given", "not applied by speculative decoding yet") for arg in CALL_ARGUMENTS]
+    return rows
+
+
 def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, kwargs: dict) -> Plan:
     """Resolve a speculative generate call as HF's generate() would, refusing what it would not apply."""
     kwargs = dict(kwargs)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,7 +22,15 @@ EMBEDDED = ("mamba2-target", "mamba2-draft", "bamba-hybrid")
 
 
 def path(name: str) -> Path:
-    """Directory of an embedded model (config, safetensors weights, tokenizer)."""
+    """Directory of an embedded model (config, safetensors weights, tokenizer).
+
+    Args:
+        name: one of `EMBEDDED` ("mamba2-target", "mamba2-draft", "bamba-hybrid").
+
+    Raises:
+        ValueError: an unknown name.
+        FileNotFoundError: the weights are missing from the installation.
+    """
     if name not in EMBEDDED:
         raise ValueError(f"unknown embedded model {name!r}; choose one of {EMBEDDED}")
     where = ROOT / name
@@ -37,8 +46,19 @@ def available() -> tuple[str, ...]:
     return tuple(n for n in EMBEDDED if (ROOT / n / "model.safetensors").exists())
 
 
-def load(name: str = "mamba2-target", dtype: torch.dtype = torch.float32):
-    """(model in eval mode, tokenizer) for an embedded model."""
+def load(name: str = "mamba2-target", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """An embedded model and its tokenizer.
+
+    Args:
+        name: one of `EMBEDDED`.
+        dtype: the model's dtype (weights are stored in fp16).
+
+    Returns:
+        The model in eval mode and its tokenizer.
+
+    Raises:
+        ValueError: an unknown name.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = path(name)

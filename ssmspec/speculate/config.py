@@ -11,18 +11,21 @@ DRAFTERS = ("prompt_lookup", "draft_model", "none")
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculation settings for `model.generate(..., speculation=SpecConfig(...))`.
+    """Speculation settings for `model.generate(..., speculation=SpecConfig(...))` (immutable).
 
-    drafter:           "prompt_lookup" (n-gram match in prompt + output), "draft_model" (needs
-                       `assistant_model`), or "none" (plain decoding through ssmspec's engine)
-    num_draft_tokens:  maximum draft depth per step (a chain has this many drafted nodes)
-    tree:              False = chain; True = a tree from several matches / candidates
-    tree_budget:       maximum drafted nodes per row in tree mode
-    max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones)
-    commit:            "replay" (re-run the recurrence along the accepted path; small memory) or
-                       "materialize" (keep every node's state; commit is a gather)
+    Attributes:
+        drafter: "prompt_lookup" (n-gram match in prompt + output), "draft_model" (needs `assistant_model`),
+            or "none" (plain decoding through ssmspec's engine).
+        num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes).
+        tree: False = chain; True = a tree from several matches / candidates.
+        tree_budget: maximum drafted nodes per row in tree mode.
+        max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones).
+        commit: "replay" (re-run the recurrence along the accepted path; small memory) or "materialize"
+            (keep every node's state; commit is a gather).
 
-    Every field is type-checked: a wrong type raises TypeError, a wrong value ValueError, both naming it.
+    Raises:
+        TypeError: a field of the wrong type (named).
+        ValueError: a field with an invalid value (named).
     """
 
     drafter: str = "prompt_lookup"

@@ -20,13 +20,25 @@ Draft = tuple[list[int], list[int]]
 
 
 class Drafter:
-    """Base class: subclasses implement `propose`; `start` sees the prompt once per generate call."""
+    """Base class of drafters: subclasses implement `propose`; `start` sees the prompt once per generate call.
+
+    Drafts never change the output, only the speed: verification keeps exactly the target's tokens."""
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Called once before the first proposal."""
 
     def propose(self, contexts: Sequence[Sequence[int]], max_nodes: int, max_depth: int) -> list[Draft]:
-        """One tree per row (root included)."""
+        """One tree per row.
+
+        Args:
+            contexts: per row, the real tokens so far (prompt and output; the last one is the root).
+            max_nodes: drafted nodes per row at most (the root not counted).
+            max_depth: draft depth at most.
+
+        Returns:
+            Per row, `(tokens, parents)`: node 0 is the root (`contexts[b][-1]`), `parents[0] == -1`,
+            `parents[t] < t`.
+        """
         raise NotImplementedError
 
 
@@ -46,6 +58,12 @@ class PromptLookupDrafter(Drafter):
     trie whose node weights estimate the chance that the target takes that path. A chain follows the
     heaviest child at each step; a tree keeps the `max_nodes` heaviest nodes (a child never outweighs its
     parent, so they form a subtree), which maximises the expected accepted length under those estimates.
+
+    Args:
+        max_matching_ngram_size: the longest tail match that counts.
+        tree: draft a tree (True) or a chain (False).
+        max_matches: how many earlier occurrences vote.
+        ngram_weight: the vote of an occurrence is `ngram_weight ** (match length - 1)`.
     """
 
     def __init__(
@@ -130,7 +148,18 @@ class DraftModelDrafter(Drafter):
     """A smaller causal LM drafts a chain greedily. The draft must be transformed (ssmspec.transform, on a
     copy: the user's draft is never changed), so an SSM draft rolls its state back exactly (snapshot/restore
     around drafting, catch-up through tree verification). With `confidence_threshold`, drafting stops once
-    the draft's top probability falls below it (HF's `assistant_confidence_threshold`)."""
+    the draft's top probability falls below it (HF's `assistant_confidence_threshold`).
+
+    Args:
+        draft_model: a transformed causal LM (`ssmspec.transform(copy)`; `generate(assistant_model=)` does it).
+        target_vocab_size: the target's vocabulary size.
+        commit: the draft's commit strategy ("replay" or "materialize").
+        confidence_threshold: 0 drafts the full depth.
+
+    Raises:
+        VocabMismatchError: the draft's vocabulary differs from the target's.
+        TypeError: the draft is not transformed.
+    """
 
     def __init__(
         self, draft_model: nn.Module, target_vocab_size: int, commit: str = "replay",

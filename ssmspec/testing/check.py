@@ -91,10 +91,34 @@ def check_model(
     eos_token_id: int | list[int] | None = None,
     decode_single_nodes: bool = True,
 ) -> CheckReport:
-    """Run the equivalence checks; raises EquivalenceError on the first violation, else returns a report.
+    """Run the equivalence checks on a model; raises EquivalenceError at the first violation.
 
-    prompts: (input_ids, attention_mask) pairs. drafters: factories taking the reference sequences
-    (HF greedy output) and returning a Drafter (so oracles can be built); default: NoDrafter only.
+    Speculative greedy output must equal HF's `generate(do_sample=False)` on the untransformed model and
+    ssmspec's own autoregressive decode; committed states after speculation must equal those after plain
+    decoding; plain-forward logits of the transformed model must equal the original's.
+
+    Args:
+        model_or_factory: the untransformed model, or a zero-argument function returning it (it is copied).
+        prompts: (input_ids, attention_mask) pairs, left-padded batches.
+        drafters: factories taking the reference rows (HF greedy output, real tokens) and returning a
+            Drafter, so oracles can be built; default: no drafts only.
+        max_new_tokens: tokens generated per run.
+        tree_budget: drafted nodes per row and step at most.
+        num_draft_tokens: draft depth at most.
+        commits: commit strategies to run.
+        tie_tolerance: top-2 logit gap below which a float32/bf16 token difference counts as a tie flip.
+        state_tolerance: largest relative committed-state difference allowed.
+        logit_tolerance: largest plain-forward logit difference allowed.
+        eos_token_id: overrides the model's EOS for both sides (to test stopping exactly).
+        decode_single_nodes: whether one-node steps use HF's decode path (ssmspec's default) or the tree path.
+
+    Returns:
+        A CheckReport of what was compared.
+
+    Raises:
+        EquivalenceError: the first violation, with where and by how much.
+        UnsupportedModelError: the model (or a tree / batch the checks need) cannot be verified exactly.
+
     Tolerances default by dtype: float64 -> no tie flips allowed, states 1e-9 (1e-6 with HF decode steps,
     see below; states are compared relative to their magnitude), logits 1e-10; otherwise tie gap 1e-3,
     states 1e-3, logits 1e-4.

@@ -13,7 +13,13 @@ from ssmspec.speculate.drafters import Draft, Drafter
 
 
 class RandomDrafter(Drafter):
-    """Random tokens in random tree shapes, or random chains (mostly rejected: exercises 'accept nothing')."""
+    """Random tokens in random tree shapes, or random chains (mostly rejected: exercises 'accept nothing').
+
+    Args:
+        vocab_size: tokens are drawn from range(vocab_size).
+        seed: the drafter's own random generator seed.
+        chain: draft chains only (for models that verify chains only).
+    """
 
     def __init__(self, vocab_size: int, seed: int = 0, chain: bool = False) -> None:
         self.vocab_size = vocab_size
@@ -40,9 +46,13 @@ class OracleDrafter(Drafter):
     """Knows the reference greedy sequence of every row (real tokens, no padding) and proposes its
     continuation as a chain inside a tree.
 
-    right_prefix: how many drafted tokens are right before the chain goes wrong (None = always right);
-    distractors: wrong siblings placed BEFORE the right child at each level, so the correct branch is
-    not the first child; the rng picks wrong tokens.
+    Args:
+        reference: per row, the reference's real tokens (prompt and greedy output).
+        vocab_size: wrong tokens are drawn from range(vocab_size).
+        right_prefix: how many drafted tokens are right before the chain goes wrong (None = always right).
+        distractors: wrong siblings placed BEFORE the right child at each level, so the correct branch is
+            not the first child.
+        seed: the random generator that picks wrong tokens.
     """
 
     def __init__(

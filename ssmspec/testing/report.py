@@ -1,9 +1,10 @@
-"""What the property suite established per family, saved as JSON and rendered as the docs' family table.
+"""What the property suite established per family, saved as JSON and rendered as the docs' family tables.
 
 The float64 and float32 suites call `record(...)` for every Hypothesis example; with the environment
-variable SSMSPEC_FAMILY_REPORT set, the run ends by writing the accumulated report there
-(`scripts/test.sh` does, and the docs build renders it with `families_markdown`). So the table of
-supported families is whatever the last test run checked, not a hand-written list.
+variable SSMSPEC_FAMILY_REPORT set, the run ends by writing the accumulated report there. The docs render
+the report committed as `docs/data/families.json` (refreshed by `scripts/docs-data.sh`, which runs the
+suites); the docs build fails if it is missing or does not cover exactly the supported families. So the
+table of supported families is what a test run checked, not a hand-written list.
 """
 
 from __future__ import annotations
@@ -76,31 +77,74 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return json.loads(Path(path).read_text())
 
 
+def stale_families(report: dict[str, dict[str, Any]], families: list[str] | tuple[str, ...]) -> list[str]:
+    """Why a report does not describe these families (missing ones, ones without examples, extra ones); empty
+    when it does."""
+    problems = [f"{fam}: no examples in the report" for fam in families if not report.get(fam, {}).get("n_examples")]
+    problems += [f"{fam}: in the report but not a supported family" for fam in report if fam not in families]
+    return problems
+
+
+_VARIANTS = 3  # structural variants the suites draw per family (ssmspec.testing.configs)
+
+
+def _exact(r: dict[str, Any]) -> str:
+    """"trees, batches", narrowed where the probe found a variant inexact ("variant 1: one prompt at a time")."""
+    by_limit: dict[str, list[str]] = {}
+    for item in r.get("limits", []):
+        variant, limit = item.split(": ", 1)
+        by_limit.setdefault(limit, []).append(variant.removeprefix("variant "))
+    parts = []
+    for full, limit in (("trees", "chains only"), ("batches", "one prompt at a time")):
+        variants = by_limit.get(limit, [])
+        if len(variants) >= _VARIANTS:
+            parts.append(limit)
+        elif variants:
+            parts.append(f"{full} ({limit} for variant {', '.join(sorted(variants))})")
+        else:
+            parts.append(full)
+    return ", ".join(parts)
+
+
 def families_markdown(report: dict[str, dict[str, Any]], families: list[str] | tuple[str, ...]) -> str:
-    """The supported-families table: one row per family, '(not run)' where the report has no examples."""
+    """The compact supported-families table: what is exact, how many examples and tokens checked it."""
     head = (
-        "| family | HF model class | exact for | kernel seams wrapped | float64 examples | tokens compared | "
-        "drafters exercised | max state diff, tree path only | max state diff, with HF decode steps | float32 "
-        "tie flips / tokens |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| family | exact for | float64 examples | tokens compared | float32 tie flips / tokens |\n"
+        "|---|---|---|---|---|\n"
     )
     rows = []
     for fam in families:
-        r = report.get(fam, {})
-        if not r.get("n_examples"):
-            rows.append(f"| {fam} | (not run) | | | 0 | | | | | |")
-            continue
+        r = report[fam]
         f32 = f"{r['n_tie_flips']} / {r['n_float32_tokens']}" if "n_float32_tokens" in r else "–"
-        exact = "; ".join(r["limits"]) if r.get("limits") else "trees, batches"
+        rows.append(f"| {fam} | {_exact(r)} | {r['n_examples']} | {r.get('n_tokens', 0)} | {f32} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def family_details_markdown(report: dict[str, dict[str, Any]], families: list[str] | tuple[str, ...]) -> str:
+    """One section per family: model class, seams, drafters, commits, state differences and their tolerances."""
+    out = []
+    for fam in families:
+        r = report[fam]
 
         def diff(kind: str, r=r) -> str:
             if f"max_state_diff_{kind}" not in r:
-                return "–"
-            return f"{r[f'max_state_diff_{kind}']:.1e} (≤ {r[f'tolerance_{kind}']:.0e})"
+                return "not drawn"
+            return f"{r[f'max_state_diff_{kind}']:.1e} (tolerance {r[f'tolerance_{kind}']:.0e})"
 
-        rows.append(
-            f"| {fam} | `{r.get('model_class', '?')}` | {exact} | {', '.join(r.get('seams', []))} | "
-            f"{r['n_examples']} | "
-            f"{r.get('n_tokens', 0)} | {', '.join(r.get('drafters', []))} | {diff('tree')} | {diff('decode')} | "
-            f"{f32} |"
-        )
-    return head + "\n".join(rows) + "\n"
+        out += [
+            f"## {fam}",
+            "",
+            f"- HF model class: `{r.get('model_class', '?')}`",
+            f"- exact for: {_exact(r)}",
+            f"- kernel seams made tree-aware: {', '.join(f'`{s}`' for s in r.get('seams', []))}",
+            f"- float64 examples: {r['n_examples']}, tokens compared with HF greedy: {r.get('n_tokens', 0)}",
+            f"- drafters exercised: {', '.join(r.get('drafters', []))}; commits: {', '.join(r.get('commits', []))}",
+            f"- largest committed-state difference (relative), tree path only: {diff('tree')}",
+            f"- largest committed-state difference (relative), with HF decode steps: {diff('decode')}",
+        ]
+        if "n_float32_tokens" in r:
+            out.append(f"- float32: {r['n_tie_flips']} tie flips over {r['n_float32_tokens']} compared tokens")
+        if fam in FLOAT32_IN_HF_CODE:
+            out.append(f"- HF's code computes in float32 here: {FLOAT32_IN_HF_CODE[fam]}")
+        out.append("")
+    return "\n".join(out)

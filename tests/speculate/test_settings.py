@@ -13,6 +13,7 @@ from transformers.generation import CompileConfig, WatermarkingConfig
 
 import ssmspec
 from ssmspec import SpecConfig, UnsupportedSettingError
+from ssmspec.hf.generation import settings_table
 from ssmspec.testing.strategies import cached_tiny_model
 
 # a value per field that changes (or could change) HF's greedy output or its return type
@@ -121,15 +122,18 @@ def test_field_is_applied_or_refused_by_name(pair, field):
     value = SAMPLES[field]
     length = {} if field in ("max_length", "max_new_tokens") else {"max_new_tokens": 8}
     spec = {} if field == "prompt_lookup_num_tokens" else {"prompt_lookup_num_tokens": 3}
+    documented = {name: status for name, status, _ in settings_table()}[field]  # what the docs say
     try:
         got = model.generate(ids, **spec, **length, **{field: copy.deepcopy(value)})
     except UnsupportedSettingError as exc:
         assert field in str(exc) and exc.setting == field
+        assert documented.startswith("refused"), f"{field} is refused but documented as {documented!r}"
         return
     except Exception as exc:  # noqa: BLE001 - a setting HF itself rejects must be rejected here too
         with pytest.raises(type(exc)):
             ref.generate(ids, **length, **{field: copy.deepcopy(value)})
         return
+    assert not documented.startswith("refused") or field == "num_return_sequences", f"{field}: documented {documented}"
     hf_kwargs = {} if field in SPECULATION_ONLY else {field: copy.deepcopy(value)}
     want = ref.generate(ids, do_sample=False, **length, **hf_kwargs)
     seq = lambda out: out.sequences if hasattr(out, "sequences") else out  # noqa: E731
