@@ -7,7 +7,6 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-
 DPI = 220  # 2x: sharp on high-resolution screens (the docs show them at half their pixel width)
 
 

@@ -117,9 +117,7 @@ def mamba2_pair(device: str, dtype: torch.dtype, layers: int, hidden: int):
     return ref, ssmspec.transform(copy.deepcopy(ref))
 
 
-def verify_section(
-    device: str, dtype: torch.dtype, layers: int, hidden: int, nodes: list[int], repeats: int
-) -> dict:
+def verify_section(device: str, dtype: torch.dtype, layers: int, hidden: int, nodes: list[int], repeats: int) -> dict:
     """verify(N) + commit over one HF decode step, eager and compiled (both sides)."""
     print(f"\n2. verify(N)/decode, Mamba2 random-init, {layers} layers, d_model {hidden}, {dtype}")
     ref, model = mamba2_pair(device, dtype, layers, hidden)

@@ -31,7 +31,6 @@ class TokenTree:
         InvalidTreeError: shapes that differ, no root, a parent that is not an earlier node.
     """
 
-
     tokens: torch.Tensor
     parents: torch.Tensor
     acceptable: torch.Tensor | None = None

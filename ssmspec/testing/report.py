@@ -89,7 +89,7 @@ _VARIANTS = 3  # structural variants the suites draw per family (ssmspec.testing
 
 
 def _exact(r: dict[str, Any]) -> str:
-    """"trees, batches", narrowed where the probe found a variant inexact ("variant 1: one prompt at a time")."""
+    """ "trees, batches", narrowed where the probe found a variant inexact ("variant 1: one prompt at a time")."""
     by_limit: dict[str, list[str]] = {}
     for item in r.get("limits", []):
         variant, limit = item.split(": ", 1)
