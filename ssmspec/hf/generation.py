@@ -32,17 +32,63 @@ METADATA = frozenset({
     "assistant_lookbehind", "target_lookbehind",
 })  # fmt: skip
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
-# what each refused setting would need (the error message says why it is not applied)
+# why each refused setting is refused (the error message and the docs' tables say it)
+_PROCESSOR = "a logits processor (changes the logits the greedy choice is made from); not applied per tree node yet"
+_STOPPING = "a stopping criterion that is not evaluated per emitted token yet"
+_STRATEGY = "another decoding strategy than greedy search"
+_HF_RUNTIME = "configures HF's own cache or compilation, which speculative decoding does not use"
+_HF_SPECULATION = "HF's own speculation variant, not ssmspec's"
 REASONS = {
     "do_sample": "speculative sampling is not implemented yet: use do_sample=False (greedy)",
     "num_beams": "speculative decoding does not combine with beam search (num_beams > 1)",
+    "num_return_sequences": "speculative generate returns one sequence per prompt",
     "output_scores": "speculative generate does not return scores yet",
     "output_logits": "speculative generate does not return logits yet",
     "output_attentions": "speculative generate does not return attentions",
     "output_hidden_states": "speculative generate does not return hidden states",
-    "cache_implementation": "speculative decoding runs on ssmspec's own cache",
-    "penalty_alpha": "contrastive search is not speculative decoding",
-    "num_return_sequences": "speculative generate returns one sequence per prompt",
+    "token_healing": "token healing rewrites the prompt's last tokens; not applied yet",
+    "stop_strings": _STOPPING,
+    "max_time": _STOPPING,
+    **dict.fromkeys(
+        (
+            "repetition_penalty",
+            "encoder_repetition_penalty",
+            "no_repeat_ngram_size",
+            "encoder_no_repeat_ngram_size",
+            "bad_words_ids",
+            "min_length",
+            "min_new_tokens",
+            "suppress_tokens",
+            "begin_suppress_tokens",
+            "forced_bos_token_id",
+            "forced_eos_token_id",
+            "sequence_bias",
+            "exponential_decay_length_penalty",
+            "guidance_scale",
+            "watermarking_config",
+            "remove_invalid_values",
+            "renormalize_logits",
+        ),
+        _PROCESSOR,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("penalty_alpha", "num_beam_groups", "diversity_penalty", "constraints", "force_words_ids", "dola_layers"),
+        _STRATEGY,
+    ),
+    **dict.fromkeys(
+        (
+            "cache_implementation",
+            "cache_config",
+            "max_cache_len",
+            "compile_config",
+            "prefill_chunk_size",
+            "continuous_batching_config",
+        ),
+        _HF_RUNTIME,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("assistant_early_exit", "assistant_ensemble_weight", "speculation_type", "use_mtp"), _HF_SPECULATION
+    ),
 }
 # arguments of HF's generate() outside the GenerationConfig
 CALL_ARGUMENTS = (
