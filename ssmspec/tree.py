@@ -128,7 +128,11 @@ class TokenTree:
 
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> TokenTree:
-        """A chain (each node the child of the previous) for every row of a [B, N] token tensor."""
+        """A chain (each node the child of the previous) for every row.
+
+        Args:
+            tokens: [B, N] token ids, root first.
+        """
         b, n = tokens.shape
         parents = (torch.arange(n, device=tokens.device) - 1).expand(b, n).clone()
         return cls(tokens, parents)
@@ -136,7 +140,14 @@ class TokenTree:
     def level_aligned(self, pad_token_id: int = 0) -> tuple[TokenTree, torch.Tensor]:
         """The same trees with nodes sorted by depth and each level padded (with never-acceptable nodes) to
         the same width in every row, so that node index t has one depth in all rows. Needed by models that
-        derive positions from cache slots. Returns (tree, source [B, N'] = original node index, -1 padding)."""
+        derive positions from cache slots.
+
+        Args:
+            pad_token_id: the token of padding nodes.
+
+        Returns:
+            (the aligned tree, [B, N'] the original index of each node, -1 for padding).
+        """
         depth = self.depth.tolist()
         ok = self.acceptable.tolist()
         tok = self.tokens.tolist()
@@ -187,8 +198,14 @@ class TokenTree:
         return self.tokens.shape[1]
 
     def ancestors(self, k: int) -> torch.Tensor:
-        """[B, N, k]: entry j is node t's j-th ancestor (j = 0 is t itself); past the root, -1, -2, ...
-        count back into the committed history (-1 = the most recent committed input). Cached per k.
+        """The k nearest ancestors of every node.
+
+        Args:
+            k: how many (a conv of width k needs k).
+
+        Returns:
+            [B, N, k]: entry j is node t's j-th ancestor (j = 0 is t itself); past the root, -1, -2, ...
+            count back into the committed history (-1 = the most recent committed input). Cached per k.
 
         Under torch.compile it is computed with tensor ops instead, so that compiled graphs do not guard on
         (and recompile for) the Python-side cache of each new tree."""

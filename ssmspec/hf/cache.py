@@ -31,7 +31,16 @@ from ssmspec.verification import COMMIT_STRATEGIES, Verification
 
 
 class SpecCache(DynamicCache):
-    """HF DynamicCache plus tree verification, per-row commit and a right-aligned attention layout."""
+    """HF DynamicCache plus tree verification, per-row commit and a right-aligned attention layout.
+
+    Args:
+        config: the model's config (HF builds the per-layer caches from it).
+        commit: "replay" or "materialize" (how verifications commit recurrent states).
+        state_dtype: recurrent states are stored in at least this dtype.
+
+    Raises:
+        ValueError: an unknown commit strategy.
+    """
 
     def __init__(self, config, *, commit: str = "replay", state_dtype: torch.dtype | None = None) -> None:
         if commit not in COMMIT_STRATEGIES:
@@ -66,7 +75,11 @@ class SpecCache(DynamicCache):
         return max(widths, default=0)
 
     def start(self, attention_mask: torch.Tensor) -> None:
-        """After HF's prefill of a (left-padded) prompt: its slots as HF stored them."""
+        """After HF's prefill of a (left-padded) prompt: its slots as HF stored them.
+
+        Args:
+            attention_mask: [B, L] the prompt's mask (1 = token, 0 = padding).
+        """
         mask = attention_mask.bool()
         self.seen = mask.shape[1]
         self.valid = mask[:, mask.shape[1] - self._needed_width(mask.shape[1]) :]
@@ -199,7 +212,17 @@ class SpecCache(DynamicCache):
     # ---------------------------------------------------------------- verification
     @contextlib.contextmanager
     def verifying(self, tree: TokenTree) -> Iterator[Verification]:
-        """Run model forwards on `tree` without changing committed state; then commit or discard."""
+        """Run model forwards on `tree` without changing committed state; then commit or discard.
+
+        Args:
+            tree: the trees to verify, one per batch row.
+
+        Yields:
+            The Verification: `commit(last)` it afterwards (or `discard()`); an exception inside discards it.
+
+        Raises:
+            RuntimeError: a verification is already open on this cache.
+        """
         if self.verification is not None:
             raise RuntimeError("SpecCache is already verifying a tree")
         verification = Verification(self, tree, self.commit_strategy)
@@ -223,7 +246,13 @@ class SpecCache(DynamicCache):
     def keep_kv(self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor) -> None:
         """Keep each row's committed slots plus its accepted path, right-aligned, and nothing else: every row
         is again laid out as in HF's own cache for that row (its pads, its tokens), the slots of rejected drafts
-        are gone, and the layout is as wide as the longest row."""
+        are gone, and the layout is as wide as the longest row.
+
+        Args:
+            widths: stored slots per attention layer before the tree's K/V were appended.
+            path: [B, M] each row's accepted node indices (padded).
+            lengths: [B] accepted path lengths.
+        """
         self.n_real = self.n_real + lengths
         self.block = self.block + lengths
         self.seen = int(self.block.max())

@@ -24,13 +24,27 @@ DrafterFactory = Callable[[list[list[int]]], Drafter]
 
 @functools.lru_cache(maxsize=64)
 def cached_tiny_model(family: str, variant: int = 0, dtype: torch.dtype = torch.float64, seed: int = 0):
-    """build_tiny_model, memoised: property tests draw many examples per model (check_model copies it)."""
+    """build_tiny_model, memoised: property tests draw many examples per model (check_model copies it).
+
+    Args:
+        family: one of SUPPORTED_FAMILIES (or UNSUPPORTED_FAMILIES, to test refusals).
+        variant: the structural variant.
+        dtype: the model's dtype.
+        seed: the weights' seed.
+    """
     return build_tiny_model(family, dtype=dtype, seed=seed, seed_variant=variant)
 
 
 @functools.lru_cache(maxsize=64)
 def capabilities(family: str, variant: int = 0, dtype: torch.dtype = torch.float64, seed: int = 0) -> TransformInfo:
-    """What transform's probe established for a tiny model (trees, batches, limits), memoised."""
+    """What transform's probe established for a tiny model (trees, batches, limits), memoised.
+
+    Args:
+        family: one of SUPPORTED_FAMILIES.
+        variant: the structural variant.
+        dtype: the model's dtype.
+        seed: the weights' seed.
+    """
     return transform(copy.deepcopy(cached_tiny_model(family, variant, dtype, seed))).ssmspec_info
 
 
@@ -40,7 +54,12 @@ def families() -> st.SearchStrategy[str]:
 
 
 def tiny_models(family: str | None = None, dtype: torch.dtype = torch.float64) -> st.SearchStrategy:
-    """A tiny random-init causal LM of the family (or any family), in a few structural variants."""
+    """A tiny random-init causal LM of the family (or any family), in a few structural variants.
+
+    Args:
+        family: one of SUPPORTED_FAMILIES; None draws the family too.
+        dtype: the model's dtype.
+    """
     fam = st.just(family) if family else families()
     return st.builds(lambda f, v: cached_tiny_model(f, v, dtype), fam, st.integers(0, 2))
 
@@ -48,7 +67,14 @@ def tiny_models(family: str | None = None, dtype: torch.dtype = torch.float64) -
 @st.composite
 def prompts(draw, vocab_size: int, max_batch: int = 3, max_len: int = 10, allow_all_padding: bool = False):
     """(input_ids, attention_mask): a left-padded batch; tokens avoid 0-2 (pad/bos/eos) except padding.
-    Prompts often repeat a motif so that prompt lookup finds matches."""
+    Prompts often repeat a motif so that prompt lookup finds matches.
+
+    Args:
+        vocab_size: tokens are drawn below it.
+        max_batch: rows at most.
+        max_len: prompt length at most.
+        allow_all_padding: whether a row may be all padding.
+    """
     b = draw(st.integers(1, max_batch))
     length = draw(st.integers(1, max_len))
     rows, masks = [], []
@@ -66,7 +92,13 @@ def prompts(draw, vocab_size: int, max_batch: int = 3, max_len: int = 10, allow_
 
 @st.composite
 def trees(draw, batch_size: int = 1, max_nodes: int = 16, vocab_size: int = 96) -> TokenTree:
-    """A batch of random token trees (topological order, node 0 the root), rows of different sizes."""
+    """A batch of random token trees (topological order, node 0 the root), rows of different sizes.
+
+    Args:
+        batch_size: rows.
+        max_nodes: nodes per row at most (root included).
+        vocab_size: tokens are drawn below it.
+    """
     tokens, parents = [], []
     for _ in range(batch_size):
         n = draw(st.integers(1, max_nodes))
@@ -79,7 +111,11 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
     """(description, factory(reference_rows) -> Drafter), adversarial ones included: no drafts, random
     tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
     not the first child, prompt lookup chains and trees, and draft models (SSM, hybrid, short-conv).
-    trees=False draws chain drafters only (for models whose probe found trees inexact)."""
+
+    Args:
+        vocab_size: the target's vocabulary size.
+        trees: False draws chain drafters only (for models whose probe found trees inexact).
+    """
     seeds = st.integers(0, 2**16)
     if not trees:
         return _chain_drafters(vocab_size, seeds)
