@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import UnsupportedModelError
-from ssmspec.speculate.runner import ModelRunner
+from ssmspec.speculate.runner import ModelRunner, positions_from_mask, takes_position_ids
 from ssmspec.tree import TokenTree
 
 # relative tolerance (max |difference| / max |reference|, per layer output and for the logits) per dtype:
@@ -92,6 +92,7 @@ class _Probe:
         found = decoder_layers(model)
         self.layers_path, self.layers = found if found else ("", None)
         self.tol = TOLERANCE.get(self.dtype, 8e-2)
+        self.takes_positions = takes_position_ids(model)
         self.max_logit = self.max_layer = 0.0
 
     def tokens(self, n: int) -> list[int]:
@@ -103,18 +104,12 @@ class _Probe:
         full = torch.tensor([[0] * pad + ids], device=self.device)
         mask = torch.tensor([[0] * pad + [1] * len(ids)], device=self.device)
         kwargs = {"attention_mask": mask}
-        runner_positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        if "position_ids" in self._forward_params():
-            kwargs["position_ids"] = runner_positions
+        if self.takes_positions:
+            kwargs["position_ids"] = positions_from_mask(mask)
         outs: list = []
         with _capture(self.layers, outs):
             logits = self.model(input_ids=full, **kwargs).logits
         return logits[0, pad:], [o[0, pad:] if o is not None else None for o in outs]
-
-    def _forward_params(self):
-        import inspect
-
-        return inspect.signature(self.model.forward).parameters
 
     def compare(self, what: str, got_logits, got_layers, want_logits, want_layers) -> None:
         diffs = []

@@ -137,26 +137,23 @@ class TokenTree:
         parents = (torch.arange(n, device=tokens.device) - 1).expand(b, n).clone()
         return cls(tokens, parents)
 
-    def level_aligned(self, pad_token_id: int = 0) -> tuple[TokenTree, torch.Tensor]:
+    def level_aligned(self, pad_token_id: int = 0) -> TokenTree:
         """The same trees with nodes sorted by depth and each level padded (with never-acceptable nodes) to
         the same width in every row, so that node index t has one depth in all rows. Needed by models that
         derive positions from cache slots.
 
         Args:
             pad_token_id: the token of padding nodes.
-
-        Returns:
-            (the aligned tree, [B, N'] the original index of each node, -1 for padding).
         """
         depth = self.depth.tolist()
         ok = self.acceptable.tolist()
         tok = self.tokens.tolist()
         levels = [[[t for t in range(self.num_nodes) if d[t] == lv] for lv in range(max(d) + 1)] for d in depth]
         widths = [max(len(rows[lv]) if lv < len(rows) else 0 for rows in levels) for lv in range(max(map(len, levels)))]
-        tokens, parents, accept, source = [], [], [], []
+        tokens, parents, accept = [], [], []
         for r, rows in enumerate(levels):
             new_index: dict[int, int] = {}
-            t_r, p_r, a_r, s_r = [], [], [], []
+            t_r, p_r, a_r = [], [], []
             level_start = 0
             for lv, width in enumerate(widths):
                 nodes = rows[lv] if lv < len(rows) else []
@@ -168,24 +165,20 @@ class TokenTree:
                         t_r.append(tok[r][old])
                         p_r.append(new_index[par] if par >= 0 else -1)
                         a_r.append(ok[r][old])
-                        s_r.append(old)
                     else:  # padding: a child of the first node one level up
                         t_r.append(pad_token_id)
                         p_r.append(level_start - widths[lv - 1])
                         a_r.append(False)
-                        s_r.append(-1)
                 level_start += width
             tokens.append(t_r)
             parents.append(p_r)
             accept.append(a_r)
-            source.append(s_r)
         dev = self.tokens.device
-        tree = TokenTree(
+        return TokenTree(
             torch.tensor(tokens, dtype=self.tokens.dtype, device=dev),
             torch.tensor(parents, dtype=torch.long, device=dev),
             torch.tensor(accept, dtype=torch.bool, device=dev),
         )
-        return tree, torch.tensor(source, dtype=torch.long, device=dev)
 
     @property
     def batch_size(self) -> int:

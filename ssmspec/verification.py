@@ -8,7 +8,7 @@ commit for its records (ssmspec.ops), then the attention K/V (the cache keeps th
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -78,10 +78,3 @@ class Verification:
         if not self.done:
             self.cache.drop_kv(self.kv_start)
             self.done = True
-
-    def summary(self) -> dict[str, Any]:
-        """Per record kind, how many (layer, state) records this verification holds (for debugging)."""
-        out: dict[str, Any] = {}
-        for rec in self.records.values():
-            out[rec.kind] = out.get(rec.kind, 0) + 1
-        return out

@@ -50,6 +50,7 @@ class SpecCache(DynamicCache):
         self.state_dtype = state_dtype
         self.verification: Verification | None = None
         self.attention = hf_layers.attention_layers(self.layers)
+        self.recurrent = hf_layers.recurrent_layers(self.layers)
         self.valid: torch.Tensor | None = None  # [B, W] validity of the last W absolute slots
         self.seen = 0  # absolute slot count (of the longest row)
         self.n_real: torch.Tensor | None = None  # [B] real tokens processed per row
@@ -63,7 +64,7 @@ class SpecCache(DynamicCache):
 
     def linear_layers(self) -> list[int]:
         """Indices of layers that hold conv/recurrent states."""
-        return hf_layers.recurrent_layers(self.layers)
+        return self.recurrent
 
     def kv_widths(self) -> dict[int, int]:
         """Stored slots per attention layer."""

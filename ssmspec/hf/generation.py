@@ -14,13 +14,15 @@ from transformers import GenerationConfig
 
 from ssmspec.errors import UnsupportedSettingError
 
-# applied exactly by ssmspec's speculative generate
+# applied exactly by ssmspec's speculative generate (a cache is always used; ssmspec never compiles behind
+# the user's back, so use_cache and disable_compile hold too)
 APPLIED = frozenset({
-    "max_length", "max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "do_sample", "num_beams",
-    "num_return_sequences", "use_cache", "return_dict_in_generate", "prompt_lookup_num_tokens",
-    "max_matching_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
-    "assistant_confidence_threshold", "disable_compile",
+    "max_length", "max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
+    "return_dict_in_generate", "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens",
+    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "disable_compile",
 })  # fmt: skip
+# applied at their default (greedy, one beam, one sequence), refused otherwise
+REFUSED_UNLESS_DEFAULT = frozenset({"do_sample", "num_beams", "num_return_sequences"})
 # settings HF's greedy search itself never reads (sampling and beam-only knobs): no effect, as in HF
 NO_EFFECT_WHEN_GREEDY = frozenset({
     "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
@@ -33,6 +35,7 @@ METADATA = frozenset({
 })  # fmt: skip
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 # why each refused setting is refused (the error message and the docs' tables say it)
+_NOT_YET = "not applied by speculative decoding yet"
 _PROCESSOR = "a logits processor (changes the logits the greedy choice is made from); not applied per tree node yet"
 _STOPPING = "a stopping criterion that is not evaluated per emitted token yet"
 _STRATEGY = "another decoding strategy than greedy search"
@@ -118,55 +121,41 @@ def _is_set(value: Any, default: Any) -> bool:
     return value != default
 
 
+def classify(name: str) -> tuple[str, str]:
+    """(status, note) of one GenerationConfig field: "not a setting", "applied", "no effect", "refused unless
+    default" or "refused". The one place that decides; `refused_settings` and the docs' tables both use it."""
+    if name in METADATA or name.startswith("_"):
+        return "not a setting", "bookkeeping, or meaningful only with an assistant tokenizer"
+    if name in REFUSED_UNLESS_DEFAULT:
+        return "refused unless default", REASONS[name]
+    if name == "num_assistant_tokens_schedule":
+        return "applied", f"one of {', '.join(SCHEDULES)}; heuristic adapts the draft depth"
+    if name in APPLIED:
+        return "applied", "exactly as HF's generate"
+    if name in NO_EFFECT_WHEN_GREEDY:
+        return "no effect", "greedy decoding does not read it (as in HF)"
+    return "refused", REASONS.get(name, _NOT_YET)
+
+
 def refused_settings(config: GenerationConfig) -> list[tuple[str, Any, str]]:
-    """(name, value, reason) of every setting speculative generate would not apply exactly."""
+    """(name, value, reason) of every setting that differs from HF's default and is not applied exactly."""
     defaults = GenerationConfig._get_default_generation_params()
     blank = GenerationConfig()
     out = []
     for name, value in config.to_dict().items():
-        if name in METADATA or name.startswith("_"):
+        if not _is_set(value, defaults.get(name, getattr(blank, name, None))):
             continue
-        default = defaults.get(name, getattr(blank, name, None))
-        if not _is_set(value, default):
-            continue
-        if name in NO_EFFECT_WHEN_GREEDY:
-            continue
-        if name == "do_sample" and not value:
-            continue
-        if name == "num_beams" and value in (None, 1):
-            continue
-        if name == "num_return_sequences" and value in (None, 1):
-            continue
-        if name == "use_cache" or name == "disable_compile":
-            continue  # a cache is always used; ssmspec never compiles behind the user's back
-        if name == "num_assistant_tokens_schedule" and value in SCHEDULES:
-            continue
-        if name in APPLIED and name not in ("do_sample", "num_beams", "num_return_sequences"):
-            continue
-        reason = REASONS.get(name, "this setting is not applied by speculative decoding yet")
-        out.append((name, value, reason))
+        status, note = classify(name)
+        if status.startswith("refused"):
+            out.append((name, value, note))
     return out
 
 
 def settings_table() -> list[tuple[str, str, str]]:
-    """(field, status, note) for every GenerationConfig field and generate argument, from the lists above: the
-    docs render it, so the documented behaviour is the code's."""
-    rows = []
-    for name in sorted(GenerationConfig().to_dict()):
-        if name in METADATA or name.startswith("_"):
-            rows.append((name, "not a setting", "bookkeeping, or meaningful only with an assistant tokenizer"))
-        elif name in ("do_sample", "num_beams", "num_return_sequences"):
-            rows.append((name, "refused unless default", REASONS[name]))
-        elif name == "num_assistant_tokens_schedule":
-            rows.append((name, "applied", f"one of {', '.join(SCHEDULES)}; heuristic adapts the draft depth"))
-        elif name in APPLIED:
-            rows.append((name, "applied", "exactly as HF's generate"))
-        elif name in NO_EFFECT_WHEN_GREEDY:
-            rows.append((name, "no effect", "greedy decoding does not read it (as in HF)"))
-        else:
-            rows.append((name, "refused", REASONS.get(name, "not applied by speculative decoding yet")))
-    rows += [(arg, "refused if given", "not applied by speculative decoding yet") for arg in CALL_ARGUMENTS]
-    return rows
+    """(field, status, note) for every GenerationConfig field and generate argument: the docs render it, so the
+    documented behaviour is the code's."""
+    rows = [(name, *classify(name)) for name in sorted(GenerationConfig().to_dict())]
+    return rows + [(arg, "refused if given", _NOT_YET) for arg in CALL_ARGUMENTS]
 
 
 def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, kwargs: dict) -> Plan:
@@ -178,7 +167,7 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
         value = kwargs.pop(name, None)
         if value is None or value is False or (name in ("logits_processor", "stopping_criteria") and len(value) == 0):
             continue
-        raise UnsupportedSettingError(name, f"generate argument `{name}` is not applied by speculative decoding yet")
+        raise UnsupportedSettingError(name, f"generate argument `{name}`: {_NOT_YET}")
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None:
         raise ValueError("speculative generate needs input_ids (inputs_embeds are not supported)")

@@ -18,7 +18,6 @@ from transformers.cache_utils import (
 
 # cache layer types whose K/V ssmspec can verify trees on (HF's layer-type names): the rest is refused
 SUPPORTED_ATTENTION_TYPES = ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding")
-RECURRENT_TYPES = ("conv", "linear_attention", "dummy")
 
 
 @dataclass(frozen=True)

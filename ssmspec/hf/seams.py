@@ -222,11 +222,12 @@ def seams_called_by(module: nn.Module) -> dict[str, tuple[str, Callable]]:
     return found
 
 
-def point_globals(module: nn.Module) -> None:
+def point_globals(module: nn.Module, seams: dict[str, tuple[str, Callable]] | None = None) -> None:
     """Point the seam names in the module's modeling code at ssmspec wrappers (idempotent; the wrappers pass
-    through outside verification, so other models of the family are unaffected)."""
-    _, glb = _code_names(type(module))
-    for global_name, (seam, fn) in seams_called_by(module).items():
+    through outside verification, so other models of the family are unaffected). `seams`: what
+    `seams_called_by(module)` found, if the caller has it already."""
+    glb = inspect.unwrap(type(module).forward).__globals__
+    for global_name, (seam, fn) in (seams if seams is not None else seams_called_by(module)).items():
         if not hasattr(fn, "__ssmspec_seam__"):
             glb[global_name] = tree_aware(fn, seam)
 
@@ -246,7 +247,7 @@ def install(model: nn.Module) -> tuple[dict[str, list[str]], list[nn.Module]]:
                     raise UnsupportedModelError(path, "its forward is already replaced on the instance (a hook?)")
                 module.forward = MixerForward(module, path)
                 changed.append(module)
-            point_globals(module)
+            point_globals(module, seams)
             rewritten[path] = sorted({s for s, _ in seams.values()})
     except BaseException:
         uninstall(changed)

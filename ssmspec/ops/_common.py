@@ -63,6 +63,12 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return dt
 
 
+def chain_structure(batch: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parents, depth), both [batch, n], of a chain of n nodes per row (parent t - 1, depth t)."""
+    idx = torch.arange(n, device=device)
+    return (idx - 1).expand(batch, n), idx.expand(batch, n)
+
+
 def gather_nodes(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x: [B, N, *rest], idx: [B, M] -> [B, M, *rest]."""
     rows = torch.arange(x.shape[0], device=x.device)[:, None]

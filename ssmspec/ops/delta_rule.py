@@ -14,6 +14,7 @@ import torch
 from ssmspec.ops._common import (
     Record,
     SeamCall,
+    chain_structure,
     commit_materialized,
     commits,
     compute_dtype,
@@ -107,8 +108,7 @@ def verify_delta_rule(call: SeamCall, a: dict[str, Any]):
 def commit_delta_rule(items: list[tuple[torch.Tensor, Record]], path, lengths, last: torch.Tensor) -> None:
     """Replay: run the recurrence on each row's accepted path (a chain) from the committed state."""
     rows = torch.arange(path.shape[0], device=path.device)
-    chain_parents = (torch.arange(path.shape[1], device=path.device) - 1).expand_as(path)
-    chain_depth = torch.arange(path.shape[1], device=path.device).expand_as(path)
+    chain_parents, chain_depth = chain_structure(*path.shape, path.device)
     for target, rec in commit_materialized(items, last):
         a = rec.replay
         q, k, v, g, beta = (gather_nodes(a[n], path) for n in ("q", "k", "v", "g", "beta"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ssmspec.ops._common import chain_structure
 from ssmspec.ops.delta_rule import tree_delta_rule
 from ssmspec.ops.selective_scan import tree_selective_scan
 from ssmspec.ops.ssd import ssd_state_at, tree_ssd
@@ -18,9 +19,9 @@ def _chunks(length: int, chunk_size: int, batch: int, device: torch.device):
     """Yield (slice, parents, depth, ancestor mask) of each chunk, every chunk a chain."""
     for start in range(0, length, chunk_size):
         n = min(chunk_size, length - start)
-        idx = torch.arange(n, device=device)
-        anc = (idx[None, :] <= idx[:, None]).expand(batch, n, n)
-        yield slice(start, start + n), (idx - 1).expand(batch, n), idx.expand(batch, n), anc
+        parents, depth = chain_structure(batch, n, device)
+        anc = (depth[0, None, :] <= depth[0, :, None]).expand(batch, n, n)
+        yield slice(start, start + n), parents, depth, anc
 
 
 def ssd_chunked_prefill(

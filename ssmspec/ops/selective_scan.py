@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ssmspec.ops._common import (
     Record,
     SeamCall,
+    chain_structure,
     commit_materialized,
     commits,
     compute_dtype,
@@ -112,8 +113,7 @@ def _along(x: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
 def commit_selective_scan(items: list[tuple[torch.Tensor, Record]], path, lengths, last: torch.Tensor) -> None:
     """Replay: run the scan on each row's accepted path (a chain) from the committed state; keep its last state."""
     rows = torch.arange(path.shape[0], device=path.device)
-    chain_parents = (torch.arange(path.shape[1], device=path.device) - 1).expand_as(path)
-    chain_depth = torch.arange(path.shape[1], device=path.device).expand_as(path)
+    chain_parents, chain_depth = chain_structure(*path.shape, path.device)
     for target, rec in commit_materialized(items, last):
         a = rec.replay
         states = _tree_scan(

@@ -28,13 +28,23 @@ def cache_kwarg(model: nn.Module) -> str:
     raise ValueError(f"{type(model).__name__}.forward takes neither past_key_values nor cache_params")
 
 
+def takes_position_ids(model: nn.Module) -> bool:
+    """Whether the model's forward takes position_ids."""
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a padded batch as HF's generate makes them: cumsum(mask) - 1, padding at 1."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
 class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
     def __init__(self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True) -> None:
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
-        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        self.takes_positions = takes_position_ids(model)
         self.commit_strategy = commit
         # one-node trees go through HF's decode path (False: the tree path, e.g. to test it on one node)
         self.decode_single_nodes = decode_single_nodes
@@ -63,8 +73,7 @@ class ModelRunner:
             )
         self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype)
         mask = attention_mask.to(torch.long)
-        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        logits = self._call(input_ids, mask, position_ids)
+        logits = self._call(input_ids, mask, positions_from_mask(mask))
         self.cache.start(mask)
         return logits[:, -1]
 
@@ -76,7 +85,7 @@ class ModelRunner:
     def prepare(self, tree: TokenTree) -> TokenTree:
         """The tree to verify for `tree`: level-aligned for models that read positions from cache slots."""
         if self.level_aligned and tree.batch_size > 1 and not tree.depth_is_index:
-            return tree.level_aligned()[0]
+            return tree.level_aligned()
         return tree
 
     def masks(self, tree: TokenTree):
