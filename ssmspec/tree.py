@@ -82,6 +82,8 @@ class TokenTree:
         self.depth = torch.tensor(depth, dtype=torch.long, device=dev)
         self.ancestor_mask = torch.tensor(anc, dtype=torch.bool, device=dev)
         self._ancestors: dict[int, torch.Tensor] = {}
+        # per row, the index each node had in the tree this one was level-aligned from (-1: padding)
+        self.origin: list[list[int]] | None = None
 
     @classmethod
     def from_lists(
@@ -150,10 +152,10 @@ class TokenTree:
         tok = self.tokens.tolist()
         levels = [[[t for t in range(self.num_nodes) if d[t] == lv] for lv in range(max(d) + 1)] for d in depth]
         widths = [max(len(rows[lv]) if lv < len(rows) else 0 for rows in levels) for lv in range(max(map(len, levels)))]
-        tokens, parents, accept = [], [], []
+        tokens, parents, accept, origin = [], [], [], []
         for r, rows in enumerate(levels):
             new_index: dict[int, int] = {}
-            t_r, p_r, a_r = [], [], []
+            t_r, p_r, a_r, o_r = [], [], [], []
             level_start = 0
             for lv, width in enumerate(widths):
                 nodes = rows[lv] if lv < len(rows) else []
@@ -161,11 +163,13 @@ class TokenTree:
                     if k < len(nodes):
                         old = nodes[k]
                         new_index[old] = len(t_r)
+                        o_r.append(old)
                         par = self._parents_list[r][old]
                         t_r.append(tok[r][old])
                         p_r.append(new_index[par] if par >= 0 else -1)
                         a_r.append(ok[r][old])
                     else:  # padding: a child of the first node one level up
+                        o_r.append(-1)
                         t_r.append(pad_token_id)
                         p_r.append(level_start - widths[lv - 1])
                         a_r.append(False)
@@ -173,12 +177,21 @@ class TokenTree:
             tokens.append(t_r)
             parents.append(p_r)
             accept.append(a_r)
+            origin.append(o_r)
         dev = self.tokens.device
-        return TokenTree(
+        aligned = TokenTree(
             torch.tensor(tokens, dtype=self.tokens.dtype, device=dev),
             torch.tensor(parents, dtype=torch.long, device=dev),
             torch.tensor(accept, dtype=torch.bool, device=dev),
         )
+        aligned.origin = origin
+        return aligned
+
+    def index_of(self, row: int, node: int) -> int:
+        """Where node `node` of the tree this one was derived from (by `level_aligned`) sits in this tree."""
+        if self.origin is None:
+            return node
+        return self.origin[row].index(node)
 
     @property
     def batch_size(self) -> int:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import VocabMismatchError
+from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
@@ -23,6 +24,13 @@ class Drafter:
     """Base class of drafters: subclasses implement `propose`; `start` sees the prompt once per generate call.
 
     Drafts never change the output, only the speed: verification keeps exactly the target's tokens."""
+
+    decoding: Decoding | None = None
+
+    def set_decoding(self, decoding: Decoding) -> None:
+        """Called once per generate call, before `start`: how the target chooses tokens (processors, sampling).
+        A sampling drafter draws from its own processed distribution and returns it with its draft."""
+        self.decoding = decoding
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Called once before the first proposal."""
@@ -37,7 +45,10 @@ class Drafter:
 
         Returns:
             Per row, `(tokens, parents)`: node 0 is the root (`contexts[b][-1]`), `parents[0] == -1`,
-            `parents[t] < t`.
+            `parents[t] < t`. A drafter that samples adds a third element, `{node: q}`: the distribution
+            [vocab] the node's children were drawn from (several children: without replacement, in node
+            order). Nodes without one are deterministic proposals. Speculative sampling needs it to stay
+            lossless; greedy verification ignores it.
         """
         raise NotImplementedError
 
@@ -150,11 +161,17 @@ class DraftModelDrafter(Drafter):
     around drafting, catch-up through tree verification). With `confidence_threshold`, drafting stops once
     the draft's top probability falls below it (HF's `assistant_confidence_threshold`).
 
+    When the target samples (`do_sample=True`), the draft samples too, from its own distribution processed by
+    the target's processors and warpers, and returns it with the draft (the q of speculative sampling). With
+    `branches` > 1 the root gets that many children drawn without replacement (Gumbel-top-k), each continued
+    as a sampled chain: a tree whose siblings are distinct, verified by recursive rejection sampling.
+
     Args:
         draft_model: a transformed causal LM (`ssmspec.transform(copy)`; `generate(assistant_model=)` does it).
         target_vocab_size: the target's vocabulary size.
         commit: the draft's commit strategy ("replay" or "materialize").
         confidence_threshold: 0 drafts the full depth.
+        branches: children of the root when sampling (1: a chain).
 
     Raises:
         VocabMismatchError: the draft's vocabulary differs from the target's.
@@ -163,13 +180,14 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, draft_model: nn.Module, target_vocab_size: int, commit: str = "replay",
-        confidence_threshold: float = 0.0,
+        confidence_threshold: float = 0.0, branches: int = 1,
     ) -> None:  # fmt: skip
         check_vocab(draft_model, target_vocab_size)
         if getattr(draft_model, "ssmspec_info", None) is None:
             raise TypeError("DraftModelDrafter needs a transformed draft: pass ssmspec.transform(copy of the draft)")
         self.runner = ModelRunner(draft_model, commit=commit)
         self.confidence_threshold = confidence_threshold
+        self.branches = max(1, int(branches))
         self.processed: list[int] = []
 
     def start(self, input_ids, attention_mask):
@@ -178,6 +196,8 @@ class DraftModelDrafter(Drafter):
         self._device = input_ids.device
 
     def propose(self, contexts, max_nodes, max_depth):
+        if self.decoding is not None and self.decoding.do_sample:
+            return self._propose_sampled(contexts, max_nodes, max_depth)
         depth = min(max_nodes, max_depth)
         if depth <= 0:
             return [([int(c[-1])], [-1]) for c in contexts]
@@ -207,6 +227,69 @@ class DraftModelDrafter(Drafter):
             confident = [c and k for c, k in zip(confident, self._confident(logits[:, 0]))]
         self.runner.restore(snap)
         return [([int(ctx[-1])] + d, list(range(-1, len(d)))) for ctx, d in zip(contexts, drafts)]
+
+    def _distributions(self, seqs: list[list[int]], logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The draft's sampling distributions [M, V] at M positions of rows `rows` with ids `seqs`: its logits
+        processed by the target's processors and warpers, as the target's p is."""
+        return self.decoding.process(seqs, logits.float(), rows).softmax(-1)
+
+    def _propose_sampled(self, contexts, max_nodes, max_depth):
+        """Sample a draft tree (see the class docstring); the draft's state keeps every token but the root."""
+        depth = min(max_nodes, max_depth)
+        roots = [([int(c[-1])], [-1]) for c in contexts]
+        if depth <= 0:
+            return roots
+        dev, b = self._device, len(contexts)
+        gen = self.decoding.generator
+        pending = [list(ctx[self.processed[r] :]) for r, ctx in enumerate(contexts)]
+        runner = self.runner
+        if all(len(p) == 1 for p in pending):  # only the root is new: score it without committing it
+            runner.decode_single_nodes = False
+            logits = runner.verify(TokenTree.from_lists(pending, [[-1]] * b, device=dev))[:, 0]
+            runner.discard()
+            runner.decode_single_nodes = True
+        else:
+            # commit everything before the root (a finished row that did not grow re-feeds its root: its
+            # draft state no longer matters)
+            pending = [p if len(p) > 1 else [p[-1], p[-1]] for p in pending]
+            tree = TokenTree.from_lists(pending, [list(range(-1, len(p) - 1)) for p in pending], device=dev)
+            tip = torch.tensor([len(p) - 1 for p in pending], device=dev)
+            logits = runner.verify(runner.prepare(tree))
+            logits = logits[torch.arange(b, device=dev), tip]
+            runner.commit(tip - 1)
+        self.processed = [len(ctx) - 1 for ctx in contexts]
+        q_root = self._distributions([list(c) for c in contexts], logits, list(range(b)))
+        width = max(1, min(self.branches, max_nodes // depth))
+        trees = []
+        for r in range(b):
+            keys = torch.log(q_root[r]) - torch.log(-torch.log(torch.rand(q_root.shape[-1], generator=gen, device=dev)))
+            kids = [int(t) for t in keys.topk(width).indices if q_root[r, t] > 0]  # Gumbel-top-k: no replacement
+            trees.append(([int(contexts[r][-1])] + kids, [-1] + [0] * len(kids), {0: q_root[r]}, list(range(1, len(kids) + 1))))
+        for _ in range(depth - 1):
+            tree = TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev)
+            aligned = runner.prepare(tree)
+            logits = runner.verify(aligned)
+            runner.discard()
+            seqs, where = [], []
+            for r, (tokens, parents, _, leaves) in enumerate(trees):
+                for leaf in leaves:
+                    path, cur = [], leaf
+                    while cur > 0:
+                        path.append(tokens[cur])
+                        cur = parents[cur]
+                    seqs.append(list(contexts[r]) + path[::-1])
+                    where.append((r, leaf))
+            at = torch.stack([logits[r, aligned.index_of(r, leaf)] for r, leaf in where])
+            dists = self._distributions(seqs, at, [r for r, _ in where])
+            grown = [[] for _ in range(b)]
+            for (r, leaf), q in zip(where, dists):
+                tokens, parents, qs, _ = trees[r]
+                qs[leaf] = q
+                tokens.append(int(torch.multinomial(q, 1, generator=gen)))
+                parents.append(leaf)
+                grown[r].append(len(tokens) - 1)
+            trees = [(t, p, q, g) for (t, p, q, _), g in zip(trees, grown)]
+        return [(tokens, parents, qs) for tokens, parents, qs, _ in trees]
 
     def _confident(self, logits: torch.Tensor) -> list[bool]:
         """Per row, whether the draft's top probability reaches the threshold (always, without one)."""

@@ -1,4 +1,5 @@
-"""The speculative decoding loop: prefill, draft, verify, commit; stops exactly where HF generate() stops."""
+"""The speculative decoding loop: prefill, draft, verify, commit; greedy or lossless sampling, HF's processors per
+node; stops exactly where HF generate() stops."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ssmspec.speculate.decoding import ColumnStreamer, Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.runner import ModelRunner
-from ssmspec.speculate.verify import greedy_verify
+from ssmspec.speculate.verify import greedy_verify, sample_verify
 from ssmspec.tree import TokenTree
 
 
@@ -55,72 +57,158 @@ def speculative_generate(
     commit: str = "replay",
     decode_single_nodes: bool = True,
     schedule: str = "constant",
+    decoding: Decoding | None = None,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner]:
-    """Greedy speculative decoding. Returns (sequences [B, L + T] as HF generate, stats, the target's runner
-    holding the final committed cache). Each step drafts at most `tree_budget` nodes per row, at most
-    `num_draft_tokens` deep. `schedule` "heuristic" adapts the depth as HF's assisted generation does (+2
-    after a step that accepted every drafted token, -1 otherwise). Steps that verify one node per row use
-    HF's own decode path unless `decode_single_nodes` is False (then the tree path, as for any tree)."""
+    """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
+    [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
+    `decoding.output_scores`/`output_logits` the per-token tensors are left in `decoding.scores`/`.logits`.
+
+    Each step drafts at most `tree_budget` nodes per row, at most `num_draft_tokens` deep. `schedule`
+    "heuristic" adapts the depth as HF's assisted generation does (+2 after a step that accepted every
+    drafted token, -1 otherwise). Steps that verify one node per row use HF's own decode path unless
+    `decode_single_nodes` is False (then the tree path, as for any tree). `decoding` carries HF's logits
+    processors (applied per node), stopping criteria (checked after every emitted token) and streamer."""
+    dec = decoding if decoding is not None else Decoding()
     stats = SpecStats()
     b = input_ids.shape[0]
     runner = ModelRunner(model, commit=commit, decode_single_nodes=decode_single_nodes)
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
+    device = input_ids.device
+    stream = ColumnStreamer(dec.streamer, input_ids, pad_token_id)
     logits = runner.prefill(input_ids, attention_mask)
+    drafter.set_decoding(dec)
     drafter.start(input_ids, attention_mask)
     mask = attention_mask.bool()
+    prompts = input_ids.tolist()  # what HF's processors and criteria see: the padded prompt rows
     contexts = [input_ids[r][mask[r]].tolist() for r in range(b)]
     generated: list[list[int]] = [[] for _ in range(b)]
+    pads = [0] * b  # pads a finished row has decoded since (only when scores are kept, as HF's loop does)
     done = [False] * b
     eos = set(eos_token_ids)
+    keep = dec.keeps_scores
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]  # (scores, raw) per position
     depth_limit = num_draft_tokens
 
-    def emit(row: int, toks: list[int]) -> None:
+    def ids(row: int) -> list[int]:
+        return prompts[row] + generated[row] + [pad_token_id] * pads[row]
+
+    def emit(row: int, toks: list[int]) -> int:
+        """Append tokens until the row stops; returns how many were appended."""
+        n = 0
         for t in toks:
             if done[row]:
-                return
+                break
             generated[row].append(t)
             contexts[row].append(t)
-            stats.emitted_tokens += 1
-            if t in eos or len(generated[row]) >= max_new_tokens:
+            n += 1
+            if t in eos or len(generated[row]) >= max_new_tokens or dec.stops(ids(row), device):
                 done[row] = True
+        stats.emitted_tokens += n
+        return n
 
+    raw = logits.float()  # HF processes and picks from float32 logits
+    scores = dec.process([ids(r) for r in range(b)], raw, list(range(b)))
+    first = dec.choose(scores).tolist()
     first_ties = _near_ties(logits, stats.near_tie_tolerance).tolist()
-    for r, t in enumerate(logits.argmax(-1).tolist()):
-        stats.near_ties += int(first_ties[r])
-        emit(r, [t])
+    for r in range(b):
+        if keep:
+            kept[r].append((scores[r], raw[r]))
+        stats.near_ties += int(first_ties[r] and not dec.do_sample)
+        emit(r, [first[r]])
+    stream.release(generated, done)
     while not all(done):
         remaining = [max_new_tokens - len(g) for g in generated]
         depth = min(depth_limit, max(remaining) - 1)
-        drafts = drafter.propose(contexts, tree_budget, max(depth, 0))
-        drafts = [_trim(d, remaining[r] - 1) if not done[r] else ([d[0][0]], [-1]) for r, d in enumerate(drafts)]
-        tree = runner.prepare(
-            TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=input_ids.device)
-        )
+        proposed = drafter.propose(contexts, tree_budget, max(depth, 0))
+        drafts: list[tuple[list[int], list[int]]] = []
+        qs: list[dict[int, torch.Tensor] | None] = []
+        forced: dict[int, int] = {}  # finished rows decoding pads: row -> last node of its pad chain
+        for r, d in enumerate(proposed):
+            if done[r]:
+                k = min(max(depth, 0), max_new_tokens - len(kept[r]) - 1) if keep else -1
+                root = ids(r)[-1] if keep else contexts[r][-1]
+                drafts.append(([root] + [pad_token_id] * max(k, 0), list(range(-1, max(k, 0)))))
+                qs.append(None)
+                if k >= 0:
+                    forced[r] = k
+                continue
+            tokens, parents, index = _trim(d[0], d[1], remaining[r] - 1)
+            drafts.append((tokens, parents))
+            q = d[2] if len(d) > 2 else None
+            qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
+        tree = runner.prepare(TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=device))
+        if tree.origin is not None:
+            qs = [{tree.index_of(r, n): v for n, v in q.items()} if q else None for r, q in enumerate(qs)]
         node_logits = runner.verify(tree)
-        last, emitted = greedy_verify(tree, node_logits)
-        path, _ = runner.commit(last)
+        raw = node_logits.float()
+        active = [not x for x in done]
+        bases = [ids(r) if active[r] or r in forced else None for r in range(b)]
+        scores = dec.score_tree(tree, raw, bases)
+        if dec.do_sample:
+            last, emitted = sample_verify(tree, scores, qs, dec.generator, active)
+        else:
+            last, emitted = greedy_verify(tree, scores)
+        for r, k in forced.items():
+            last[r] = tree.index_of(r, k)
+        path, _ = tree.paths(last)
         ties = torch.gather(_near_ties(node_logits, stats.near_tie_tolerance), 1, path).tolist()
         stats.verify_steps += 1
         stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
         all_accepted = True
+        cut = last.clone()
+        path_list = path.tolist()
         for r in range(b):
-            if done[r]:
+            if r in forced:
+                n = forced[r] + 1
+                pads[r] += n
+            elif active[r]:
+                stats.row_steps += 1
+                stats.accepted_tokens += len(emitted[r]) - 1
+                all_accepted &= len(emitted[r]) == len(drafts[r][0])
+                n = emit(r, emitted[r])
+                if not dec.do_sample:
+                    stats.near_ties += sum(ties[r][:n])
+                cut[r] = path_list[r][n - 1]  # a row that stopped inside the block commits only what it emitted
+            else:
                 continue
-            stats.row_steps += 1
-            stats.accepted_tokens += len(emitted[r]) - 1
-            all_accepted &= len(emitted[r]) == len(drafts[r][0])
-            before = len(generated[r])
-            emit(r, emitted[r])
-            stats.near_ties += sum(ties[r][: len(generated[r]) - before])
+            if keep:
+                kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
+        runner.commit(cut)
+        stream.release(generated, done)
         if schedule != "constant":
             depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
     width = max(len(g) for g in generated)
-    out = torch.full((b, width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    if keep:
+        _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device)
+        dec.scores = tuple(torch.stack([kept[r][k][0] for r in range(b)]) for k in range(width))
+        dec.logits = tuple(torch.stack([kept[r][k][1] for r in range(b)]) for k in range(width))
+    stream.end()
+    out = torch.full((b, width), pad_token_id, dtype=input_ids.dtype, device=device)
     for r, g in enumerate(generated):
         out[r, : len(g)] = torch.tensor(g, dtype=input_ids.dtype)
     return torch.cat([input_ids, out], dim=1), stats, runner
+
+
+def _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device) -> None:
+    """Rows that finished before the last one still owe HF's scores up to `width`: decode pads for them (as
+    HF's loop does for finished rows) until every row has one score per generated column."""
+    b = len(kept)
+    while any(len(k) < width for k in kept):
+        need = [width - len(k) for k in kept]
+        chains = [min(n - 1, 15) if n > 0 else -1 for n in need]
+        drafts = [[ids(r)[-1]] + [pad_token_id] * max(k, 0) for r, k in enumerate(chains)]
+        tree = runner.prepare(TokenTree.from_lists(drafts, [list(range(-1, len(d) - 1)) for d in drafts], device=device))
+        raw = runner.verify(tree).float()
+        scores = dec.score_tree(tree, raw, [ids(r) if chains[r] >= 0 else None for r in range(b)])
+        last = torch.tensor([tree.index_of(r, max(k, 0)) for r, k in enumerate(chains)], device=device)
+        path = tree.paths(last)[0].tolist()
+        for r, k in enumerate(chains):
+            if k >= 0:
+                kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path[r][: k + 1])
+                pads[r] += k + 1
+        runner.commit(last)
 
 
 def near_tie_tolerance(dtype: torch.dtype) -> float:
@@ -134,9 +222,9 @@ def _near_ties(logits: torch.Tensor, tolerance: float) -> torch.Tensor:
     return (top[..., 0] - top[..., 1]) < tolerance * top[..., 0].abs().clamp(min=1.0)
 
 
-def _trim(draft: tuple[list[int], list[int]], max_depth: int) -> tuple[list[int], list[int]]:
-    """Drop drafted nodes deeper than max_depth (no use drafting past max_new_tokens)."""
-    tokens, parents = draft
+def _trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], dict[int, int]]:
+    """Drop drafted nodes deeper than max_depth (no use drafting past max_new_tokens); returns the kept
+    tokens, their parents and where each kept node went."""
     depth = [0] * len(tokens)
     keep = [0]
     new_index = {0: 0}
@@ -145,4 +233,4 @@ def _trim(draft: tuple[list[int], list[int]], max_depth: int) -> tuple[list[int]
         if depth[t] <= max_depth and parents[t] in new_index:
             new_index[t] = len(keep)
             keep.append(t)
-    return [tokens[t] for t in keep], [-1] + [new_index[parents[t]] for t in keep[1:]]
+    return [tokens[t] for t in keep], [-1] + [new_index[parents[t]] for t in keep[1:]], new_index

@@ -11,7 +11,9 @@ from torch import nn
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
+from ssmspec.errors import UnsupportedSettingError
 from ssmspec.hf.generation import resolve
+from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.speculate.engine import speculative_generate
@@ -24,6 +26,8 @@ class SpecGenerateOutput(ModelOutput):
     """`generate(..., return_dict_in_generate=True)` output: sequences plus speculation statistics."""
 
     sequences: torch.Tensor | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
     spec_stats: dict[str, Any] | None = None
 
 
@@ -37,13 +41,30 @@ def generate(
     speculation: SpecConfig | None,
     kwargs: dict[str, Any],
 ):
-    """Speculative greedy generate on a transformed model; `draft` is an already transformed draft model."""
+    """Speculative generate (greedy or lossless sampling) on a transformed model; `draft` is an already
+    transformed draft model. `generator=` in kwargs: the torch.Generator sampling draws from."""
     if speculation is not None and not isinstance(speculation, SpecConfig):
         raise TypeError(f"speculation= must be an ssmspec.SpecConfig, got {type(speculation).__name__}")
+    kwargs = dict(kwargs)
+    generator = kwargs.pop("generator", None)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator= must be a torch.Generator, got {type(generator).__name__}")
     if prompt_lookup_num_tokens is not None:
-        kwargs = {**kwargs, "prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     plan = resolve(model, inputs, generation_config, kwargs)
     config = plan.config
+    if len(plan.stopping) and plan.input_ids.shape[0] > 1 and not plan.eos_token_ids:
+        # HF pads a stopped row only when an EOS token exists; without one it keeps generating for it
+        name = "stop_strings" if config.stop_strings else "max_time" if config.max_time else "stopping_criteria"
+        raise UnsupportedSettingError(
+            name, f"{name} on a batch needs an eos_token_id (without one HF keeps generating for a stopped row, "
+            "which speculative generate does not reproduce)",
+        )  # fmt: skip
+    decoding = Decoding(
+        processors=plan.processors, stopping=plan.stopping, do_sample=bool(config.do_sample), generator=generator,
+        streamer=plan.streamer, output_scores=plan.return_dict and bool(config.output_scores),
+        output_logits=plan.return_dict and bool(config.output_logits),
+    )  # fmt: skip
     lookup = config.prompt_lookup_num_tokens
     spec = speculation or SpecConfig(
         drafter="draft_model" if draft is not None else "prompt_lookup",
@@ -58,6 +79,7 @@ def generate(
         drafter = DraftModelDrafter(
             draft, model.config.get_text_config().vocab_size, commit=spec.commit,
             confidence_threshold=threshold if threshold != _DEFAULT_CONFIDENCE else 0.0,
+            branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
         )  # fmt: skip
     elif draft is not None:
         raise ValueError(f"assistant_model= was given but SpecConfig(drafter={spec.drafter!r}) does not use it")
@@ -77,9 +99,10 @@ def generate(
         num_draft_tokens=spec.num_draft_tokens,
         commit=spec.commit,
         schedule=config.num_assistant_tokens_schedule if spec.drafter == "draft_model" else "constant",
+        decoding=decoding,
     )
     if not plan.return_dict:
         return sequences
     summary = asdict(stats)
     summary["mean_accepted_per_step"] = stats.mean_accepted_per_step
-    return SpecGenerateOutput(sequences=sequences, spec_stats=summary)
+    return SpecGenerateOutput(sequences=sequences, scores=decoding.scores, logits=decoding.logits, spec_stats=summary)

@@ -1,4 +1,5 @@
-"""Greedy tree verification: walk from the root while the target's argmax matches a child."""
+"""Tree verification: greedy (walk while the target's argmax matches a child) and lossless speculative sampling
+(recursive rejection sampling over siblings)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,83 @@ def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
             if nxt is None:
                 break
             cur = nxt
+        last.append(cur)
+        emitted.append(out)
+    return torch.tensor(last, dtype=torch.long, device=tree.tokens.device), emitted
+
+
+def _children(tree: TokenTree, row: int, ok: list[list[bool]], parents: list[list[int]]) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for t in range(1, tree.num_nodes):
+        if ok[row][t]:
+            kids.setdefault(parents[row][t], []).append(t)
+    return kids
+
+
+def sample_verify(
+    tree: TokenTree,
+    scores: torch.Tensor,
+    q: list[dict[int, torch.Tensor] | None],
+    generator: torch.Generator | None = None,
+    rows: list[bool] | None = None,
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Lossless speculative sampling over a tree; returns (last accepted node per row [B], emitted tokens per
+    row: accepted drafts then one token sampled from what is left of the target's distribution).
+
+    At each node, p = softmax(processed target scores). Children whose parent has no draft distribution in
+    `q[row]` were proposed deterministically: sampling x ~ p and following the child with token x is the
+    multi-candidate rule (accept c_i with probability p(c_i) of what is left, then drop it). Children drawn
+    from a draft distribution q[row][parent] (several siblings: drawn without replacement, in order) go through
+    recursive rejection sampling: accept c with min(1, p(c)/q(c)); on rejection p <- norm((p - q)+) and c is
+    removed from q. If no child is accepted, the token is sampled from the final p. The output is distributed
+    exactly as sampling from the target token by token. Rows where `rows` is False are skipped (last 0).
+    """
+    probs = scores.double().softmax(-1)
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    ok = tree.acceptable.tolist()
+    last, emitted = [], []
+    for b in range(tree.batch_size):
+        if rows is not None and not rows[b]:
+            last.append(0)
+            emitted.append([])
+            continue
+        kids = _children(tree, b, ok, parents)
+        drafts = q[b] or {}
+        cur, out = 0, []
+        while True:
+            p = probs[b, cur]
+            nxt = None
+            if cur in kids and cur not in drafts:
+                x = int(torch.multinomial(p, 1, generator=generator))
+                nxt = next((c for c in kids[cur] if tokens[b][c] == x), None)
+                out.append(x)
+                if nxt is None:
+                    break
+                cur = nxt
+                continue
+            if cur in kids:
+                qd = drafts[cur].to(p).clone()
+                for c in kids[cur]:
+                    x = tokens[b][c]
+                    if qd[x] <= 0:  # not drawn from this distribution: never acceptable under it
+                        continue
+                    u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
+                    if u * qd[x] < p[x]:
+                        nxt = c
+                        break
+                    residual = (p - qd).clamp(min=0)
+                    total = residual.sum()
+                    if total > 0:  # zero only when p == q, where the draft was accepted surely
+                        p = residual / total
+                    qd[x] = 0
+                    qd = qd / qd.sum().clamp(min=torch.finfo(qd.dtype).tiny)
+            if nxt is not None:
+                out.append(tokens[b][nxt])
+                cur = nxt
+                continue
+            out.append(int(torch.multinomial(p, 1, generator=generator)))
+            break
         last.append(cur)
         emitted.append(out)
     return torch.tensor(last, dtype=torch.long, device=tree.tokens.device), emitted

@@ -101,12 +101,12 @@ def test_edge_cases_behave_as_hf():
 def test_bad_arguments_raise_clear_errors():
     _, model = _pair("mamba2")
     ids, mask = _batch()
-    with pytest.raises(NotImplementedError, match="do_sample"):
-        model.generate(ids, do_sample=True, max_new_tokens=3, prompt_lookup_num_tokens=3)
     with pytest.raises(ValueError, match="beam"):
         model.generate(ids, num_beams=2, max_new_tokens=3, prompt_lookup_num_tokens=3)
-    with pytest.raises(NotImplementedError, match="repetition_penalty"):
-        model.generate(ids, repetition_penalty=1.3, max_new_tokens=3, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="guidance_scale"):
+        model.generate(ids, guidance_scale=1.5, max_new_tokens=3, prompt_lookup_num_tokens=3)
+    with pytest.raises(TypeError, match="generator"):
+        model.generate(ids, do_sample=True, generator=3, max_new_tokens=3, prompt_lookup_num_tokens=3)
     with pytest.raises(ValueError, match="does not take"):
         model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=3, not_an_argument=1)
     with pytest.raises(VocabMismatchError, match="vocab_size 50"):

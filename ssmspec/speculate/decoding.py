@@ -1,0 +1,138 @@
+"""How each token is chosen and when a row stops, beyond plain greedy + EOS + max length: HF's logits
+processors applied to every tree node with that node's own ids, stopping criteria after every emitted token,
+sampling with a generator, a streamer, and the scores HF returns.
+
+Node ids are what HF's processors would see for that token: the padded prompt row, the row's generated
+tokens (pads after it finished, as HF), then the node's root-to-node path. Nodes are grouped by the length of
+those ids and each group is one processor call, so processors that read `input_ids.shape[-1]` (minimum and
+exponential-decay lengths) see HF's lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from ssmspec.tree import TokenTree
+
+
+@dataclass
+class Decoding:
+    """The generate settings the speculative loop applies per node and per emitted token.
+
+    Attributes:
+        processors: HF's processor list for each row (warpers included when sampling); empty: none.
+        stopping: stopping criteria other than EOS and max length (stop strings, max time, custom).
+        do_sample: sample (lossless speculative sampling) instead of greedy.
+        generator: the random generator sampling draws from (None: torch's global one, as HF).
+        streamer: HF streamer, or None.
+        output_scores: keep each generated token's processed scores.
+        output_logits: keep each generated token's raw logits.
+    """
+
+    processors: list[LogitsProcessorList] = field(default_factory=list)
+    stopping: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
+    do_sample: bool = False
+    generator: torch.Generator | None = None
+    streamer: Any = None
+    output_scores: bool = False
+    output_logits: bool = False
+    # filled by the loop when asked: one [batch, vocab] tensor per generated column, as HF's
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def keeps_scores(self) -> bool:
+        """Whether every generated position needs its scores (then finished rows keep decoding pads, as HF)."""
+        return self.output_scores or self.output_logits
+
+    @property
+    def processes(self) -> bool:
+        """Whether any processor applies (plain greedy: none, the raw logits are the scores)."""
+        return any(len(p) for p in self.processors)
+
+    def process(self, seqs: Sequence[Sequence[int]], logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Processed scores [M, V] of M positions of batch rows `rows`, each with its own ids `seqs[m]` (HF's
+        `input_ids` row)."""
+        if not self.processes:
+            return logits
+        out = logits.clone()
+        groups: dict[tuple[int, int], list[int]] = {}
+        for m, seq in enumerate(seqs):
+            groups.setdefault((id(self.processors[rows[m]]), len(seq)), []).append(m)
+        for members in groups.values():
+            ids = torch.tensor([list(seqs[m]) for m in members], dtype=torch.long, device=logits.device)
+            index = torch.tensor(members, device=logits.device)
+            out[index] = self.processors[rows[members[0]]](ids, logits[index].clone())
+        return out
+
+    def score_tree(self, tree: TokenTree, logits: torch.Tensor, bases: Sequence[Sequence[int] | None]) -> torch.Tensor:
+        """Processed scores [B, N, V] of every node; rows whose base is None and never-acceptable nodes keep
+        their raw logits (nothing is chosen from them)."""
+        if not self.processes:
+            return logits
+        tokens = tree.tokens.tolist()
+        ok = tree.acceptable.tolist()
+        anc = tree.ancestor_mask.tolist()
+        seqs, where = [], []
+        for b, base in enumerate(bases):
+            if base is None:
+                continue
+            for t in range(tree.num_nodes):
+                if not ok[b][t]:
+                    continue
+                path = [tokens[b][j] for j in range(1, t + 1) if anc[b][t][j]]
+                seqs.append(list(base) + path)
+                where.append((b, t))
+        if not seqs:
+            return logits
+        rows = torch.tensor([w[0] for w in where], device=logits.device)
+        cols = torch.tensor([w[1] for w in where], device=logits.device)
+        out = logits.clone()
+        out[rows, cols] = self.process(seqs, logits[rows, cols], [w[0] for w in where])
+        return out
+
+    def stops(self, seq: Sequence[int], device: torch.device) -> bool:
+        """Whether the extra stopping criteria end a row whose ids (HF's `input_ids` row) are `seq`."""
+        if len(self.stopping) == 0:
+            return False
+        ids = torch.tensor([list(seq)], dtype=torch.long, device=device)
+        return bool(self.stopping(ids, None)[0])
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The token per row [M] from processed scores [M, V]: argmax, or a sample of softmax (as HF)."""
+        if not self.do_sample:
+            return scores.argmax(-1)
+        probs = scores.softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+
+class ColumnStreamer:
+    """Feeds an HF streamer as HF's loop does: the prompt once, then one [batch] tensor per generated column
+    (a finished row contributes pads), each column as soon as every row has it; `end()` at the end."""
+
+    def __init__(self, streamer: Any, prompt: torch.Tensor, pad_token_id: int) -> None:
+        self.streamer = streamer
+        self.pad = pad_token_id
+        self.sent = 0
+        if streamer is not None:
+            streamer.put(prompt.cpu())
+
+    def release(self, generated: Sequence[Sequence[int]], done: Sequence[bool]) -> None:
+        """Put every column that all rows have reached (a finished row has all further columns: pads)."""
+        if self.streamer is None:
+            return
+        open_rows = [len(g) for g, d in zip(generated, done) if not d]
+        upto = min(open_rows) if open_rows else max(len(g) for g in generated)
+        for col in range(self.sent, upto):
+            column = [g[col] if col < len(g) else self.pad for g in generated]
+            self.streamer.put(torch.tensor(column, dtype=torch.long))
+        self.sent = max(self.sent, upto)
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
