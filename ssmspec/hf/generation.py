@@ -49,7 +49,9 @@ _NOT_YET = "not applied by speculative decoding yet"
 _STRATEGY = "another decoding strategy than greedy search or sampling"
 _HF_RUNTIME = "configures HF's own cache or compilation, which speculative decoding does not use"
 _HF_SPECULATION = "HF's own speculation variant, not ssmspec's"
-_STATEFUL = "keeps state between calls or depends on the row's place in the batch; ssmspec scores tree nodes in any order"
+_STATEFUL = (
+    "keeps state between calls or depends on the row's place in the batch; ssmspec scores tree nodes in any order"
+)
 REASONS = {
     "num_beams": "speculative decoding does not combine with beam search (num_beams > 1)",
     "num_return_sequences": "several sequences per prompt need do_sample=True (as in HF)",
@@ -235,7 +237,8 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     processors = _row_processors(model, config, input_ids, attention_mask, given["logits_processor"])
     vocab = int(model.config.get_text_config().vocab_size)
     _checked(processors[0], input_ids, vocab, "logits_processor")
-    criteria = model._get_stopping_criteria(config, given["stopping_criteria"] or StoppingCriteriaList(), tokenizer=tokenizer)
+    custom_criteria = given["stopping_criteria"] or StoppingCriteriaList()
+    criteria = model._get_stopping_criteria(config, custom_criteria, tokenizer=tokenizer)
     eos = config._eos_token_tensor
     eos_ids = [] if eos is None else [int(e) for e in eos.flatten().tolist()]
     pad = config._pad_token_tensor
@@ -251,7 +254,9 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
         processors=processors,
         stopping=_checked(
             StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))),
-            input_ids, vocab, "stopping_criteria",
+            input_ids,
+            vocab,
+            "stopping_criteria",
         ),  # fmt: skip
         streamer=given["streamer"],
     )

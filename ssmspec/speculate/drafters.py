@@ -264,7 +264,8 @@ class DraftModelDrafter(Drafter):
         for r in range(b):
             keys = torch.log(q_root[r]) - torch.log(-torch.log(torch.rand(q_root.shape[-1], generator=gen, device=dev)))
             kids = [int(t) for t in keys.topk(width).indices if q_root[r, t] > 0]  # Gumbel-top-k: no replacement
-            trees.append(([int(contexts[r][-1])] + kids, [-1] + [0] * len(kids), {0: q_root[r]}, list(range(1, len(kids) + 1))))
+            leaves = list(range(1, len(kids) + 1))
+            trees.append(([int(contexts[r][-1])] + kids, [-1] + [0] * len(kids), {0: q_root[r]}, leaves))
         for _ in range(depth - 1):
             tree = TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev)
             aligned = runner.prepare(tree)

@@ -199,7 +199,8 @@ def _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device) 
         need = [width - len(k) for k in kept]
         chains = [min(n - 1, 15) if n > 0 else -1 for n in need]
         drafts = [[ids(r)[-1]] + [pad_token_id] * max(k, 0) for r, k in enumerate(chains)]
-        tree = runner.prepare(TokenTree.from_lists(drafts, [list(range(-1, len(d) - 1)) for d in drafts], device=device))
+        chain_parents = [list(range(-1, len(d) - 1)) for d in drafts]
+        tree = runner.prepare(TokenTree.from_lists(drafts, chain_parents, device=device))
         raw = runner.verify(tree).float()
         scores = dec.score_tree(tree, raw, [ids(r) if chains[r] >= 0 else None for r in range(b)])
         last = torch.tensor([tree.index_of(r, max(k, 0)) for r, k in enumerate(chains)], device=device)

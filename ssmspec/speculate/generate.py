@@ -13,8 +13,8 @@ from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedSettingError
 from ssmspec.hf.generation import resolve
-from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.config import SpecConfig
+from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.speculate.engine import speculative_generate
 

@@ -14,8 +14,8 @@ import ssmspec
 from ssmspec import SpecConfig, UnsupportedSettingError
 from ssmspec.testing.strategies import cached_tiny_model
 
-SPECS = {"chain": {"prompt_lookup_num_tokens": 4}, "tree": {"speculation": SpecConfig(tree=True, tree_budget=8,
-                                                                                          num_draft_tokens=4)}}  # fmt: skip
+TREE = SpecConfig(tree=True, tree_budget=8, num_draft_tokens=4)
+SPECS = {"chain": {"prompt_lookup_num_tokens": 4}, "tree": {"speculation": TREE}}
 
 
 @pytest.fixture(scope="module", params=["mamba2", "bamba"])
