@@ -1,5 +1,6 @@
 """End-to-end tokens/s on the embedded target over held-out real code (see ssmspec/bench.py), side by side:
 HF greedy, ssmspec autoregressive, chain n-gram, chain draft model, tree n-gram; outputs asserted identical.
+With --sampling, speculative sampling (chain/tree x n-gram/draft model) vs HF sampling at each temperature.
 
     python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 [--json out.json] [--plot e2e.png]   # = ssmspec bench
 """
@@ -10,7 +11,7 @@ import argparse
 
 import torch
 
-from ssmspec.bench import add_arguments, report, run
+from ssmspec.bench import add_arguments, report, run, run_sampling
 
 
 def main() -> None:
@@ -19,6 +20,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     result = run(args)
+    if args.sampling:
+        result["sampling"] = run_sampling(args)
     report(result, args)
     if args.plot:
         plot(result, args.plot)

@@ -231,9 +231,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The end-to-end benchmark on the embedded target (ssmspec.bench)."""
-    from ssmspec.bench import report, run
+    from ssmspec.bench import report, run, run_sampling
 
-    report(run(args, progress=not args.no_progress), args)
+    result = run(args, progress=not args.no_progress)
+    if args.sampling:
+        result["sampling"] = run_sampling(args, progress=not args.no_progress)
+    report(result, args)
     return 0
 
 
