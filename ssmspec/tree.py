@@ -93,6 +93,7 @@ class TokenTree:
         *,
         pad_token_id: int = 0,
         device: torch.device | str | None = None,
+        num_nodes: int | None = None,
     ) -> TokenTree:
         """Build a batch from per-row python lists.
 
@@ -104,13 +105,19 @@ class TokenTree:
             parents: per row, each node's parent (-1 for the root).
             pad_token_id: the token of padding nodes.
             device: where the tensors go.
+            num_nodes: pad every row to this many nodes (static shapes); default: the longest row.
 
         Raises:
-            InvalidTreeError: rows of different lengths for tokens and parents, an empty row, a bad parent.
+            InvalidTreeError: rows of different lengths for tokens and parents, an empty row, a bad parent, or
+                a row longer than `num_nodes`.
         """
         if len(tokens) != len(parents) or len(tokens) == 0:
             raise InvalidTreeError("tokens and parents need one (non-empty) entry per batch row")
         n = max(len(t) for t in tokens)
+        if num_nodes is not None:
+            if num_nodes < n:
+                raise InvalidTreeError(f"a row has {n} nodes, more than num_nodes={num_nodes}")
+            n = num_nodes
         tok, par, ok = [], [], []
         for row_t, row_p in zip(tokens, parents):
             if len(row_t) != len(row_p):
@@ -187,6 +194,24 @@ class TokenTree:
         aligned.origin = origin
         return aligned
 
+    def padded(self, num_nodes: int, pad_token_id: int = 0) -> TokenTree:
+        """The same trees with never-acceptable nodes appended up to `num_nodes` per row (each continuing the
+        row's last node as a chain, so they are nobody's ancestors); node indices are unchanged."""
+        if num_nodes == self.num_nodes:
+            return self
+        b, extra = self.batch_size, num_nodes - self.num_nodes
+        if extra < 0:
+            raise InvalidTreeError(f"cannot pad {self.num_nodes} nodes down to {num_nodes}")
+        dev = self.tokens.device
+        tail = torch.arange(self.num_nodes - 1, num_nodes - 1, device=dev).expand(b, extra)
+        padded = TokenTree(
+            torch.cat([self.tokens, torch.full((b, extra), pad_token_id, dtype=self.tokens.dtype, device=dev)], 1),
+            torch.cat([self.parents, tail], 1),
+            torch.cat([self.acceptable, torch.zeros(b, extra, dtype=torch.bool, device=dev)], 1),
+        )
+        padded.origin = self.origin
+        return padded
+
     def index_of(self, row: int, node: int) -> int:
         """Where node `node` of the tree this one was derived from (by `level_aligned`) sits in this tree."""
         if self.origin is None:
@@ -242,18 +267,20 @@ class TokenTree:
             cur = torch.where(cur < 0, cur - 1, torch.where(cur == 0, torch.full_like(cur, -1), par))
         return torch.stack(cols, dim=-1)
 
-    def paths(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def paths(self, last: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Root-to-node paths for one node per row.
 
         Args:
             last: [B] the last node of each row's path.
+            width: M, fixed (static shapes: no host sync, one shape per configuration); default: the longest
+                path. Must be at least the longest path.
 
         Returns:
             ([B, M] node indices of each path, padded with its last node, [B] path lengths).
         """
         rows = torch.arange(self.batch_size, device=self.tokens.device)
         lengths = self.depth[rows, last] + 1
-        m = int(lengths.max())
+        m = min(int(width), self.num_nodes) if width is not None else int(lengths.max())
         anc = self.ancestor_mask[rows, last]  # [B, N], True on the path
         # nodes on a path are increasing in index; sort the path's indices to the front
         idx = torch.arange(self.num_nodes, device=self.tokens.device).expand_as(anc)

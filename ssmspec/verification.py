@@ -59,11 +59,12 @@ class Verification:
         """The committed recurrent state a tree op starts from (None before the layer's first update)."""
         return self.cache.committed_recurrent(layer, state_idx)
 
-    def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance every row past root -> last[b]; returns (path [B, M] padded node indices, lengths [B])."""
+    def commit(self, last: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance every row past root -> last[b]; returns (path [B, M] padded node indices, lengths [B]).
+        `width` fixes M (static shapes: the replay runs M masked steps whatever was accepted)."""
         if self.done:
             raise RuntimeError("this verification was already committed or discarded")
-        path, lengths = self.tree.paths(last)
+        path, lengths = self.tree.paths(last, width)
         groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
         for rec in self.records.values():
             groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))

@@ -57,7 +57,8 @@ def ssmspec_backend(
             "kernels": lower every tree op to its Triton kernel; False / "reference": keep the references),
             "fuse" (graph simplifications around the tree ops, default True), "inductor" (hand the graph to
             Inductor, default True; a graph Inductor fails on runs without it, with a warning).
-        mode: accepted for torch.compile's interface.
+        mode: torch.compile's mode, handed to Inductor ("reduce-overhead": CUDA graphs); a transformed model
+            compiled with a CUDA-graph mode also verifies with static shapes (SpecConfig.static_shapes).
 
     Returns:
         The compiled graph, running under its kernel policy.
@@ -89,15 +90,16 @@ def ssmspec_backend(
     if not options.get("inductor", True):
         compiled = gm.forward
     else:
-        compiled = _inductor_or_fallback(gm, example_inputs)
+        compiled = _inductor_or_fallback(gm, example_inputs, mode)
     return _with_policy(compiled, policy)
 
 
-def _inductor_or_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+def _inductor_or_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None) -> Callable:
     """Inductor's compilation of the graph, or, if Inductor fails on it (at compile time or at its first
     run: Triton codegen bugs such as torch 2.11's `get_block_shape` TypeError on HF's Mamba2 path), the
     graph as ssmspec's passes left it, with one warning naming the failure. User code never crashes
     because of a compiler failure; errors the graph itself raises still propagate."""
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     def fallback(exc: BaseException) -> Callable:
@@ -111,7 +113,7 @@ def _inductor_or_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         return gm.forward
 
     try:
-        compiled = compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back for this graph
         return fallback(exc)
     state = {"run": compiled, "proven": False}

@@ -22,6 +22,9 @@ class SpecConfig:
         max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones).
         commit: "replay" (re-run the recurrence along the accepted path; small memory) or "materialize"
             (keep every node's state; commit is a gather).
+        static_shapes: pad trees to power-of-two node counts and commit fixed-length paths, so that a
+            compiled verify step (and CUDA graphs) never recompile; None: on when the model was compiled with
+            `mode="reduce-overhead"` or `"max-autotune"` (CUDA graphs), off otherwise.
 
     Raises:
         TypeError: a field of the wrong type (named).
@@ -34,14 +37,16 @@ class SpecConfig:
     tree_budget: int = 16
     max_matching_ngram_size: int = 2
     commit: str = "replay"
+    static_shapes: bool | None = None
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
-                 "max_matching_ngram_size": int, "commit": str}  # fmt: skip
+                 "max_matching_ngram_size": int, "commit": str, "static_shapes": (bool, type(None))}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-                raise TypeError(f"SpecConfig.{f.name} must be a {want.__name__}, got {value!r}")
+                kind = "a bool or None" if isinstance(want, tuple) else f"a {want.__name__}"
+                raise TypeError(f"SpecConfig.{f.name} must be {kind}, got {value!r}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.commit not in COMMIT_STRATEGIES:

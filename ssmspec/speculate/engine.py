@@ -58,6 +58,7 @@ def speculative_generate(
     decode_single_nodes: bool = True,
     schedule: str = "constant",
     decoding: Decoding | None = None,
+    static_shapes: bool = False,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner]:
     """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
     [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
@@ -67,11 +68,16 @@ def speculative_generate(
     "heuristic" adapts the depth as HF's assisted generation does (+2 after a step that accepted every
     drafted token, -1 otherwise). Steps that verify one node per row use HF's own decode path unless
     `decode_single_nodes` is False (then the tree path, as for any tree). `decoding` carries HF's logits
-    processors (applied per node), stopping criteria (checked after every emitted token) and streamer."""
+    processors (applied per node), stopping criteria (checked after every emitted token) and streamer.
+    `static_shapes` pads trees to power-of-two node counts and commits fixed-length paths (the depth stays
+    within `num_draft_tokens`, also under the heuristic schedule), so a compiled verify step never recompiles."""
     dec = decoding if decoding is not None else Decoding()
     stats = SpecStats()
     b = input_ids.shape[0]
-    runner = ModelRunner(model, commit=commit, decode_single_nodes=decode_single_nodes)
+    runner = ModelRunner(
+        model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
+        max_depth=num_draft_tokens,
+    )  # fmt: skip
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
@@ -179,6 +185,8 @@ def speculative_generate(
         stream.release(generated, done)
         if schedule != "constant":
             depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
+            if static_shapes:
+                depth_limit = min(depth_limit, num_draft_tokens)
     width = max(len(g) for g in generated)
     if keep:
         _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device)
@@ -197,7 +205,8 @@ def _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device) 
     b = len(kept)
     while any(len(k) < width for k in kept):
         need = [width - len(k) for k in kept]
-        chains = [min(n - 1, 15) if n > 0 else -1 for n in need]
+        longest = runner.max_depth if runner.static_shapes else 15
+        chains = [min(n - 1, longest) if n > 0 else -1 for n in need]
         drafts = [[ids(r)[-1]] + [pad_token_id] * max(k, 0) for r, k in enumerate(chains)]
         chain_parents = [list(range(-1, len(d) - 1)) for d in drafts]
         tree = runner.prepare(TokenTree.from_lists(drafts, chain_parents, device=device))

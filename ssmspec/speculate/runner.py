@@ -33,6 +33,11 @@ def takes_position_ids(model: nn.Module) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
+def bucket(n: int) -> int:
+    """The static node count a tree of n nodes is padded to: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a padded batch as HF's generate makes them: cumsum(mask) - 1, padding at 1."""
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
@@ -41,7 +46,10 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
-    def __init__(self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True,
+        static_shapes: bool = False, max_depth: int = 0,
+    ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
         self.takes_positions = takes_position_ids(model)
@@ -51,6 +59,10 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.info = getattr(model, "ssmspec_info", None)
         self.level_aligned = bool(getattr(self.info, "slot_positions", False))
+        # static shapes (compiled / CUDA-graph verification): trees padded to a power-of-two node count, commits
+        # over a fixed path length (max_depth + 1), so one compiled graph serves each bucket
+        self.static_shapes = static_shapes
+        self.max_depth = max_depth
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -83,9 +95,12 @@ class ModelRunner:
         return self.cache.n_real
 
     def prepare(self, tree: TokenTree) -> TokenTree:
-        """The tree to verify for `tree`: level-aligned for models that read positions from cache slots."""
+        """The tree to verify for `tree`: level-aligned for models that read positions from cache slots; with
+        static shapes, padded (never-acceptable nodes) to the next power-of-two node count."""
         if self.level_aligned and tree.batch_size > 1 and not tree.depth_is_index:
-            return tree.level_aligned()
+            tree = tree.level_aligned()
+        if self.static_shapes and tree.num_nodes > 1:
+            tree = tree.padded(bucket(tree.num_nodes))
         return tree
 
     def masks(self, tree: TokenTree):
@@ -135,7 +150,7 @@ class ModelRunner:
         self._pending = None
         if verification is None:  # the decode step already advanced every row by its one token
             return tree.paths(last)
-        return verification.commit(last)
+        return verification.commit(last, self.max_depth + 1 if self.static_shapes else None)
 
     def discard(self) -> None:
         """Forget the tree verified last (its K/V slots are dropped; nothing else changed)."""

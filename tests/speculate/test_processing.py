@@ -4,10 +4,17 @@ generate must give exactly what HF's own greedy generate gives with the same set
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextIteratorStreamer,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import ssmspec
@@ -182,6 +189,12 @@ def test_stop_strings_and_max_time_on_the_embedded_model():
     assert torch.equal(model.generate(ids, max_new_tokens=40, max_time=600.0, **SPECS["tree"]), plain)
     short = model.generate(ids, max_new_tokens=40, max_time=0.0, **SPECS["tree"])
     assert ids.shape[1] < short.shape[1] < plain.shape[1]  # stops after the first step, as HF after its first
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    thread = threading.Thread(target=model.generate, args=(ids,), daemon=True,
+                              kwargs={"max_new_tokens": 40, "streamer": streamer, **SPECS["tree"]})  # fmt: skip
+    thread.start()
+    assert "".join(streamer) == tokenizer.decode(plain[0, ids.shape[1] :])
+    thread.join(timeout=60)
 
 
 class Recorder(BaseStreamer):
