@@ -94,6 +94,7 @@ def speculative_generate(
     done = [False] * b
     eos = set(eos_token_ids)
     keep = dec.keeps_scores
+    stopping = len(dec.stopping) > 0
     kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]  # (scores, raw) per position
     depth_limit = num_draft_tokens
 
@@ -109,7 +110,7 @@ def speculative_generate(
             generated[row].append(t)
             contexts[row].append(t)
             n += 1
-            if t in eos or len(generated[row]) >= max_new_tokens or dec.stops(ids(row), device):
+            if t in eos or len(generated[row]) >= max_new_tokens or (stopping and dec.stops(ids(row), device)):
                 done[row] = True
         stats.emitted_tokens += n
         return n
@@ -150,8 +151,10 @@ def speculative_generate(
         node_logits = runner.verify(tree)
         raw = node_logits.float()
         active = [not x for x in done]
-        bases = [ids(r) if active[r] or r in forced else None for r in range(b)]
-        scores = dec.score_tree(tree, raw, bases)
+        if dec.processes:
+            scores = dec.score_tree(tree, raw, [ids(r) if active[r] or r in forced else None for r in range(b)])
+        else:
+            scores = raw
         if dec.do_sample:
             last, emitted = sample_verify(tree, scores, qs, dec.generator, active)
         else:
