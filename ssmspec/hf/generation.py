@@ -262,6 +262,21 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     )
 
 
+# HF processors whose output depends on the scores alone (not on the ids nor their length): the warpers and a
+# few fixed masks; exact types only (a subclass may read the ids)
+_IDS_FREE = (
+    logits_process.TemperatureLogitsWarper, logits_process.TopKLogitsWarper, logits_process.TopPLogitsWarper,
+    logits_process.TopHLogitsWarper, logits_process.MinPLogitsWarper, logits_process.TypicalLogitsWarper,
+    logits_process.EpsilonLogitsWarper, logits_process.EtaLogitsWarper, logits_process.InfNanRemoveLogitsProcessor,
+    logits_process.LogitNormalization, logits_process.SuppressTokensLogitsProcessor,
+)  # fmt: skip
+
+
+def reads_ids(processor) -> bool:
+    """Whether a processor's output may depend on the ids it is given (then it is called per id length)."""
+    return type(processor) not in _IDS_FREE
+
+
 # HF processors that hold one entry per batch row (the prompt rows, or each row's padding length)
 _PER_ROW = (
     logits_process.RepetitionPenaltyLogitsProcessor,

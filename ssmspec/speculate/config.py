@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from ssmspec.verification import COMMIT_STRATEGIES
 
 DRAFTERS = ("prompt_lookup", "draft_model", "none")
+SAMPLING_TREES = ("gumbel_top_k", "stochastic_beam")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class SpecConfig:
         max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones).
         commit: "replay" (re-run the recurrence along the accepted path; small memory) or "materialize"
             (keep every node's state; commit is a gather).
+        sampling_tree: how a draft model grows a tree when sampling (`tree=True`, `do_sample=True`):
+            "gumbel_top_k" (distinct children of the root, each continued as a sampled chain) or
+            "stochastic_beam" (the best `tree_budget // num_draft_tokens` paths of each level by perturbed
+            log-probability, as RSD's stochastic beam search; siblings are always drawn without replacement).
         static_shapes: pad trees to power-of-two node counts and commit fixed-length paths, so that a
             compiled verify step (and CUDA graphs) never recompile; None: on when the model was compiled with
             `mode="reduce-overhead"` or `"max-autotune"` (CUDA graphs), off otherwise.
@@ -37,11 +42,13 @@ class SpecConfig:
     tree_budget: int = 16
     max_matching_ngram_size: int = 2
     commit: str = "replay"
+    sampling_tree: str = "gumbel_top_k"
     static_shapes: bool | None = None
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
-                 "max_matching_ngram_size": int, "commit": str, "static_shapes": (bool, type(None))}  # fmt: skip
+                 "max_matching_ngram_size": int, "commit": str, "sampling_tree": str,
+                 "static_shapes": (bool, type(None))}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
@@ -51,6 +58,8 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.commit not in COMMIT_STRATEGIES:
             raise ValueError(f"SpecConfig.commit must be one of {COMMIT_STRATEGIES}, got {self.commit!r}")
+        if self.sampling_tree not in SAMPLING_TREES:
+            raise ValueError(f"SpecConfig.sampling_tree must be one of {SAMPLING_TREES}, got {self.sampling_tree!r}")
         if self.num_draft_tokens < 0:
             raise ValueError(f"SpecConfig.num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.tree_budget < 1:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from ssmspec.hf.generation import reads_ids
 from ssmspec.tree import TokenTree
 
 
@@ -55,19 +56,41 @@ class Decoding:
         """Whether any processor applies (plain greedy: none, the raw logits are the scores)."""
         return any(len(p) for p in self.processors)
 
-    def process(self, seqs: Sequence[Sequence[int]], logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    @property
+    def reads_ids(self) -> bool:
+        """Whether some processor reads the ids (otherwise nodes need no ids: one call scores them all)."""
+        return any(reads_ids(p) for procs in self.processors for p in procs)
+
+    def process(self, seqs: Sequence[Sequence[int]] | None, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """Processed scores [M, V] of M positions of batch rows `rows`, each with its own ids `seqs[m]` (HF's
-        `input_ids` row)."""
+        `input_ids` row; may be None when no processor reads ids). Processors run in HF's order; one that
+        reads only the scores (the warpers) is one call over all positions, one that reads the ids is one call
+        per id length."""
         if not self.processes:
             return logits
         out = logits.clone()
-        groups: dict[tuple[int, int], list[int]] = {}
-        for m, seq in enumerate(seqs):
-            groups.setdefault((id(self.processors[rows[m]]), len(seq)), []).append(m)
-        for members in groups.values():
-            ids = torch.tensor([list(seqs[m]) for m in members], dtype=torch.long, device=logits.device)
+        lists: dict[int, list[int]] = {}
+        for m, r in enumerate(rows):
+            lists.setdefault(id(self.processors[r]), []).append(m)
+        for members in lists.values():
             index = torch.tensor(members, device=logits.device)
-            out[index] = self.processors[rows[members[0]]](ids, logits[index].clone())
+            scores = logits[index].clone()
+            lengths = None
+            for proc in self.processors[rows[members[0]]]:
+                if not reads_ids(proc):
+                    scores = proc(torch.zeros(len(members), 1, dtype=torch.long, device=logits.device), scores)
+                    continue
+                if lengths is None:
+                    lengths = {}
+                    for i, m in enumerate(members):
+                        lengths.setdefault(len(seqs[m]), []).append(i)
+                    lengths = [(torch.tensor(pos, device=logits.device),
+                                torch.tensor([list(seqs[members[i]]) for i in pos], device=logits.device))
+                               for pos in lengths.values()]  # fmt: skip
+                scores = scores.clone()
+                for pos, ids in lengths:
+                    scores[pos] = proc(ids, scores[pos])
+            out[index] = scores
         return out
 
     def score_tree(self, tree: TokenTree, logits: torch.Tensor, bases: Sequence[Sequence[int] | None]) -> torch.Tensor:
@@ -77,23 +100,24 @@ class Decoding:
             return logits
         tokens = tree.tokens.tolist()
         ok = tree.acceptable.tolist()
-        anc = tree.ancestor_mask.tolist()
         seqs, where = [], []
+        with_ids = self.reads_ids
+        anc = tree.ancestor_mask.tolist() if with_ids else None
         for b, base in enumerate(bases):
             if base is None:
                 continue
             for t in range(tree.num_nodes):
                 if not ok[b][t]:
                     continue
-                path = [tokens[b][j] for j in range(1, t + 1) if anc[b][t][j]]
-                seqs.append(list(base) + path)
+                if with_ids:
+                    seqs.append(list(base) + [tokens[b][j] for j in range(1, t + 1) if anc[b][t][j]])
                 where.append((b, t))
-        if not seqs:
+        if not where:
             return logits
         rows = torch.tensor([w[0] for w in where], device=logits.device)
         cols = torch.tensor([w[1] for w in where], device=logits.device)
         out = logits.clone()
-        out[rows, cols] = self.process(seqs, logits[rows, cols], [w[0] for w in where])
+        out[rows, cols] = self.process(seqs if with_ids else None, logits[rows, cols], [w[0] for w in where])
         return out
 
     def stops(self, seq: Sequence[int], device: torch.device) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import VocabMismatchError
+from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
@@ -171,7 +172,9 @@ class DraftModelDrafter(Drafter):
         target_vocab_size: the target's vocabulary size.
         commit: the draft's commit strategy ("replay" or "materialize").
         confidence_threshold: 0 drafts the full depth.
-        branches: children of the root when sampling (1: a chain).
+        branches: when sampling, children of the root (Gumbel-top-k) or the beam width (stochastic beam search);
+            1: a chain.
+        sampling_tree: "gumbel_top_k" or "stochastic_beam" (see `_grow`).
 
     Raises:
         VocabMismatchError: the draft's vocabulary differs from the target's.
@@ -180,7 +183,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, draft_model: nn.Module, target_vocab_size: int, commit: str = "replay",
-        confidence_threshold: float = 0.0, branches: int = 1,
+        confidence_threshold: float = 0.0, branches: int = 1, sampling_tree: str = "gumbel_top_k",
     ) -> None:  # fmt: skip
         check_vocab(draft_model, target_vocab_size)
         if getattr(draft_model, "ssmspec_info", None) is None:
@@ -188,6 +191,9 @@ class DraftModelDrafter(Drafter):
         self.runner = ModelRunner(draft_model, commit=commit)
         self.confidence_threshold = confidence_threshold
         self.branches = max(1, int(branches))
+        if sampling_tree not in SAMPLING_TREES:
+            raise ValueError(f"sampling_tree must be one of {SAMPLING_TREES}, got {sampling_tree!r}")
+        self.sampling_tree = sampling_tree
         self.processed: list[int] = []
 
     def start(self, input_ids, attention_mask):
@@ -258,39 +264,75 @@ class DraftModelDrafter(Drafter):
             logits = logits[torch.arange(b, device=dev), tip]
             runner.commit(tip - 1)
         self.processed = [len(ctx) - 1 for ctx in contexts]
-        q_root = self._distributions([list(c) for c in contexts], logits, list(range(b)))
         width = max(1, min(self.branches, max_nodes // depth))
-        trees = []
-        for r in range(b):
-            keys = torch.log(q_root[r]) - torch.log(-torch.log(torch.rand(q_root.shape[-1], generator=gen, device=dev)))
-            kids = [int(t) for t in keys.topk(width).indices if q_root[r, t] > 0]  # Gumbel-top-k: no replacement
-            leaves = list(range(1, len(kids) + 1))
-            trees.append(([int(contexts[r][-1])] + kids, [-1] + [0] * len(kids), {0: q_root[r]}, leaves))
-        for _ in range(depth - 1):
-            tree = TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev)
-            aligned = runner.prepare(tree)
-            logits = runner.verify(aligned)
-            runner.discard()
+        # per row: tokens, parents, {parent: q}, frontier [(node, log-prob of its path, its perturbed key)]
+        trees = [([int(c[-1])], [-1], {}, [(0, 0.0, 0.0)]) for c in contexts]
+        at = logits  # the draft's logits at the frontier nodes, in frontier order (the roots first)
+        for level in range(depth):
             seqs, where = [], []
-            for r, (tokens, parents, _, leaves) in enumerate(trees):
-                for leaf in leaves:
-                    path, cur = [], leaf
+            for r, (tokens, parents, _, frontier) in enumerate(trees):
+                for node, _, _ in frontier:
+                    path, cur = [], node
                     while cur > 0:
                         path.append(tokens[cur])
                         cur = parents[cur]
                     seqs.append(list(contexts[r]) + path[::-1])
-                    where.append((r, leaf))
-            at = torch.stack([logits[r, aligned.index_of(r, leaf)] for r, leaf in where])
-            dists = self._distributions(seqs, at, [r for r, _ in where])
-            grown = [[] for _ in range(b)]
-            for (r, leaf), q in zip(where, dists):
-                tokens, parents, qs, _ = trees[r]
-                qs[leaf] = q
-                tokens.append(int(torch.multinomial(q, 1, generator=gen)))
-                parents.append(leaf)
-                grown[r].append(len(tokens) - 1)
-            trees = [(t, p, q, g) for (t, p, q, _), g in zip(trees, grown)]
+                    where.append(r)
+            dists = self._distributions(seqs, at, where)
+            grown = self._grow(trees, dists, width, level, gen)
+            if level == depth - 1 or not any(grown):
+                break
+            tree = TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev)
+            aligned = runner.prepare(tree)
+            logits = runner.verify(aligned)
+            runner.discard()
+            trees = [(t, p, q, f) for (t, p, q, _), f in zip(trees, grown)]
+            at = torch.stack(
+                [logits[r, aligned.index_of(r, node)] for r, (*_, f) in enumerate(trees) for node, *_ in f]
+            )
         return [(tokens, parents, qs) for tokens, parents, qs, _ in trees]
+
+    def _grow(self, trees, dists: torch.Tensor, width: int, level: int, gen) -> list[list]:
+        """Add one level of children to every row's frontier (their distributions `dists`, in frontier order);
+        returns the new frontiers. Gumbel-top-k: `width` distinct children of the root, then one sampled child
+        per node. Stochastic beam search: the `width` best children of the whole level by perturbed path
+        log-probability (Gumbel keys conditioned on the parent's, as in Kool et al. 2019), so each node's kept
+        children are drawn from its q without replacement, in key order."""
+        out, k = [], 0
+        for tokens, parents, qs, frontier in trees:
+            q = dists[k : k + len(frontier)]
+            k += len(frontier)
+            logq = q.clamp(min=torch.finfo(q.dtype).tiny).log().masked_fill(q <= 0, -float("inf"))
+            gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=gen, device=q.device, dtype=q.dtype)))
+            if self.sampling_tree == "stochastic_beam":
+                phi = torch.tensor([f[1] for f in frontier], device=q.device, dtype=q.dtype)[:, None] + logq
+                keys = phi + gumbel
+                top = torch.tensor([f[2] for f in frontier], device=q.device, dtype=q.dtype)[:, None]
+                # condition each parent's children on their max being the parent's key: G~ = -log(e^-T - e^-Z + e^-G)
+                z = keys.max(-1, keepdim=True).values
+                u = top - keys + torch.log1p(-torch.exp((keys - z).clamp(max=0)))
+                cond = top - u.clamp(min=0) - torch.log1p(torch.exp(-u.abs()))
+                cond = cond.masked_fill(~torch.isfinite(keys), -float("inf"))
+                flat = cond.flatten()
+                best = flat.topk(min(width, int(torch.isfinite(flat).sum()))).indices.tolist()
+                chosen = sorted(
+                    ((i // q.shape[1], i % q.shape[1]) for i in best), key=lambda fx: (fx[0], -float(cond[fx]))
+                )
+                picks = [(f, x, float(phi[f, x]), float(cond[f, x])) for f, x in chosen]
+            elif level == 0:  # Gumbel-top-k at the root
+                order = (logq[0] + gumbel[0]).topk(min(width, int((q[0] > 0).sum()))).indices.tolist()
+                picks = [(0, x, 0.0, 0.0) for x in order]
+            else:
+                picks = [(f, int(torch.multinomial(q[f], 1, generator=gen)), 0.0, 0.0) for f in range(len(frontier))]
+            new = []
+            for f, x, phi_x, key in picks:
+                node = frontier[f][0]
+                qs.setdefault(node, q[f])
+                tokens.append(int(x))
+                parents.append(node)
+                new.append((len(tokens) - 1, phi_x, key))
+            out.append(new)
+        return out
 
     def _confident(self, logits: torch.Tensor) -> list[bool]:
         """Per row, whether the draft's top probability reaches the threshold (always, without one)."""

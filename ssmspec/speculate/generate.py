@@ -80,6 +80,7 @@ def generate(
             draft, model.config.get_text_config().vocab_size, commit=spec.commit,
             confidence_threshold=threshold if threshold != _DEFAULT_CONFIDENCE else 0.0,
             branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
+            sampling_tree=spec.sampling_tree,
         )  # fmt: skip
     elif draft is not None:
         raise ValueError(f"assistant_model= was given but SpecConfig(drafter={spec.drafter!r}) does not use it")

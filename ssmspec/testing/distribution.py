@@ -76,6 +76,11 @@ DRAFTS = {
     "ngram-tree": {"speculation": SpecConfig(tree=True, tree_budget=6, num_draft_tokens=3)},
     "draft-chain": {"speculation": SpecConfig(drafter="draft_model", num_draft_tokens=3)},
     "draft-tree": {"speculation": SpecConfig(drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2)},
+    "draft-beam": {
+        "speculation": SpecConfig(
+            drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2, sampling_tree="stochastic_beam"
+        )
+    },
 }
 WARPS = {"t1": {"temperature": 1.0, "top_k": 0}, "t0.7-topk-topp": {"temperature": 0.7, "top_k": 6, "top_p": 0.9}}
 
