@@ -7,6 +7,7 @@ SSMSPEC_SAMPLES)."""
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
@@ -14,7 +15,9 @@ import torch
 
 import ssmspec
 import ssmspec.speculate.engine as engine
+from ssmspec import SpecConfig
 from ssmspec.speculate.verify import _children
+from ssmspec.testing.configs import SUPPORTED_FAMILIES
 from ssmspec.testing.distribution import (
     DRAFTS,
     WARPS,
@@ -24,12 +27,18 @@ from ssmspec.testing.distribution import (
     sampling_p_value,
     tiny_sampling_setup,
 )
+from ssmspec.testing.strategies import cached_tiny_model, capabilities
 
 _THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 SAMPLES = int(os.environ.get("SSMSPEC_SAMPLES", "20000" if _THOROUGH else "3000"))
 ALPHA = 1e-3  # the runs are seeded: a pass or a failure is reproducible, not a flake
 VOCAB = 16
 PROMPT = torch.zeros(1, 1, dtype=torch.long)  # set by the fixture (tiny_sampling_setup)
+
+
+@functools.cache
+def _transformed(family: str):
+    return ssmspec.transform(copy.deepcopy(cached_tiny_model(family)))
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +153,31 @@ def test_same_seed_same_output_and_hf_style_options(models):
         chosen = out.sequences[:, ids.shape[1] + step]
         assert torch.isfinite(scores.gather(1, chosen[:, None]))[running].all()
         assert (torch.isfinite(scores).sum(-1) <= 4).all()
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_sampling_runs_on_every_family_with_processors_and_finished_rows(family):
+    """Sampling through every family's tree path (trees where the probe allows them, level-aligned batches
+    for slot-position models, a draft model of the same family), with a processor that reads the ids, EOS
+    and scores: the output has HF's shape, finished rows are padded, sampled tokens were allowed."""
+    ref = cached_tiny_model(family)
+    model = _transformed(family)
+    caps = capabilities(family)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [0, 0, 9, 8, 9, 8, 9, 8]])
+    mask = (ids != 0).long()
+    rows = slice(0, 2 if caps.batches else 1)
+    ids, mask = ids[rows], mask[rows]
+    for spec, extra in [(SpecConfig(tree=caps.trees, tree_budget=6, num_draft_tokens=3), {}),
+                        (SpecConfig(drafter="draft_model", tree=caps.trees, tree_budget=4, num_draft_tokens=2),
+                         {"assistant_model": ref})]:  # fmt: skip
+        out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=10, top_k=8, eos_token_id=4,
+                             repetition_penalty=1.3, output_scores=True, return_dict_in_generate=True,
+                             generator=torch.Generator().manual_seed(0), speculation=spec, **extra)  # fmt: skip
+        new = out.sequences[:, ids.shape[1] :]
+        assert len(out.scores) == new.shape[1] <= 10
+        for r in range(new.shape[0]):
+            row = new[r].tolist()
+            end = row.index(4) + 1 if 4 in row else len(row)
+            assert all(t == 0 for t in row[end:])  # pads after EOS
+            for step in range(end):
+                assert torch.isfinite(out.scores[step][r, row[step]])  # top-k allowed it
