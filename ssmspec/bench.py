@@ -46,6 +46,11 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
         "tree n-gram": dict(
             speculation=ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=True, tree_budget=args.tree_budget)
         ),  # fmt: skip
+        "tree n-gram adaptive": dict(
+            speculation=ssmspec.SpecConfig(
+                num_draft_tokens=args.draft_tokens, tree=True, tree_budget=args.tree_budget, adaptive=True
+            )
+        ),  # fmt: skip
     }
     # warm-up: first calls pay one-time costs (allocator, lazy imports) that must not land on one method
     ref.generate(prompts[0], max_new_tokens=8, do_sample=False)
@@ -93,6 +98,9 @@ def run_sampling(args: argparse.Namespace, progress: bool = True) -> dict:
     methods = {
         "chain n-gram": dict(speculation=ssmspec.SpecConfig(num_draft_tokens=k)),
         "tree n-gram": dict(speculation=ssmspec.SpecConfig(num_draft_tokens=k, tree=True, tree_budget=budget)),
+        "tree n-gram adaptive": dict(
+            speculation=ssmspec.SpecConfig(num_draft_tokens=k, tree=True, tree_budget=budget, adaptive=True)
+        ),
         "chain draft model": dict(
             assistant_model=draft, speculation=ssmspec.SpecConfig(drafter="draft_model", num_draft_tokens=4)
         ),

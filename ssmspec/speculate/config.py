@@ -27,6 +27,9 @@ class SpecConfig:
             "gumbel_top_k" (distinct children of the root, each continued as a sampled chain) or
             "stochastic_beam" (the best `tree_budget // num_draft_tokens` paths of each level by perturbed
             log-probability, as RSD's stochastic beam search; siblings are always drawn without replacement).
+        adaptive: choose each step's depth and node budget (0: plain decoding) for the best expected tokens
+            per unit of step cost, from each row's acceptance so far and the model's verify-cost curve, which is
+            measured once per model on first use (SmartSpec style). Output is unchanged; only speed.
         static_shapes: pad trees to power-of-two node counts and commit fixed-length paths, so that a
             compiled verify step (and CUDA graphs) never recompile; None: on when the model was compiled with
             `mode="reduce-overhead"` or `"max-autotune"` (CUDA graphs), off otherwise.
@@ -43,11 +46,12 @@ class SpecConfig:
     max_matching_ngram_size: int = 2
     commit: str = "replay"
     sampling_tree: str = "gumbel_top_k"
+    adaptive: bool = False
     static_shapes: bool | None = None
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
-                 "max_matching_ngram_size": int, "commit": str, "sampling_tree": str,
+                 "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
                  "static_shapes": (bool, type(None))}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ssmspec.speculate.adaptive import Acceptance, choose_depth, measure_cost
 from ssmspec.speculate.decoding import ColumnStreamer, Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.runner import ModelRunner
@@ -59,6 +60,7 @@ def speculative_generate(
     schedule: str = "constant",
     decoding: Decoding | None = None,
     static_shapes: bool = False,
+    adaptive: bool = False,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner]:
     """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
     [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
@@ -70,7 +72,9 @@ def speculative_generate(
     `decode_single_nodes` is False (then the tree path, as for any tree). `decoding` carries HF's logits
     processors (applied per node), stopping criteria (checked after every emitted token) and streamer.
     `static_shapes` pads trees to power-of-two node counts and commits fixed-length paths (the depth stays
-    within `num_draft_tokens`, also under the heuristic schedule), so a compiled verify step never recompiles."""
+    within `num_draft_tokens`, also under the heuristic schedule), so a compiled verify step never recompiles.
+    `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
+    (ssmspec.speculate.adaptive)."""
     dec = decoding if decoding is not None else Decoding()
     stats = SpecStats()
     b = input_ids.shape[0]
@@ -125,10 +129,22 @@ def speculative_generate(
         stats.near_ties += int(first_ties[r] and not dec.do_sample)
         emit(r, [first[r]])
     stream.release(generated, done)
+    if adaptive:
+        acceptance = Acceptance(b)
+        cost = cost_curve(model, runner)
+        per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))
+    shadow = None
     while not all(done):
         remaining = [max_new_tokens - len(g) for g in generated]
         depth = min(depth_limit, max(remaining) - 1)
-        proposed = drafter.propose(contexts, tree_budget, max(depth, 0))
+        budget = tree_budget
+        if adaptive:
+            rates = [acceptance.rate(r) for r in range(b) if not done[r]]
+            chosen = choose_depth(rates, cost, max(depth, 0), per_depth)
+            # plain decoding: the drafter's first token still tells how accurate it is now
+            shadow = drafter.propose(contexts, 1, 1) if chosen == 0 and depth > 0 else None
+            depth, budget = chosen, max(1, min(tree_budget, int(round(per_depth * chosen))))
+        proposed = drafter.propose(contexts, budget, max(depth, 0))
         drafts: list[tuple[list[int], list[int]]] = []
         qs: list[dict[int, torch.Tensor] | None] = []
         forced: dict[int, int] = {}  # finished rows decoding pads: row -> last node of its pad chain
@@ -166,6 +182,14 @@ def speculative_generate(
         stats.verify_steps += 1
         stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
         all_accepted = True
+        if adaptive:
+            for r in range(b):
+                if done[r] or r in forced:
+                    continue
+                if depth > 0:
+                    acceptance.update(r, _depth_of(drafts[r]), len(emitted[r]) - 1)
+                elif shadow is not None and len(shadow[r][0]) > 1:
+                    acceptance.update(r, 1, int(shadow[r][0][1] == emitted[r][0]))
         cut = last.clone()
         path_list = path.tolist()
         for r in range(b):
@@ -233,6 +257,24 @@ def _near_ties(logits: torch.Tensor, tolerance: float) -> torch.Tensor:
     """Per position, whether the top-2 logit gap is below tolerance * max(1, |top logit|)."""
     top = logits.float().topk(2, dim=-1).values
     return (top[..., 0] - top[..., 1]) < tolerance * top[..., 0].abs().clamp(min=1.0)
+
+
+def _depth_of(draft: tuple[list[int], list[int]]) -> int:
+    """How deep a drafted tree goes."""
+    depth = [0] * len(draft[1])
+    for t in range(1, len(depth)):
+        depth[t] = depth[draft[1][t]] + 1
+    return max(depth)
+
+
+def cost_curve(model: nn.Module, runner: ModelRunner) -> dict[int, float]:
+    """The model's verify-cost curve (relative to a decode step) for this batch size, measured once per model
+    and kept on it (so each model has its own; nothing process-wide)."""
+    curves = model.__dict__.setdefault("_ssmspec_cost_curves", {})
+    key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
+    if key not in curves:
+        curves[key] = measure_cost(runner)
+    return curves[key]
 
 
 def _trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], dict[int, int]]:

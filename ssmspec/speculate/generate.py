@@ -101,6 +101,7 @@ def generate(
         commit=spec.commit,
         schedule=config.num_assistant_tokens_schedule if spec.drafter == "draft_model" else "constant",
         decoding=decoding,
+        adaptive=spec.adaptive,
         static_shapes=spec.static_shapes
         if spec.static_shapes is not None
         else bool(getattr(model, "ssmspec_static_shapes", False)),

@@ -1,0 +1,96 @@
+"""Adaptive speculation (SmartSpec style): choose each step's draft depth, including 0 (plain decoding), to
+maximise expected goodput = expected tokens per step / step cost. Acceptance is tracked online per row; the
+step cost of verifying n nodes, relative to one decode step, is measured on the running model once.
+
+Under a per-token acceptance rate a, a chain of depth k yields 1 + a + ... + a^k tokens in expectation (the
+accepted drafts and the bonus token); a tree gives at least that. With a low rate the best depth is 0: the
+step is plain decoding and costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ssmspec.tree import TokenTree
+
+
+class Acceptance:
+    """Per-row acceptance rate of drafted tokens, an exponentially decayed success ratio with a weak prior."""
+
+    def __init__(self, rows: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8) -> None:
+        self.success = [prior * weight] * rows
+        self.trials = [weight] * rows
+        self.decay = decay
+
+    def update(self, row: int, drafted: int, accepted: int) -> None:
+        """A step drafted `drafted` tokens deep for `row` and `accepted` of them were accepted."""
+        if drafted <= 0:
+            return
+        self.success[row] = self.decay * self.success[row] + accepted
+        self.trials[row] = self.decay * self.trials[row] + accepted + (1 if accepted < drafted else 0)
+
+    def rate(self, row: int) -> float:
+        return self.success[row] / max(self.trials[row], 1e-9)
+
+
+def expected_tokens(rate: float, depth: int) -> float:
+    """Expected tokens of one step (accepted drafts + bonus) for a chain of `depth` at acceptance `rate`."""
+    return sum(rate**i for i in range(depth + 1))
+
+
+def choose_depth(rates: Sequence[float], cost: dict[int, float], max_depth: int, nodes_per_depth: float) -> int:
+    """The depth (0..max_depth) with the highest expected tokens per unit of step cost, summed over rows;
+    a depth-k step verifies about 1 + nodes_per_depth * k nodes."""
+    best, best_depth = -1.0, 0
+    for k in range(max_depth + 1):
+        n = 1 + int(round(nodes_per_depth * k))
+        goodput = sum(expected_tokens(r, k) for r in rates) / step_cost(cost, n)
+        if goodput > best * 1.0001:  # ties go to the shallower (cheaper) depth
+            best, best_depth = goodput, k
+    return best_depth
+
+
+def step_cost(cost: dict[int, float], nodes: int) -> float:
+    """Relative cost of verifying `nodes` nodes, interpolated (linearly) in the measured curve."""
+    sizes = sorted(cost)
+    if nodes <= sizes[0]:
+        return cost[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if nodes <= hi:
+            return cost[lo] + (cost[hi] - cost[lo]) * (nodes - lo) / (hi - lo)
+    lo, hi = sizes[-2], sizes[-1]
+    return cost[hi] + (cost[hi] - cost[lo]) * (nodes - hi) / (hi - lo)
+
+
+def measure_cost(runner, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), repeats: int = 3) -> dict[int, float]:
+    """Verify cost of n-node chains relative to a decode step, timed on the runner's prefilled cache (each
+    tree is verified and discarded, the decode step rolled back: nothing changes). The median of `repeats`
+    runs per size."""
+    cache = runner.cache
+    batch = cache.n_real.shape[0]
+    device = cache.n_real.device
+    times = {}
+    for n in sizes:
+        tree = runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device)))
+        samples = []
+        for _ in range(repeats + 1):
+            snap = runner.snapshot() if n == 1 else None  # one node: HF's decode path, rolled back
+            t0 = time.perf_counter()
+            runner.verify(tree)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+            if snap is None:
+                runner.discard()
+            else:
+                runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
+                runner.restore(snap)
+        times[n] = sorted(samples[1:])[len(samples[1:]) // 2]  # the first run warms up
+    curve, floor = {}, 0.0
+    for n in sizes:  # more nodes never cost less (timing noise aside): keep the curve non-decreasing
+        floor = max(floor, times[n] / times[sizes[0]])
+        curve[n] = floor
+    return curve

@@ -1,0 +1,76 @@
+"""Adaptive speculation: the depth follows acceptance and cost (0 = plain decoding when drafts fail), and the
+output stays exactly HF's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ssmspec
+from ssmspec import SpecConfig
+from ssmspec.speculate.adaptive import Acceptance, choose_depth, expected_tokens, step_cost
+from ssmspec.speculate.engine import speculative_generate
+from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
+from ssmspec.testing.strategies import cached_tiny_model
+
+COST = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6}
+
+
+def test_depth_follows_acceptance_and_cost():
+    assert choose_depth([0.05], COST, 8, 1.0) == 0  # drafts fail: plain decoding
+    assert choose_depth([0.95], COST, 8, 1.0) == 8  # drafts succeed: as deep as allowed
+    mid = choose_depth([0.6], COST, 8, 1.0)
+    assert 0 < mid < 8
+    assert choose_depth([0.6], {n: 1.0 for n in COST}, 8, 1.0) == 8  # free verification: always deepest
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert step_cost(COST, 3) == pytest.approx(1.3) and step_cost(COST, 32) == pytest.approx(4.2)
+    acc = Acceptance(1)
+    for _ in range(10):
+        acc.update(0, 4, 0)
+    assert acc.rate(0) < 0.1
+    for _ in range(10):
+        acc.update(0, 4, 4)
+    assert acc.rate(0) > 0.9
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_adaptive_output_is_hfs_and_depth_adapts(family):
+    ref = cached_tiny_model(family)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [0, 0, 0, 0, 9, 10, 11, 9, 10, 11, 9, 10]])
+    mask = (ids != 0).long()
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    for tree in (False, True):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=40,
+                             speculation=SpecConfig(tree=tree, adaptive=True, num_draft_tokens=6))  # fmt: skip
+        assert torch.equal(got, want)
+    rows = [want[r][mask[r].bool().tolist() + [True] * 40].tolist() for r in range(2)]
+    common = dict(max_new_tokens=40, eos_token_ids=[2], pad_token_id=0, tree_budget=6, num_draft_tokens=6)
+    measured = model._ssmspec_cost_curves[(2, "cpu")]  # measured by the generate calls above
+    assert measured[1] == 1.0 and all(
+        measured[a] <= measured[b] for a, b in zip(sorted(measured), sorted(measured)[1:])
+    )
+    model._ssmspec_cost_curves[(2, "cpu")] = COST  # a fixed curve: the decisions below do not depend on timing
+    wrong, stats_wrong, _ = speculative_generate(model, ids, mask, drafter=RandomDrafter(96, chain=True),
+                                                 adaptive=True, **common)  # fmt: skip
+    right, stats_right, _ = speculative_generate(model, ids, mask, drafter=OracleDrafter(rows, vocab_size=96),
+                                                 adaptive=True, **common)  # fmt: skip
+    assert torch.equal(wrong, want[:, : wrong.shape[1]]) and torch.equal(right, want[:, : right.shape[1]])
+    # random drafts: after a few failures the steps are plain decoding; an oracle: steps stay deep
+    assert sum(n == 1 for n in stats_wrong.tree_nodes_per_step) > 0.7 * stats_wrong.verify_steps
+    assert stats_right.mean_accepted_per_step > 4
+    assert set(model._ssmspec_cost_curves) == {(2, "cpu")}  # measured once for this batch size
+
+
+def test_adaptive_sampling_stays_lossless_by_construction():
+    """The depth only changes which drafts are verified; sampling verification is unchanged (and its
+    distribution tests cover every depth). Here: it runs and reproduces with a seed."""
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    spec = SpecConfig(adaptive=True)
+    runs = [model.generate(ids, do_sample=True, max_new_tokens=20, speculation=spec,
+                           generator=torch.Generator().manual_seed(3)) for _ in range(2)]  # fmt: skip
+    assert torch.equal(runs[0], runs[1])
