@@ -42,9 +42,22 @@ def test_bench_writes_json(tmp_path, capsys):
     assert main(args) == 0
     result = json.loads(target.read_text())
     assert set(result["methods"]) == {
-        "HF greedy", "ssmspec autoregressive", "chain n-gram", "chain draft model", "tree n-gram"
+        "HF greedy", "ssmspec autoregressive", "chain n-gram", "chain draft model", "tree n-gram",
+        "tree n-gram adaptive",
     }  # fmt: skip
     assert "all outputs identical to HF greedy" in capsys.readouterr().out
+
+
+def test_bench_sampling_writes_json(tmp_path, capsys):
+    target = tmp_path / "bench.json"
+    args = ["bench", "--prompts", "1", "--max-new-tokens", "8", "--no-progress", "--sampling", "--temperatures",
+            "0.7", "--json", str(target)]  # fmt: skip
+    assert main(args) == 0
+    rows = json.loads(target.read_text())["sampling"]["rows"]
+    assert {r["method"] for r in rows} == {"HF sampling", "chain n-gram", "tree n-gram", "tree n-gram adaptive",
+                                           "chain draft model", "tree draft model"}  # fmt: skip
+    assert all(r["temperature"] == "0.7" and r["tokens_per_s"] > 0 for r in rows)
+    assert "temperature 0.7" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", models.EMBEDDED)
