@@ -3,9 +3,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from ssmspec.tree import TokenTree
+
+Walk = Callable[[int, dict[int, list[int]], list[int]], tuple[int, list[int]]]
+
+
+def walk_rows(tree: TokenTree, walk: Walk, rows: Sequence[bool] | None = None) -> tuple[torch.Tensor, list[list[int]]]:
+    """The loop every verifier shares: per row, `walk(row, children, tokens)` returns (last accepted node,
+    emitted tokens), where `children[node]` lists the node's acceptable children in node order and `tokens`
+    is the row's node tokens. Rows where `rows` is False are skipped (last node 0, nothing emitted).
+
+    Returns:
+        (last accepted node per row [B], emitted tokens per row).
+    """
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    ok = tree.acceptable.tolist()
+    last, emitted = [], []
+    for b in range(tree.batch_size):
+        if rows is not None and not rows[b]:
+            last.append(0)
+            emitted.append([])
+            continue
+        kids: dict[int, list[int]] = {}
+        for t in range(1, tree.num_nodes):
+            if ok[b][t]:
+                kids.setdefault(parents[b][t], []).append(t)
+        node, out = walk(b, kids, tokens[b])
+        last.append(node)
+        emitted.append(out)
+    return torch.tensor(last, dtype=torch.long, device=tree.tokens.device), emitted
 
 
 def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
@@ -15,34 +46,18 @@ def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
     searched in node order, so the correct branch need not be the first child.
     """
     target = logits.argmax(-1).tolist()  # [B, N]
-    tokens = tree.tokens.tolist()
-    parents = tree.parents.tolist()
-    ok = tree.acceptable.tolist()
-    last, emitted = [], []
-    for b in range(tree.batch_size):
-        children: dict[int, list[int]] = {}
-        for t in range(1, tree.num_nodes):
-            if ok[b][t]:
-                children.setdefault(parents[b][t], []).append(t)
+
+    def walk(b: int, kids: dict[int, list[int]], tokens: list[int]) -> tuple[int, list[int]]:
         cur, out = 0, []
         while True:
             want = target[b][cur]
             out.append(want)
-            nxt = next((c for c in children.get(cur, ()) if tokens[b][c] == want), None)
+            nxt = next((c for c in kids.get(cur, ()) if tokens[c] == want), None)
             if nxt is None:
-                break
+                return cur, out
             cur = nxt
-        last.append(cur)
-        emitted.append(out)
-    return torch.tensor(last, dtype=torch.long, device=tree.tokens.device), emitted
 
-
-def _children(tree: TokenTree, row: int, ok: list[list[bool]], parents: list[list[int]]) -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for t in range(1, tree.num_nodes):
-        if ok[row][t]:
-            kids.setdefault(parents[row][t], []).append(t)
-    return kids
+    return walk_rows(tree, walk)
 
 
 def sample_verify(
@@ -64,16 +79,8 @@ def sample_verify(
     exactly as sampling from the target token by token. Rows where `rows` is False are skipped (last 0).
     """
     probs = scores.double().softmax(-1)
-    tokens = tree.tokens.tolist()
-    parents = tree.parents.tolist()
-    ok = tree.acceptable.tolist()
-    last, emitted = [], []
-    for b in range(tree.batch_size):
-        if rows is not None and not rows[b]:
-            last.append(0)
-            emitted.append([])
-            continue
-        kids = _children(tree, b, ok, parents)
+
+    def walk(b: int, kids: dict[int, list[int]], tokens: list[int]) -> tuple[int, list[int]]:
         drafts = q[b] or {}
         cur, out = 0, []
         while True:
@@ -81,16 +88,16 @@ def sample_verify(
             nxt = None
             if cur in kids and cur not in drafts:
                 x = int(torch.multinomial(p, 1, generator=generator))
-                nxt = next((c for c in kids[cur] if tokens[b][c] == x), None)
+                nxt = next((c for c in kids[cur] if tokens[c] == x), None)
                 out.append(x)
                 if nxt is None:
-                    break
+                    return cur, out
                 cur = nxt
                 continue
             if cur in kids:
                 qd = drafts[cur].to(p).clone()
                 for c in kids[cur]:
-                    x = tokens[b][c]
+                    x = tokens[c]
                     if qd[x] <= 0:  # not drawn from this distribution: never acceptable under it
                         continue
                     u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
@@ -104,11 +111,10 @@ def sample_verify(
                     qd[x] = 0
                     qd = qd / qd.sum().clamp(min=torch.finfo(qd.dtype).tiny)
             if nxt is not None:
-                out.append(tokens[b][nxt])
+                out.append(tokens[nxt])
                 cur = nxt
                 continue
             out.append(int(torch.multinomial(p, 1, generator=generator)))
-            break
-        last.append(cur)
-        emitted.append(out)
-    return torch.tensor(last, dtype=torch.long, device=tree.tokens.device), emitted
+            return cur, out
+
+    return walk_rows(tree, walk, rows)

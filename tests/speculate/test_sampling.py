@@ -16,7 +16,7 @@ import torch
 import ssmspec
 import ssmspec.speculate.engine as engine
 from ssmspec import SpecConfig
-from ssmspec.speculate.verify import _children
+from ssmspec.speculate.verify import walk_rows
 from ssmspec.testing.configs import SUPPORTED_FAMILIES
 from ssmspec.testing.distribution import (
     DRAFTS,
@@ -65,50 +65,34 @@ def test_speculative_sampling_matches_hf_sampling(models, drafter, warp):
 def _accept_every_draft(tree, scores, q, generator=None, rows=None):
     """A wrong verifier: follows the first child all the way down, then samples the bonus token."""
     probs = scores.double().softmax(-1)
-    ok, parents, tokens = tree.acceptable.tolist(), tree.parents.tolist(), tree.tokens.tolist()
-    last, emitted = [], []
-    for b in range(tree.batch_size):
-        if rows is not None and not rows[b]:
-            last.append(0)
-            emitted.append([])
-            continue
-        kids, cur, out = _children(tree, b, ok, parents), 0, []
+
+    def walk(b, kids, tokens):
+        cur, out = 0, []
         while cur in kids:
             cur = kids[cur][0]
-            out.append(tokens[b][cur])
-        out.append(int(torch.multinomial(probs[b, cur], 1, generator=generator)))
-        last.append(cur)
-        emitted.append(out)
-    return torch.tensor(last), emitted
+            out.append(tokens[cur])
+        return cur, out + [int(torch.multinomial(probs[b, cur], 1, generator=generator))]
+
+    return walk_rows(tree, walk, rows)
 
 
 def _no_residual(tree, scores, q, generator=None, rows=None):
     """A subtly wrong verifier: accepts a deterministic draft with probability p(x), but on rejection samples
     from p instead of p with x removed (x is then over-represented)."""
     probs = scores.double().softmax(-1)
-    ok, parents, tokens = tree.acceptable.tolist(), tree.parents.tolist(), tree.tokens.tolist()
-    last, emitted = [], []
-    for b in range(tree.batch_size):
-        if rows is not None and not rows[b]:
-            last.append(0)
-            emitted.append([])
-            continue
-        kids, cur, out = _children(tree, b, ok, parents), 0, []
+
+    def walk(b, kids, tokens):
+        cur, out = 0, []
         while True:
             p = probs[b, cur]
             child = kids.get(cur, [None])[0]
-            if (
-                child is not None
-                and float(torch.rand((), generator=generator, dtype=torch.float64)) < p[tokens[b][child]]
-            ):
+            if child is not None and float(torch.rand((), generator=generator, dtype=torch.float64)) < p[tokens[child]]:
                 cur = child
-                out.append(tokens[b][cur])
+                out.append(tokens[cur])
                 continue
-            out.append(int(torch.multinomial(p, 1, generator=generator)))
-            break
-        last.append(cur)
-        emitted.append(out)
-    return torch.tensor(last), emitted
+            return cur, out + [int(torch.multinomial(p, 1, generator=generator))]
+
+    return walk_rows(tree, walk, rows)
 
 
 @pytest.mark.parametrize("wrong", [_accept_every_draft, _no_residual])
