@@ -122,11 +122,11 @@ def speculative_generate(
     raw = logits.float()  # HF processes and picks from float32 logits
     scores = dec.process([ids(r) for r in range(b)], raw, list(range(b)))
     first = dec.choose(scores).tolist()
-    first_ties = _near_ties(logits, stats.near_tie_tolerance).tolist()
+    first_ties = [False] * b if dec.do_sample else _near_ties(logits, stats.near_tie_tolerance).tolist()
     for r in range(b):
         if keep:
             kept[r].append((scores[r], raw[r]))
-        stats.near_ties += int(first_ties[r] and not dec.do_sample)
+        stats.near_ties += int(first_ties[r])
         emit(r, [first[r]])
     stream.release(generated, done)
     if adaptive:
@@ -178,7 +178,10 @@ def speculative_generate(
         for r, k in forced.items():
             last[r] = tree.index_of(r, k)
         path, _ = tree.paths(last)
-        ties = torch.gather(_near_ties(node_logits, stats.near_tie_tolerance), 1, path).tolist()
+        # near-ties only mean something for greedy choices: not computed when sampling
+        ties = (
+            None if dec.do_sample else torch.gather(_near_ties(node_logits, stats.near_tie_tolerance), 1, path).tolist()
+        )
         stats.verify_steps += 1
         stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
         all_accepted = True
@@ -201,7 +204,7 @@ def speculative_generate(
                 stats.accepted_tokens += len(emitted[r]) - 1
                 all_accepted &= len(emitted[r]) == len(drafts[r][0])
                 n = emit(r, emitted[r])
-                if not dec.do_sample:
+                if ties is not None:
                     stats.near_ties += sum(ties[r][:n])
                 cut[r] = path_list[r][n - 1]  # a row that stopped inside the block commits only what it emitted
             else:
