@@ -11,6 +11,7 @@ from ssmspec.errors import (
 )
 from ssmspec.hf.cache import SpecCache
 from ssmspec.speculate.config import SpecConfig
+from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.transform import transform
 from ssmspec.tree import TokenTree
 
@@ -21,6 +22,7 @@ __all__ = [
     "SSMSpecError",
     "SpecCache",
     "SpecConfig",
+    "SuffixIndex",
     "TokenTree",
     "UnsupportedModelError",
     "UnsupportedSettingError",

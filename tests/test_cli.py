@@ -43,8 +43,12 @@ def test_bench_writes_json(tmp_path, capsys):
     result = json.loads(target.read_text())
     assert set(result["methods"]) == {
         "HF greedy", "ssmspec autoregressive", "chain n-gram", "chain draft model", "tree n-gram",
-        "tree n-gram adaptive",
+        "tree n-gram adaptive", "chain n-gram + corpus", "tree n-gram + corpus (8 nodes)", "tree n-gram + corpus",
+        "tree n-gram + corpus adaptive", "dynamic tree draft model", "dynamic tree draft model + VocabTrim",
+        "dynamic tree draft model + corpus (RASD)", "RASD + VocabTrim",
     }  # fmt: skip
+    row = result["methods"]["tree n-gram + corpus"]
+    assert row["tokens_per_s"] > 0 and row["mean_accepted_per_step"] >= 1 and row["worst_prompt_speedup_vs_hf"] > 0
     assert "all outputs identical to HF greedy" in capsys.readouterr().out
 
 

@@ -113,6 +113,7 @@ class Plan:
     # stopping criteria beyond EOS and max length (which the loop applies itself)
     stopping: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
     streamer: Any = None
+    tokenizer: Any = None  # generate's `tokenizer=` (stop strings; tokenizing a retrieval corpus)
 
 
 def _is_set(value: Any, default: Any) -> bool:
@@ -258,6 +259,7 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
             vocab,
             "stopping_criteria",
         ),  # fmt: skip
+        tokenizer=tokenizer,
         streamer=given["streamer"],
     )
 

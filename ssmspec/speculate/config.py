@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from os import PathLike
 
+from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.verification import COMMIT_STRATEGIES
 
 DRAFTERS = ("prompt_lookup", "draft_model", "none")
@@ -33,6 +36,17 @@ class SpecConfig:
         static_shapes: pad trees to power-of-two node counts and commit fixed-length paths, so that a
             compiled verify step (and CUDA graphs) never recompile; None: on when the model was compiled with
             `mode="reduce-overhead"` or `"max-autotune"` (CUDA graphs), off otherwise.
+        corpus: retrieval drafting (REST style) for the "prompt_lookup" drafter: besides the context, what
+            followed the longest match of the context's tail in this corpus is proposed. A ssmspec.SuffixIndex;
+            a str or path: an index saved by `SuffixIndex.save`; or a sequence of documents (each `str` a
+            text, each `pathlib.Path` a file), tokenized with generate's `tokenizer=` and indexed once per
+            model. None: the context only. With the "draft_model" drafter and `tree=True` the retrieval tree is
+            fused into the draft's (RASD); `draft_vocab` counts its tokens.
+        draft_vocab: VocabTrim for the "draft_model" drafter: its LM head keeps only the `draft_vocab` most
+            frequent tokens of `corpus` (an int), or the given token ids (a sequence, e.g.
+            `ssmspec.speculate.retrieval.frequent_tokens(index, 512).tolist()`: no corpus, so no fusion), plus
+            the prompt's tokens, EOS and pad; mapped back to the target's ids; lossless (drafts only change
+            speed). None: the full vocabulary.
 
     Raises:
         TypeError: a field of the wrong type (named).
@@ -48,16 +62,51 @@ class SpecConfig:
     sampling_tree: str = "gumbel_top_k"
     adaptive: bool = False
     static_shapes: bool | None = None
+    corpus: SuffixIndex | str | PathLike | Sequence[str | PathLike] | None = None
+    draft_vocab: int | Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
                  "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
-                 "static_shapes": (bool, type(None))}  # fmt: skip
+                 "static_shapes": (bool, type(None)),
+                 "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
+                 "draft_vocab": (int, list, tuple, type(None))}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
-            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-                kind = "a bool or None" if isinstance(want, tuple) else f"a {want.__name__}"
+            if not isinstance(value, want) or (
+                int in (want if isinstance(want, tuple) else (want,)) and isinstance(value, bool)
+            ):
+                kind = {
+                    "static_shapes": "a bool or None",
+                    "draft_vocab": "an int, a sequence of token ids or None",
+                    "corpus": "a SuffixIndex, an index path, a list of documents or None",
+                }.get(f.name)
+                kind = kind or f"a {want.__name__}"
                 raise TypeError(f"SpecConfig.{f.name} must be {kind}, got {value!r}")
+        if isinstance(self.corpus, list):  # frozen and hashable: keep documents as a tuple
+            object.__setattr__(self, "corpus", tuple(self.corpus))
+        if self.draft_vocab is not None:
+            if self.drafter != "draft_model":
+                raise ValueError(
+                    f"SpecConfig.draft_vocab trims a draft model's vocabulary; drafter is {self.drafter!r}"
+                )
+            if isinstance(self.draft_vocab, list | tuple):  # explicit ids
+                object.__setattr__(self, "draft_vocab", tuple(self.draft_vocab))
+                if not self.draft_vocab or not all(isinstance(t, int) and t >= 0 for t in self.draft_vocab):
+                    raise ValueError("SpecConfig.draft_vocab ids must be a non-empty sequence of token ids >= 0")
+            elif self.draft_vocab < 1:
+                raise ValueError(f"SpecConfig.draft_vocab must be >= 1, got {self.draft_vocab}")
+            elif self.corpus is None:
+                raise ValueError(
+                    "SpecConfig.draft_vocab needs corpus= (the text its most frequent tokens are counted on)"
+                )
+        if self.corpus is not None and self.drafter == "none":
+            raise ValueError("SpecConfig.corpus needs a drafter ('prompt_lookup' or 'draft_model'), not 'none'")
+        if self.corpus is not None and self.drafter == "draft_model" and not self.tree and self.draft_vocab is None:
+            raise ValueError(
+                "SpecConfig.corpus with a draft model is used by tree=True (the retrieval tree fused into the "
+                "draft's) or by draft_vocab; set one of them"
+            )
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.commit not in COMMIT_STRATEGIES:

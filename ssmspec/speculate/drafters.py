@@ -7,14 +7,17 @@ keeps exactly the target's greedy tokens.
 
 from __future__ import annotations
 
+import copy
+import heapq
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ssmspec.errors import VocabMismatchError
+from ssmspec.errors import UnsupportedModelError, VocabMismatchError
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.decoding import Decoding
+from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
@@ -62,33 +65,47 @@ class NoDrafter(Drafter):
 
 
 class PromptLookupDrafter(Drafter):
-    """N-gram prompt lookup (as HF's prompt_lookup_num_tokens), frequency-weighted.
+    """N-gram prompt lookup (as HF's prompt_lookup_num_tokens), frequency-weighted, optionally with retrieval
+    from a corpus (REST / SuffixDecoding style).
 
     Every earlier occurrence of the context's last token votes for what followed it, with weight
     `ngram_weight ** (m - 1)` where m <= max_matching_ngram_size is how many tokens of the context's tail it
-    matches (longer matches are more reliable; the `max_matches` best occurrences vote). The votes form a
-    trie whose node weights estimate the chance that the target takes that path. A chain follows the
+    matches (longer matches are more reliable; the `max_matches` best occurrences vote). With a `corpus` (a
+    ssmspec.SuffixIndex), what followed the longest occurrence of the context's tail in the corpus votes too,
+    with a total weight of one occurrence shared by its continuations in proportion to their frequency: the
+    context decides where it has evidence, the corpus fills in where it has none and breaks ties. The votes
+    form a trie whose node weights estimate the chance that the target takes that path. A chain follows the
     heaviest child at each step; a tree keeps the `max_nodes` heaviest nodes (a child never outweighs its
     parent, so they form a subtree), which maximises the expected accepted length under those estimates.
 
     Args:
-        max_matching_ngram_size: the longest tail match that counts.
+        max_matching_ngram_size: the longest tail match that counts in the context.
         tree: draft a tree (True) or a chain (False).
-        max_matches: how many earlier occurrences vote.
+        max_matches: how many earlier occurrences in the context vote.
         ngram_weight: the vote of an occurrence is `ngram_weight ** (match length - 1)`.
+        corpus: a SuffixIndex to retrieve continuations from (None: the context only).
+        corpus_weight: the corpus's total vote (in units of one single-token context match).
+        corpus_samples: occurrences of the corpus match read per step (evenly spaced over all of them).
+        max_corpus_match: the longest context tail matched against the corpus.
     """
 
     def __init__(
-        self, max_matching_ngram_size: int = 2, tree: bool = False, max_matches: int = 16, ngram_weight: float = 4.0
-    ) -> None:
+        self, max_matching_ngram_size: int = 2, tree: bool = False, max_matches: int = 16, ngram_weight: float = 4.0,
+        corpus: SuffixIndex | None = None, corpus_weight: float = 1.0, corpus_samples: int = 32,
+        max_corpus_match: int = 16,
+    ) -> None:  # fmt: skip
         self.max_ngram = max_matching_ngram_size
         self.tree = tree
         self.max_matches = max_matches
         self.ngram_weight = ngram_weight
+        self.corpus = corpus
+        self.corpus_weight = corpus_weight
+        self.corpus_samples = corpus_samples
+        self.max_corpus_match = max_corpus_match
 
     def continuations(self, ctx: Sequence[int], depth: int) -> list[tuple[list[int], float]]:
         """(continuation, weight) after earlier occurrences of the context's tail, best (longest match,
-        then latest) first."""
+        then latest) first; then the corpus's continuations."""
         n_ctx = len(ctx)
         found = []
         last = ctx[-1]
@@ -102,7 +119,11 @@ class PromptLookupDrafter(Drafter):
             if cont:
                 found.append((m, end, cont))
         found.sort(key=lambda f: (-f[0], -f[1]))
-        return [(cont, self.ngram_weight ** (m - 1)) for m, _, cont in found[: self.max_matches]]
+        out = [(cont, self.ngram_weight ** (m - 1)) for m, _, cont in found[: self.max_matches]]
+        if self.corpus is not None:
+            _, retrieved = self.corpus.continuations(ctx, depth, self.max_corpus_match, self.corpus_samples)
+            out += [(cont, w * self.corpus_weight) for cont, w in retrieved]
+        return out
 
     def propose(self, contexts, max_nodes, max_depth):
         out = []
@@ -146,6 +167,49 @@ def _weighted_draft(
     return [tokens[k] for k in keep], [-1] + [index[parents[k]] for k in keep[1:]]
 
 
+class TrimmedHead(nn.Module):
+    """VocabTrim: a draft's LM head restricted to `keep` token ids. Logits of the kept ids are computed (a
+    K-row matmul instead of a V-row one); every other id gets -inf, so the draft proposes and samples only
+    kept tokens while the output keeps the target's ids and vocabulary size. Drafts only change speed: the
+    verifier stays exact whatever the draft's vocabulary."""
+
+    def __init__(self, head: nn.Linear, keep: torch.Tensor) -> None:
+        super().__init__()
+        self.vocab_size = head.out_features
+        self.register_buffer("keep", keep.to(head.weight.device, torch.long), persistent=False)
+        self.weight = nn.Parameter(head.weight.detach().index_select(0, self.keep), requires_grad=False)
+        bias = head.bias.detach().index_select(0, self.keep) if head.bias is not None else None
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = nn.functional.linear(hidden, self.weight, self.bias)
+        out = small.new_full((*small.shape[:-1], self.vocab_size), -float("inf"))
+        return out.index_copy_(-1, self.keep, small)
+
+
+def trim_vocab(draft: nn.Module, keep: torch.Tensor) -> nn.Module:
+    """A shallow copy of a (transformed) draft whose LM head keeps only the `keep` ids; `draft` is unchanged
+    (the copy shares its other modules and parameters).
+
+    Raises:
+        UnsupportedModelError: the draft's output embedding is not a top-level nn.Linear.
+        ValueError: `keep` is empty or holds ids outside the vocabulary.
+    """
+    head = draft.get_output_embeddings()
+    name = next((n for n, m in draft.named_children() if m is head), None)
+    if name is None or not isinstance(head, nn.Linear):
+        raise UnsupportedModelError(
+            type(draft).__name__, "VocabTrim needs the output embedding to be a top-level nn.Linear"
+        )
+    keep = torch.as_tensor(keep, dtype=torch.long).unique()
+    if keep.numel() == 0 or int(keep.min()) < 0 or int(keep.max()) >= head.out_features:
+        raise ValueError(f"VocabTrim ids must be a non-empty subset of range({head.out_features})")
+    clone = copy.copy(draft)
+    clone._modules = dict(draft._modules)
+    clone._modules[name] = TrimmedHead(head, keep)
+    return clone
+
+
 def check_vocab(draft_model: nn.Module, target_vocab_size: int) -> None:
     """A draft must share the target's vocabulary (VocabMismatchError names both sizes)."""
     draft_vocab = getattr(draft_model.config.get_text_config(), "vocab_size", None)
@@ -175,6 +239,11 @@ class DraftModelDrafter(Drafter):
         branches: when sampling, children of the root (Gumbel-top-k) or the beam width (stochastic beam search);
             1: a chain.
         sampling_tree: "gumbel_top_k" or "stochastic_beam" (see `_grow`).
+        tree: greedy decoding drafts a dynamic tree (DySpec / EAGLE-2 style, see `_propose_dynamic`) instead
+            of a chain.
+        min_path_prob: a dynamic tree never holds a node whose path probability under the draft is below this.
+        vocab: VocabTrim: the token ids the draft may propose (its LM head computes only those; see
+            `trim_vocab`); None: all.
 
     Raises:
         VocabMismatchError: the draft's vocabulary differs from the target's.
@@ -184,16 +253,21 @@ class DraftModelDrafter(Drafter):
     def __init__(
         self, draft_model: nn.Module, target_vocab_size: int, commit: str = "replay",
         confidence_threshold: float = 0.0, branches: int = 1, sampling_tree: str = "gumbel_top_k",
+        tree: bool = False, min_path_prob: float = 0.02, vocab: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         check_vocab(draft_model, target_vocab_size)
         if getattr(draft_model, "ssmspec_info", None) is None:
             raise TypeError("DraftModelDrafter needs a transformed draft: pass ssmspec.transform(copy of the draft)")
+        if vocab is not None:
+            draft_model = trim_vocab(draft_model, vocab)
         self.runner = ModelRunner(draft_model, commit=commit)
         self.confidence_threshold = confidence_threshold
         self.branches = max(1, int(branches))
         if sampling_tree not in SAMPLING_TREES:
             raise ValueError(f"sampling_tree must be one of {SAMPLING_TREES}, got {sampling_tree!r}")
         self.sampling_tree = sampling_tree
+        self.tree = tree
+        self.min_path_prob = min_path_prob
         self.processed: list[int] = []
 
     def start(self, input_ids, attention_mask):
@@ -204,6 +278,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, contexts, max_nodes, max_depth):
         if self.decoding is not None and self.decoding.do_sample:
             return self._propose_sampled(contexts, max_nodes, max_depth)
+        if self.tree:
+            return self._propose_dynamic(contexts, max_nodes, max_depth)
         depth = min(max_nodes, max_depth)
         if depth <= 0:
             return [([int(c[-1])], [-1]) for c in contexts]
@@ -245,25 +321,10 @@ class DraftModelDrafter(Drafter):
         roots = [([int(c[-1])], [-1]) for c in contexts]
         if depth <= 0:
             return roots
-        dev, b = self._device, len(contexts)
+        dev = self._device
         gen = self.decoding.generator
-        pending = [list(ctx[self.processed[r] :]) for r, ctx in enumerate(contexts)]
         runner = self.runner
-        if all(len(p) == 1 for p in pending):  # only the root is new: score it without committing it
-            runner.decode_single_nodes = False
-            logits = runner.verify(TokenTree.from_lists(pending, [[-1]] * b, device=dev))[:, 0]
-            runner.discard()
-            runner.decode_single_nodes = True
-        else:
-            # commit everything before the root (a finished row that did not grow re-feeds its root: its
-            # draft state no longer matters)
-            pending = [p if len(p) > 1 else [p[-1], p[-1]] for p in pending]
-            tree = TokenTree.from_lists(pending, [list(range(-1, len(p) - 1)) for p in pending], device=dev)
-            tip = torch.tensor([len(p) - 1 for p in pending], device=dev)
-            logits = runner.verify(runner.prepare(tree))
-            logits = logits[torch.arange(b, device=dev), tip]
-            runner.commit(tip - 1)
-        self.processed = [len(ctx) - 1 for ctx in contexts]
+        logits = self._catch_up_to_root(contexts)
         width = max(1, min(self.branches, max_nodes // depth))
         # per row: tokens, parents, {parent: q}, frontier [(node, log-prob of its path, its perturbed key)]
         trees = [([int(c[-1])], [-1], {}, [(0, 0.0, 0.0)]) for c in contexts]
@@ -291,6 +352,75 @@ class DraftModelDrafter(Drafter):
                 [logits[r, aligned.index_of(r, node)] for r, (*_, f) in enumerate(trees) for node, *_ in f]
             )
         return [(tokens, parents, qs) for tokens, parents, qs, _ in trees]
+
+    def _catch_up_to_root(self, contexts) -> torch.Tensor:
+        """Commit every row's tokens before its root (contexts[b][-1]) into the draft's state and return the
+        draft's logits at the roots [B, V]; trees rooted at the roots are then verified on that state."""
+        dev, b, runner = self._device, len(contexts), self.runner
+        pending = [list(ctx[self.processed[r] :]) for r, ctx in enumerate(contexts)]
+        if all(len(p) == 1 for p in pending):  # only the root is new: score it without committing it
+            runner.decode_single_nodes = False
+            logits = runner.verify(TokenTree.from_lists(pending, [[-1]] * b, device=dev))[:, 0]
+            runner.discard()
+            runner.decode_single_nodes = True
+        else:
+            # commit everything before the root (a finished row that did not grow re-feeds its root: its
+            # draft state no longer matters)
+            pending = [p if len(p) > 1 else [p[-1], p[-1]] for p in pending]
+            tree = TokenTree.from_lists(pending, [list(range(-1, len(p) - 1)) for p in pending], device=dev)
+            tip = torch.tensor([len(p) - 1 for p in pending], device=dev)
+            logits = runner.verify(runner.prepare(tree))
+            logits = logits[torch.arange(b, device=dev), tip]
+            runner.commit(tip - 1)
+        self.processed = [len(ctx) - 1 for ctx in contexts]
+        return logits
+
+    def _propose_dynamic(self, contexts, max_nodes, max_depth):
+        """A dynamic tree per row (DySpec; EAGLE-2's global re-ranking): grown best-first by the draft's path
+        probability (the product of its probabilities along the root-to-node path), a few nodes per round,
+        one draft forward per round over all rows; a node joins only while the row has budget left and its
+        path probability reaches `min_path_prob`, so confident drafts grow deep trees, unsure ones small
+        ones. Children never outscore their parent, so the nodes taken form a tree."""
+        dev, b, runner = self._device, len(contexts), self.runner
+        roots = [([int(c[-1])], [-1]) for c in contexts]
+        if max_nodes <= 0 or max_depth <= 0:
+            return roots
+        logits = self._catch_up_to_root(contexts)
+        per_round = max(1, -(-max_nodes // max_depth))
+        trees = [([int(c[-1])], [-1], [0], [1.0]) for c in contexts]  # tokens, parents, depth, path prob
+        heaps: list[list] = [[] for _ in range(b)]
+        new = [[0] for _ in range(b)]  # nodes whose children are not scored yet (logits in `at`, in order)
+        at = logits
+        for _ in range(max_nodes):
+            k = 0
+            probs = at.float().softmax(-1)
+            top_p, top_x = probs.topk(min(per_round + 1, probs.shape[-1]), dim=-1)
+            top_p, top_x = top_p.tolist(), top_x.tolist()
+            for r, (tokens, parents, depth, score) in enumerate(trees):
+                for node in new[r]:
+                    if depth[node] < max_depth:
+                        for p, x in zip(top_p[k], top_x[k]):
+                            s = score[node] * p
+                            if s >= self.min_path_prob:
+                                heapq.heappush(heaps[r], (-s, node, x))
+                    k += 1
+                new[r] = []
+                while heaps[r] and len(new[r]) < per_round and len(tokens) <= max_nodes:
+                    neg, node, x = heapq.heappop(heaps[r])
+                    tokens.append(x)
+                    parents.append(node)
+                    depth.append(depth[node] + 1)
+                    score.append(-neg)
+                    new[r].append(len(tokens) - 1)
+            if not any(new):
+                break
+            if all(len(t[0]) > max_nodes for t in trees):
+                break
+            aligned = runner.prepare(TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev))
+            out = runner.verify(aligned)
+            runner.discard()
+            at = torch.stack([out[r, aligned.index_of(r, node)] for r in range(b) for node in new[r]])
+        return [(tokens, parents) for tokens, parents, _, _ in trees]
 
     def _grow(self, trees, dists: torch.Tensor, width: int, level: int, gen) -> list[list]:
         """Add one level of children to every row's frontier (their distributions `dists`, in frontier order);
@@ -339,3 +469,60 @@ class DraftModelDrafter(Drafter):
         if self.confidence_threshold <= 0:
             return [True] * logits.shape[0]
         return (logits.float().softmax(-1).max(-1).values >= self.confidence_threshold).tolist()
+
+
+class FusedDrafter(Drafter):
+    """RASD-style fusion of a draft model's tree with a retrieval tree: both drafters propose for every row,
+    and the retrieval nodes are merged into the draft's tree by longest-prefix matching (a retrieved path
+    that starts like a drafted one continues it; the rest branch off), within one node budget, so both are
+    verified in one pass. The draft model gets `draft_share` of the budget; the retrieval tree fills the rest
+    (nodes the two agree on are counted once). When sampling, retrieved nodes stay deterministic proposals
+    next to the draft's sampled ones, only where they do not collide with a sampled node's parent (a node's
+    children are either all sampled or all deterministic, which the verifier requires).
+
+    Args:
+        draft: the draft model's drafter.
+        retrieval: a PromptLookupDrafter (with a corpus) in tree mode.
+        draft_share: the draft model's share of the node budget.
+    """
+
+    def __init__(self, draft: DraftModelDrafter, retrieval: PromptLookupDrafter, draft_share: float = 0.5) -> None:
+        self.draft = draft
+        self.retrieval = retrieval
+        self.draft_share = draft_share
+
+    def set_decoding(self, decoding: Decoding) -> None:
+        super().set_decoding(decoding)
+        self.draft.set_decoding(decoding)
+        self.retrieval.set_decoding(decoding)
+
+    def start(self, input_ids, attention_mask):
+        self.draft.start(input_ids, attention_mask)
+        self.retrieval.start(input_ids, attention_mask)
+
+    def propose(self, contexts, max_nodes, max_depth):
+        share = max(1, int(round(max_nodes * self.draft_share))) if max_nodes > 1 else max_nodes
+        drafted = self.draft.propose(contexts, share, max_depth)
+        retrieved = self.retrieval.propose(contexts, max_nodes, max_depth)
+        return [_merge(d, r, max_nodes) for d, r in zip(drafted, retrieved)]
+
+
+def _merge(base: tuple, extra: Draft, max_nodes: int) -> tuple:
+    """`extra`'s nodes merged into `base` (prefix-matched, in `extra`'s order) up to `max_nodes` drafted
+    nodes; extra nodes never go under a node whose children were sampled (those carry a q)."""
+    tokens, parents = list(base[0]), list(base[1])
+    qs = base[2] if len(base) > 2 else None
+    child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents)) if p >= 0}
+    where = {0: 0}  # extra node -> merged node
+    for j in range(1, len(extra[0])):
+        parent = where.get(extra[1][j])
+        if parent is None:
+            continue
+        key = (parent, extra[0][j])
+        if key in child:
+            where[j] = child[key]
+        elif len(tokens) - 1 < max_nodes and not (qs and parent in qs):
+            tokens.append(extra[0][j])
+            parents.append(parent)
+            child[key] = where[j] = len(tokens) - 1
+    return (tokens, parents, qs) if qs is not None else (tokens, parents)

@@ -15,8 +15,9 @@ from ssmspec.errors import UnsupportedSettingError
 from ssmspec.hf.generation import resolve
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
-from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.speculate.engine import speculative_generate
+from ssmspec.speculate.retrieval import SuffixIndex, corpus_index, frequent_tokens
 
 _DEFAULT_CONFIDENCE = GenerationConfig._get_default_generation_params()["assistant_confidence_threshold"]
 
@@ -29,6 +30,14 @@ class SpecGenerateOutput(ModelOutput):
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
     spec_stats: dict[str, Any] | None = None
+
+
+def _corpus(model: nn.Module, spec: SpecConfig, plan) -> SuffixIndex:
+    """The SuffixIndex of `spec.corpus`, built or loaded once per model (kept on it, never shared)."""
+    cache = model.__dict__.get("_ssmspec_corpus_indexes", {})
+    index = corpus_index(spec.corpus, plan.tokenizer, int(model.config.get_text_config().vocab_size), cache)
+    model.__dict__["_ssmspec_corpus_indexes"] = cache
+    return index
 
 
 def generate(
@@ -76,16 +85,28 @@ def generate(
         if draft is None:
             raise ValueError("SpecConfig(drafter='draft_model') needs assistant_model=")
         threshold = config.assistant_confidence_threshold
+        keep = None
+        if spec.draft_vocab is not None:  # VocabTrim: the corpus's most frequent tokens, the prompt's, EOS
+            if isinstance(spec.draft_vocab, int):
+                ids = frequent_tokens(_corpus(model, spec, plan), spec.draft_vocab)
+            else:
+                ids = torch.tensor(spec.draft_vocab, dtype=torch.long)
+            keep = torch.cat([ids, plan.input_ids.flatten().cpu(),
+                              torch.tensor(plan.eos_token_ids + [plan.pad_token_id], dtype=torch.long)])  # fmt: skip
         drafter = DraftModelDrafter(
             draft, model.config.get_text_config().vocab_size, commit=spec.commit,
             confidence_threshold=threshold if threshold != _DEFAULT_CONFIDENCE else 0.0,
             branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
-            sampling_tree=spec.sampling_tree,
+            sampling_tree=spec.sampling_tree, tree=spec.tree, vocab=keep,
         )  # fmt: skip
+        if spec.corpus is not None and spec.tree:  # RASD: the retrieval tree fused into the draft's
+            retrieval = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=_corpus(model, spec, plan))
+            drafter = FusedDrafter(drafter, retrieval)
     elif draft is not None:
         raise ValueError(f"assistant_model= was given but SpecConfig(drafter={spec.drafter!r}) does not use it")
     elif spec.drafter == "prompt_lookup":
-        drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree)
+        index = _corpus(model, spec, plan) if spec.corpus is not None else None
+        drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index)
     else:
         drafter = NoDrafter()
     sequences, stats, _ = speculative_generate(

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 from collections.abc import Callable
 
 import torch
 from hypothesis import strategies as st
 
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
 from ssmspec.transform import TransformInfo, prepare_draft, transform
@@ -110,7 +112,8 @@ def trees(draw, batch_size: int = 1, max_nodes: int = 16, vocab_size: int = 96) 
 def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
     """(description, factory(reference_rows) -> Drafter), adversarial ones included: no drafts, random
     tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
-    not the first child, prompt lookup chains and trees, and draft models (SSM, hybrid, short-conv).
+    not the first child, prompt lookup chains and trees (with and without a retrieval corpus), and draft
+    models (SSM, hybrid, short-conv; chains, dynamic trees, trimmed vocabularies).
 
     Args:
         vocab_size: the target's vocabulary size.
@@ -120,8 +123,8 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
     if not trees:
         return _chain_drafters(vocab_size, seeds)
 
-    def draft_model(family: str) -> tuple[str, DrafterFactory]:
-        return _draft_model(family, vocab_size)
+    def draft_model(args: tuple[str, bool, int]) -> tuple[str, DrafterFactory]:
+        return _draft_model(args[0], vocab_size, args[1], args[2])
 
     return st.one_of(
         st.just(("none", lambda ref: NoDrafter())),
@@ -138,13 +141,34 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
         st.tuples(st.integers(1, 3), st.booleans()).map(
             lambda a: (f"prompt_lookup(n={a[0]}, tree={a[1]})", lambda ref: PromptLookupDrafter(a[0], tree=a[1]))
         ),
-        st.sampled_from(["mamba2", "lfm2", "qwen3_next"]).map(draft_model),
+        st.tuples(st.integers(1, 3), st.booleans(), seeds).map(lambda a: _retrieval(vocab_size, *a)),
+        st.tuples(
+            st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.booleans(), st.sampled_from([0, vocab_size // 2])
+        ).map(draft_model),  # fmt: skip
     )
 
 
-def _draft_model(family: str, vocab_size: int) -> tuple[str, DrafterFactory]:
+def _retrieval(vocab_size: int, n: int, tree: bool, seed: int) -> tuple[str, DrafterFactory]:
+    """Prompt lookup with a retrieval corpus: the reference rows with about a fifth of their tokens replaced,
+    plus a random document, so retrieved continuations are right for a while, then wrong."""
+
+    def factory(ref: list[list[int]]) -> Drafter:
+        rng = random.Random(seed)
+        docs = [[t if rng.random() > 0.2 else rng.randrange(vocab_size) for t in row] for row in ref]
+        docs.append([rng.randrange(vocab_size) for _ in range(64)])
+        return PromptLookupDrafter(n, tree=tree, corpus=SuffixIndex.from_sequences(docs))
+
+    return f"retrieval(n={n}, tree={tree}, seed={seed})", factory
+
+
+def _draft_model(family: str, vocab_size: int, tree: bool = False, trim: int = 0) -> tuple[str, DrafterFactory]:
+    """A tiny draft of `family`: a greedy chain, or a dynamic tree (DySpec); with `trim`, VocabTrim to that
+    many ids (the smallest ones: an arbitrary subset, the target's choices need not be in it)."""
     draft = cached_tiny_model(family, 0, torch.float64, 5)
-    return f"draft_model({family})", lambda ref: DraftModelDrafter(prepare_draft(draft), vocab_size)
+    keep = torch.arange(trim) if trim else None
+    return f"draft_model({family}, tree={tree}, trim={trim})", lambda ref: DraftModelDrafter(
+        prepare_draft(draft), vocab_size, tree=tree, vocab=keep
+    )
 
 
 def _chain_drafters(vocab_size: int, seeds) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
@@ -159,5 +183,8 @@ def _chain_drafters(vocab_size: int, seeds) -> st.SearchStrategy[tuple[str, Draf
             )
         ),
         st.integers(1, 3).map(lambda n: (f"prompt_lookup(n={n}, tree=False)", lambda ref: PromptLookupDrafter(n))),
-        st.sampled_from(["mamba2", "lfm2", "qwen3_next"]).map(lambda f: _draft_model(f, vocab_size)),
+        st.tuples(st.integers(1, 3), seeds).map(lambda a: _retrieval(vocab_size, a[0], False, a[1])),
+        st.tuples(st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.sampled_from([0, vocab_size // 2])).map(
+            lambda a: _draft_model(a[0], vocab_size, trim=a[1])
+        ),
     )
