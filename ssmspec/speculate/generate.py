@@ -80,15 +80,18 @@ def generate(
         num_draft_tokens=int(lookup if lookup is not None and draft is None else config.num_assistant_tokens or 5),
         max_matching_ngram_size=int(config.max_matching_ngram_size or 2),
     )
+    if spec.drafter == "draft_model" and draft is None:
+        raise ValueError("SpecConfig(drafter='draft_model') needs assistant_model=")
+    if spec.drafter != "draft_model" and draft is not None:
+        raise ValueError(f"assistant_model= was given but SpecConfig(drafter={spec.drafter!r}) does not use it")
+    index = _corpus(model, spec, plan) if spec.corpus is not None else None  # retrieval / VocabTrim corpus
     drafter: Drafter
     if spec.drafter == "draft_model":
-        if draft is None:
-            raise ValueError("SpecConfig(drafter='draft_model') needs assistant_model=")
         threshold = config.assistant_confidence_threshold
         keep = None
         if spec.draft_vocab is not None:  # VocabTrim: the corpus's most frequent tokens, the prompt's, EOS
             if isinstance(spec.draft_vocab, int):
-                ids = frequent_tokens(_corpus(model, spec, plan), spec.draft_vocab)
+                ids = frequent_tokens(index, spec.draft_vocab)
             else:
                 ids = torch.tensor(spec.draft_vocab, dtype=torch.long)
             keep = torch.cat([ids, plan.input_ids.flatten().cpu(),
@@ -99,13 +102,10 @@ def generate(
             branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
             sampling_tree=spec.sampling_tree, tree=spec.tree, vocab=keep,
         )  # fmt: skip
-        if spec.corpus is not None and spec.tree:  # RASD: the retrieval tree fused into the draft's
-            retrieval = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=_corpus(model, spec, plan))
+        if index is not None and spec.tree:  # RASD: the retrieval tree fused into the draft's
+            retrieval = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index)
             drafter = FusedDrafter(drafter, retrieval)
-    elif draft is not None:
-        raise ValueError(f"assistant_model= was given but SpecConfig(drafter={spec.drafter!r}) does not use it")
     elif spec.drafter == "prompt_lookup":
-        index = _corpus(model, spec, plan) if spec.corpus is not None else None
         drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index)
     else:
         drafter = NoDrafter()

@@ -55,7 +55,10 @@ class SuffixIndex:
         # array.array: fast scalar indexing and lexicographic slice comparison for the binary searches
         self._tokens = array("i", self.np_tokens.tobytes())
         self._sa = array("q", self.np_suffix_array.tobytes())
-        self.documents = int((self.np_tokens == SENTINEL).sum())
+        counts = np.bincount(self.np_tokens.astype(np.int64) - SENTINEL)  # the separator lands in bin 0
+        self.documents = int(counts[0])
+        self.token_counts = counts[1:]  # occurrences of each token id (VocabTrim counts on them)
+        self.max_token = len(self.token_counts) - 1  # the largest token id indexed (-1: none)
 
     def __len__(self) -> int:
         """Tokens indexed (separators excluded)."""
@@ -238,9 +241,10 @@ def corpus_index(corpus, tokenizer, vocab_size: int, cache: dict) -> SuffixIndex
             while len(cache) >= 4:  # a few corpora per model at most
                 cache.pop(next(iter(cache)))
             cache[key] = index
-    top = int(index.np_tokens.max()) if len(index) else -1
-    if top >= vocab_size:
-        raise VocabMismatchError(f"the corpus index holds token id {top} >= the target's vocab_size {vocab_size}")
+    if index.max_token >= vocab_size:
+        raise VocabMismatchError(
+            f"the corpus index holds token id {index.max_token} >= the target's vocab_size {vocab_size}"
+        )
     return index
 
 
@@ -267,7 +271,6 @@ def _cache_key(corpus, tokenizer) -> tuple:
 
 def frequent_tokens(index: SuffixIndex, k: int) -> torch.Tensor:
     """The `k` most frequent token ids of a corpus (VocabTrim's kept draft vocabulary), most frequent first."""
-    tokens = index.np_tokens[index.np_tokens != SENTINEL]
-    counts = np.bincount(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
+    counts = index.token_counts
     order = np.argsort(-counts, kind="stable")[: min(k, int((counts > 0).sum()))]
     return torch.from_numpy(order.astype(np.int64))
