@@ -7,7 +7,8 @@ Options: `kernels` (None / "auto": on CUDA each tree op runs its Triton kernel o
 was measured faster for its shapes on this GPU (ssmspec.kernels.select), the reference path on CPU;
 True / "kernels" lowers every tree op to its triton_op, so Inductor sees the kernels, also on CPU under
 TRITON_INTERPRET=1; False / "reference" keeps the reference ops), `fuse` (graph
-simplifications around the tree ops, default True), `inductor` (hand the graph to Inductor, default True;
+simplifications around the tree ops and, where no kernel runs, the traceable references inlined so that
+Inductor fuses them with the mixer's ops; default True), `inductor` (hand the graph to Inductor, default True;
 False runs the rewritten FX graph as is, for debugging). Registered on `import ssmspec` and through the
 `torch_dynamo_backends` entry point, so `backend="ssmspec"` also works in a fresh interpreter.
 """
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ssmspec.compile.passes import fold_conv_padding, is_tree_op, lower_tree_ops
+from ssmspec.compile.passes import fold_conv_padding, inline_tree_ops, is_tree_op, lower_tree_ops
 from ssmspec.ops import using_kernel_policy
 
 _OPTION_NAMES = ("kernels", "fuse", "inductor")
@@ -38,6 +39,7 @@ class BackendStats:
     tree_ops: int = 0
     lowered: int = 0
     folded: int = 0
+    inlined: int = 0  # reference tree-op calls traced into the graph for Inductor to fuse
     fallbacks: int = 0  # graphs run without Inductor after it failed on them
     per_graph: list[dict[str, int]] = field(default_factory=list)
 
@@ -76,6 +78,11 @@ def ssmspec_backend(
     tree_ops = sum(1 for n in gm.graph.nodes if is_tree_op(n))
     folded = fold_conv_padding(gm) if options.get("fuse", True) else 0
     lowered = lower_tree_ops(gm) if policy == "kernels" else 0
+    # the references run where no kernel does: inlined, Inductor fuses them (not without Inductor: the graph
+    # would then call the Python functions op by op, which is what the eager fast path already does)
+    inlined = 0
+    if policy != "kernels" and options.get("inductor", True) and options.get("fuse", True):
+        inlined = inline_tree_ops(gm, on_cuda=policy == "reference")
     if policy != "reference" and any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
         from ssmspec.kernels import enable_eager_kernels
 
@@ -86,7 +93,8 @@ def ssmspec_backend(
     STATS.tree_ops += tree_ops
     STATS.lowered += lowered
     STATS.folded += folded
-    STATS.per_graph.append({"tree_ops": tree_ops, "lowered": lowered, "folded": folded})
+    STATS.inlined += inlined
+    STATS.per_graph.append({"tree_ops": tree_ops, "lowered": lowered, "folded": folded, "inlined": inlined})
     if not options.get("inductor", True):
         compiled = gm.forward
     else:

@@ -6,6 +6,10 @@
   (torch.ops.ssmspec_kernels.*, a triton_op Inductor sees), for the backend's `kernels=True` (on CPU that
   needs TRITON_INTERPRET=1). By default the reference ops stay in the graph and their CUDA implementation
   picks kernel or reference by measurement (ssmspec.kernels.select).
+- `inline_tree_ops`: where the reference runs anyway (CPU, or the "reference" policy), replace each traceable
+  tree op by its plain PyTorch function, so that Inductor traces through it and fuses its elementwise work
+  with the mixer's ops around it instead of calling an opaque op (on a small model's CPU step the opaque
+  ops cost as much as the projections).
 """
 
 from __future__ import annotations
@@ -117,3 +121,27 @@ def lower_tree_ops(gm: fx.GraphModule) -> int:
     if lowered:
         gm.recompile()
     return lowered
+
+
+def _on_cuda(node: fx.Node) -> bool:
+    vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in vals)
+
+
+def inline_tree_ops(gm: fx.GraphModule, *, on_cuda: bool) -> int:
+    """Replace calls of traceable reference tree ops by their plain functions (the graph then holds the
+    reference's own torch calls once traced); with `on_cuda` False, CUDA calls keep the op (their CUDA
+    implementation chooses kernel or reference by measurement). Returns the number of calls inlined."""
+    from ssmspec.ops import traceable_reference
+
+    inlined = 0
+    for node in gm.graph.nodes:
+        if not is_tree_op(node) or (_on_cuda(node) and not on_cuda):
+            continue
+        fn = traceable_reference(node.target)
+        if fn is not None:
+            node.target = fn
+            inlined += 1
+    if inlined:
+        gm.recompile()
+    return inlined

@@ -16,6 +16,7 @@ from ssmspec.ops._common import (
     SeamCall,
     gather_states,
     kernel_policy,
+    traceable_reference,
     using_kernel_policy,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "conv_window",
     "gather_states",
     "kernel_policy",
+    "traceable_reference",
     "using_kernel_policy",
     "ssd_state_at",
     "tree_causal_conv1d",

@@ -13,17 +13,29 @@ import torch
 
 # "ssmspec::<op>" -> the plain PyTorch function behind that custom op
 _REFERENCES: dict[str, Callable] = {}
+# ops whose reference is traceable (no data-dependent shapes or Python control flow on tensor values): the
+# ssmspec backend may inline them into a graph so that Inductor fuses them with the ops around them
+_TRACEABLE: set[str] = set()
 
 
-def reference_op(name: str) -> Callable[[Callable], Callable]:
+def reference_op(name: str, *, traceable: bool = True) -> Callable[[Callable], Callable]:
     """Register a function as custom op `ssmspec::<name>` and remember the plain function, so that a
-    kernel dispatcher (ssmspec.kernels.select) can call the reference without going through the op."""
+    kernel dispatcher (ssmspec.kernels.select) can call the reference without going through the op.
+    `traceable=False` marks references with data-dependent control flow (level-by-level evaluation)."""
 
     def wrap(fn: Callable) -> Callable:
         _REFERENCES[f"ssmspec::{name}"] = fn
+        if traceable:
+            _TRACEABLE.add(f"ssmspec::{name}")
         return torch.library.custom_op(f"ssmspec::{name}", fn, mutates_args=())
 
     return wrap
+
+
+def traceable_reference(op: torch._ops.OpOverload) -> Callable | None:
+    """The plain function behind a reference op if it can be traced into a graph (None otherwise)."""
+    name = f"{op.namespace}::{op._opname}"
+    return _REFERENCES[name] if name in _TRACEABLE else None
 
 
 def reference_impl(op: torch._ops.OpOverload | str) -> Callable:

@@ -30,7 +30,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-@reference_op("tree_delta_rule")
+@reference_op("tree_delta_rule", traceable=False)
 def tree_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

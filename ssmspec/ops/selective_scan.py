@@ -27,7 +27,7 @@ from ssmspec.ops._common import (
 )
 
 
-@reference_op("tree_selective_scan")
+@reference_op("tree_selective_scan", traceable=False)
 def tree_selective_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -65,7 +65,7 @@ def tree_selective_scan(
         y = y + x.to(cd) * D.to(cd)[None, :, None]
     if z is not None:
         y = y * F.silu(z.to(cd))
-    y = y.to(x.dtype)
+    y = y.to(x.dtype).contiguous()  # the fake's layout: Inductor checks real strides against it
     return y, (states if return_states else x.new_empty(0, dtype=cd))
 
 

@@ -71,8 +71,9 @@ def speculative_generate(
     drafted token, -1 otherwise). Steps that verify one node per row use HF's own decode path unless
     `decode_single_nodes` is False (then the tree path, as for any tree). `decoding` carries HF's logits
     processors (applied per node), stopping criteria (checked after every emitted token) and streamer.
-    `static_shapes` pads trees to power-of-two node counts and commits fixed-length paths (the depth stays
-    within `num_draft_tokens`, also under the heuristic schedule), so a compiled verify step never recompiles.
+    `static_shapes` pads trees to power-of-two node counts (or to the largest possible tree, where smaller) and
+    commits fixed-length paths (the depth stays within `num_draft_tokens`, also under the heuristic schedule),
+    so a compiled verify step never recompiles.
     `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
     (ssmspec.speculate.adaptive)."""
     dec = decoding if decoding is not None else Decoding()
@@ -80,7 +81,7 @@ def speculative_generate(
     b = input_ids.shape[0]
     runner = ModelRunner(
         model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
-        max_depth=num_draft_tokens,
+        max_depth=num_draft_tokens, max_nodes=max(tree_budget, num_draft_tokens) + 1,
     )  # fmt: skip
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     if max_new_tokens <= 0:

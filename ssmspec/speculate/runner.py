@@ -33,9 +33,11 @@ def takes_position_ids(model: nn.Module) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
-def bucket(n: int) -> int:
-    """The static node count a tree of n nodes is padded to: the next power of two."""
-    return 1 << max(0, n - 1).bit_length()
+def bucket(n: int, largest: int | None = None) -> int:
+    """The static node count a tree of n nodes is padded to: the next power of two, or `largest` (the
+    biggest tree the drafter can make) where that is smaller: a full tree is never padded."""
+    up = 1 << max(0, n - 1).bit_length()
+    return min(up, largest) if largest is not None and n <= largest else up
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,7 @@ class ModelRunner:
 
     def __init__(
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True,
-        static_shapes: bool = False, max_depth: int = 0,
+        static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -60,9 +62,11 @@ class ModelRunner:
         self.info = getattr(model, "ssmspec_info", None)
         self.level_aligned = bool(getattr(self.info, "slot_positions", False))
         # static shapes (compiled / CUDA-graph verification): trees padded to a power-of-two node count, commits
-        # over a fixed path length (max_depth + 1), so one compiled graph serves each bucket
+        # over a fixed path length (max_depth + 1), so one compiled graph serves each bucket; the largest
+        # bucket is `max_nodes` (the drafter's largest tree) rather than the power of two above it
         self.static_shapes = static_shapes
         self.max_depth = max_depth
+        self.max_nodes = max_nodes
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -96,11 +100,11 @@ class ModelRunner:
 
     def prepare(self, tree: TokenTree) -> TokenTree:
         """The tree to verify for `tree`: level-aligned for models that read positions from cache slots; with
-        static shapes, padded (never-acceptable nodes) to the next power-of-two node count."""
+        static shapes, padded (never-acceptable nodes) to its bucket's node count (`bucket`)."""
         if self.level_aligned and tree.batch_size > 1 and not tree.depth_is_index:
             tree = tree.level_aligned()
         if self.static_shapes and tree.num_nodes > 1:
-            tree = tree.padded(bucket(tree.num_nodes))
+            tree = tree.padded(bucket(tree.num_nodes, self.max_nodes))
         return tree
 
     def masks(self, tree: TokenTree):
