@@ -98,9 +98,29 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
     }  # fmt: skip
 
 
+def compiled_methods(k: int, budget: int, corpus) -> dict[str, dict]:
+    """The configurations also timed on the compiled target (`model.compile(backend="ssmspec")`: static
+    shapes, reference tree ops fused by Inductor)."""
+    spec = ssmspec.SpecConfig
+    return {
+        "ssmspec autoregressive (compiled)": dict(speculation=spec(drafter="none")),
+        "chain n-gram + corpus (compiled)": dict(speculation=spec(num_draft_tokens=k, corpus=corpus)),
+        f"tree n-gram + corpus ({k} nodes, compiled)": dict(speculation=spec(num_draft_tokens=k, tree=True,
+                                                                              tree_budget=k, corpus=corpus)),
+        "tree n-gram + corpus (compiled)": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
+                                                                 corpus=corpus)),
+    }  # fmt: skip
+
+
+# the plain decoders (no speculation) a user could run instead; "vs best" divides by the fastest of them
+BASELINES = ("HF greedy", "HF greedy (compiled)", "ssmspec autoregressive", "ssmspec autoregressive (compiled)")
+
+
 def run(args: argparse.Namespace, progress: bool = True) -> dict:
     """Greedy end to end: every method on every prompt, timed side by side (best of `args.repeats` per
-    prompt and method), outputs asserted identical to HF greedy."""
+    prompt and method), outputs asserted identical to HF greedy. With `args.compiled`, also HF greedy on a
+    `model.compile()`d model and the main configurations on a target compiled with the ssmspec backend
+    (compilation and every tree-size bucket are warmed up on two prompts before timing)."""
     ref, tok = models.load("mamba2-target")
     target = ssmspec.transform(copy.deepcopy(ref))
     draft, _ = models.load("mamba2-draft")
@@ -108,12 +128,29 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
     prompts = held_out_prompts(tok, args.prompts, args.prompt_tokens, prompt_set)
     if not prompts:
         raise ValueError(f"no {prompt_set} file has {args.prompt_tokens} tokens")
-    methods = greedy_methods(args.draft_tokens, args.tree_budget, training_index(tok), draft)
-    # warm-up: first calls pay one-time costs (allocator, lazy imports) that must not land on one method
-    ref.generate(prompts[0], max_new_tokens=8, do_sample=False)
-    for kw in methods.values():
-        target.generate(prompts[0], max_new_tokens=8, **kw)
-    names = ["HF greedy", *methods]
+    index = training_index(tok)
+    methods = {name: (target, kw) for name, kw in greedy_methods(args.draft_tokens, args.tree_budget, index,
+                                                                 draft).items()}  # fmt: skip
+    baselines = {"HF greedy": ref}
+    warm = [(ref, {}, prompts[0], 8)] + [(model, kw, prompts[0], 8) for model, kw in methods.values()]
+    if getattr(args, "compiled", False):
+        compiled_ref = copy.deepcopy(ref)
+        compiled_ref.compile()
+        compiled = ssmspec.transform(copy.deepcopy(ref))
+        compiled.compile(backend="ssmspec")
+        baselines["HF greedy (compiled)"] = compiled_ref
+        extra = compiled_methods(args.draft_tokens, args.tree_budget, index)
+        methods.update({name: (compiled, kw) for name, kw in extra.items()})
+        warm += [(m, kw, p, args.max_new_tokens) for p in prompts[:2]
+                 for m, kw in [(compiled_ref, {}), *[(compiled, kw) for kw in extra.values()]]]  # fmt: skip
+    # warm-up: first calls pay one-time costs (allocator, lazy imports, compilation) that must not land on
+    # one method
+    for model, kw, ids, n in tqdm(warm, desc="warm-up", disable=not progress):
+        if kw:
+            model.generate(ids, max_new_tokens=n, **kw)
+        else:
+            model.generate(ids, max_new_tokens=n, do_sample=False)
+    names = [*baselines, *methods]
     secs = {m: [] for m in names}  # per prompt
     accepted = {m: [] for m in methods}
     tokens = 0
@@ -121,12 +158,18 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
         best = dict.fromkeys(names, float("inf"))
         steps = {}
         for _ in range(max(1, getattr(args, "repeats", 1))):
-            t0 = time.perf_counter()
-            want = ref.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-            best["HF greedy"] = min(best["HF greedy"], time.perf_counter() - t0)
-            for name, kw in methods.items():
+            want = None
+            for name, model in baselines.items():
                 t0 = time.perf_counter()
-                out = target.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **kw)
+                out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+                best[name] = min(best[name], time.perf_counter() - t0)
+                if want is None:
+                    want = out
+                elif not torch.equal(out, want):
+                    raise AssertionError(f"{name}: output differs from HF greedy on prompt {i}")
+            for name, (model, kw) in methods.items():
+                t0 = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **kw)
                 best[name] = min(best[name], time.perf_counter() - t0)
                 if not torch.equal(out.sequences, want):
                     raise AssertionError(f"{name}: output differs from HF greedy on prompt {i}")
@@ -147,8 +190,11 @@ def _summary(secs, accepted, tokens, prompts, args, prompt_set) -> dict:
     result = {"setup": setup, "prompt_set": prompt_set, "tokens": tokens, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "methods": {}}  # fmt: skip
     hf, ar = secs["HF greedy"], secs.get("ssmspec autoregressive")
+    best = min((name for name in BASELINES if name in secs), key=lambda name: sum(secs[name]))
+    result["best_baseline"] = best
     for name, times in secs.items():
-        row = {"tokens_per_s": tokens / sum(times), "speedup_vs_hf": sum(hf) / sum(times)}
+        row = {"tokens_per_s": tokens / sum(times), "speedup_vs_hf": sum(hf) / sum(times),
+               "speedup_vs_best_baseline": sum(secs[best]) / sum(times)}  # fmt: skip
         if name in accepted:
             row["mean_accepted_per_step"] = sum(accepted[name]) / len(accepted[name])
             row["speedup_vs_ssmspec_ar"] = sum(ar) / sum(times)
@@ -243,6 +289,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="held-out standard-library files, or installed third-party packages' sources",
     )
     p.add_argument("--repeats", type=int, default=1, help="time each prompt and method this often, keep the best")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time compiled models: HF greedy after model.compile(), ssmspec with the ssmspec backend",
+    )
     p.add_argument("--sampling", action="store_true", help="also benchmark speculative sampling vs HF sampling")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0])
     p.add_argument("--json", help="also write the results to this file (JSON)")
@@ -252,10 +303,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def report(result: dict, args: argparse.Namespace) -> None:
     """Print the table; write JSON when asked."""
     print(result["setup"])
-    print(f"{'method':>34} {'tok/s':>8} {'vs HF':>6} {'vs AR':>6} {'accepted/step':>14} {'worst prompt':>13}")
+    print(f"best plain decoding: {result['best_baseline']}")
+    print(f"{'method':>42} {'tok/s':>8} {'vs HF':>6} {'vs best':>7} {'vs AR':>6} {'accepted/step':>14} "
+          f"{'worst prompt':>13}")  # fmt: skip
     for name, row in result["methods"].items():
-        print(f"{name:>34} {row['tokens_per_s']:>8.1f} {row['speedup_vs_hf']:>6.2f} "
-              f"{row.get('speedup_vs_ssmspec_ar', float('nan')):>6.2f} "
+        print(f"{name:>42} {row['tokens_per_s']:>8.1f} {row['speedup_vs_hf']:>6.2f} "
+              f"{row['speedup_vs_best_baseline']:>7.2f} {row.get('speedup_vs_ssmspec_ar', float('nan')):>6.2f} "
               f"{row.get('mean_accepted_per_step', float('nan')):>14.2f} "
               f"{row.get('worst_prompt_speedup_vs_hf', float('nan')):>13.2f}")  # fmt: skip
     if "sampling" in result:

@@ -158,9 +158,9 @@ class SpecGenerationMixin:
 
     def compile(self, *args, **kwargs):
         """nn.Module.compile; with backend="ssmspec", the `kernels` option becomes this model's kernel policy
-        (for its compiled graphs and its eager commits), not the process's. A CUDA-graph mode
-        ("reduce-overhead", "max-autotune") turns on static shapes for its speculation (SpecConfig)."""
-        self.ssmspec_static_shapes = kwargs.get("mode") in ("reduce-overhead", "max-autotune")
+        (for its compiled graphs and its eager commits), not the process's. A compiled model speculates with
+        static shapes (SpecConfig.static_shapes): one graph per tree-size bucket instead of one per tree size."""
+        self.ssmspec_static_shapes = True
         if kwargs.get("backend") == "ssmspec":
             option = (kwargs.get("options") or {}).get("kernels")
             if option not in _KERNEL_POLICIES:

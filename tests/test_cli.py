@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from ssmspec import models
 from ssmspec.cli import main
@@ -50,6 +51,38 @@ def test_bench_writes_json(tmp_path, capsys):
     row = result["methods"]["tree n-gram + corpus"]
     assert row["tokens_per_s"] > 0 and row["mean_accepted_per_step"] >= 1 and row["worst_prompt_speedup_vs_hf"] > 0
     assert "all outputs identical to HF greedy" in capsys.readouterr().out
+
+
+def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
+    """--compiled adds HF greedy on a compiled model and the main configurations on a target compiled with
+    the ssmspec backend; "vs best" divides by the fastest plain decoder. (Inductor is left out here for CI
+    time: the bench's own logic is under test, not the compiler.)"""
+    compile_module = torch.nn.Module.compile
+
+    def cheap(self, *args, **kwargs):
+        if kwargs.get("backend") == "ssmspec":
+            kwargs["options"] = {"inductor": False}
+        else:
+            kwargs["backend"] = "eager"
+        return compile_module(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", cheap)
+    torch._dynamo.reset()
+    target = tmp_path / "bench.json"
+    args = ["bench", "--prompts", "1", "--max-new-tokens", "10", "--no-progress", "--compiled", "--json", str(target)]
+    assert main(args) == 0
+    result = json.loads(target.read_text())
+    compiled = {name for name in result["methods"] if "compiled" in name}
+    assert compiled == {"HF greedy (compiled)", "ssmspec autoregressive (compiled)", "chain n-gram + corpus (compiled)",
+                        "tree n-gram + corpus (8 nodes, compiled)", "tree n-gram + corpus (compiled)"}  # fmt: skip
+    best = result["best_baseline"]
+    times = {name: 1 / row["tokens_per_s"] for name, row in result["methods"].items()}
+    baselines = ["HF greedy", "HF greedy (compiled)", "ssmspec autoregressive", "ssmspec autoregressive (compiled)"]
+    assert best == min(baselines, key=times.get)
+    for row in result["methods"].values():
+        assert row["speedup_vs_best_baseline"] <= row["speedup_vs_hf"] * (1 + 1e-9)
+    assert result["methods"][best]["speedup_vs_best_baseline"] == pytest.approx(1.0)
+    assert "best plain decoding: " + best in capsys.readouterr().out
 
 
 def test_bench_sampling_writes_json(tmp_path, capsys):

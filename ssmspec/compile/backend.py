@@ -60,7 +60,7 @@ def ssmspec_backend(
             "fuse" (graph simplifications around the tree ops, default True), "inductor" (hand the graph to
             Inductor, default True; a graph Inductor fails on runs without it, with a warning).
         mode: torch.compile's mode, handed to Inductor ("reduce-overhead": CUDA graphs); a transformed model
-            compiled with a CUDA-graph mode also verifies with static shapes (SpecConfig.static_shapes).
+            compiled with `model.compile` verifies with static shapes (SpecConfig.static_shapes).
 
     Returns:
         The compiled graph, running under its kernel policy.

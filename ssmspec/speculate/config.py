@@ -33,9 +33,9 @@ class SpecConfig:
         adaptive: choose each step's depth and node budget (0: plain decoding) for the best expected tokens
             per unit of step cost, from each row's acceptance so far and the model's verify-cost curve, which is
             measured once per model on first use (SmartSpec style). Output is unchanged; only speed.
-        static_shapes: pad trees to power-of-two node counts and commit fixed-length paths, so that a
-            compiled verify step (and CUDA graphs) never recompile; None: on when the model was compiled with
-            `mode="reduce-overhead"` or `"max-autotune"` (CUDA graphs), off otherwise.
+        static_shapes: pad trees to power-of-two node counts (at most to the largest tree the drafter can
+            make) and commit fixed-length paths, so that a compiled verify step (and CUDA graphs) never
+            recompile; None: on when the model was compiled (`model.compile(...)`), off in eager mode.
         corpus: retrieval drafting (REST style) for the "prompt_lookup" drafter: besides the context, what
             followed the longest match of the context's tail in this corpus is proposed. A ssmspec.SuffixIndex;
             a str or path: an index saved by `SuffixIndex.save`; or a sequence of documents (each `str` a
