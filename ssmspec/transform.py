@@ -158,9 +158,13 @@ class SpecGenerationMixin:
 
     def compile(self, *args, **kwargs):
         """nn.Module.compile; with backend="ssmspec", the `kernels` option becomes this model's kernel policy
-        (for its compiled graphs and its eager commits), not the process's. A compiled model speculates with
-        static shapes (SpecConfig.static_shapes): one graph per tree-size bucket instead of one per tree size."""
+        (for its compiled graphs and its commits), not the process's. A compiled model speculates with static
+        shapes (SpecConfig.static_shapes): one graph per tree-size bucket instead of one per tree size; its
+        commits are compiled with the same backend, mode and options."""
         self.ssmspec_static_shapes = True
+        # the commit between two verifications is compiled the same way (ssmspec.compile.compiled_commit)
+        self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options") if k in kwargs}
+        self.__dict__.pop("_ssmspec_compiled_commit", None)
         if kwargs.get("backend") == "ssmspec":
             option = (kwargs.get("options") or {}).get("kernels")
             if option not in _KERNEL_POLICIES:

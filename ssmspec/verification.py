@@ -8,6 +8,7 @@ commit for its records (ssmspec.ops), then the attention K/V (the cache keeps th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -31,6 +32,15 @@ class CommittedState(Protocol):
     def keep_kv(self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor) -> None: ...
 
     def drop_kv(self, widths: dict[int, int]) -> None: ...
+
+
+def fold_states(
+    groups: dict[str, list[tuple[torch.Tensor, Record]]], path: torch.Tensor, lengths: torch.Tensor, last: torch.Tensor
+) -> None:
+    """Overwrite the committed states with the accepted paths' (each op family's commit on its records, all
+    layers of a family at once). Tensor work only, so that a compiled model runs it as one compiled graph."""
+    for kind, items in groups.items():
+        COMMITS[kind](items, path, lengths, last)
 
 
 class Verification:
@@ -59,17 +69,19 @@ class Verification:
         """The committed recurrent state a tree op starts from (None before the layer's first update)."""
         return self.cache.committed_recurrent(layer, state_idx)
 
-    def commit(self, last: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(
+        self, last: torch.Tensor, width: int | None = None, fold: Callable | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance every row past root -> last[b]; returns (path [B, M] padded node indices, lengths [B]).
-        `width` fixes M (static shapes: the replay runs M masked steps whatever was accepted)."""
+        `width` fixes M (static shapes: the replay runs M masked steps whatever was accepted); `fold` runs
+        instead of `fold_states` (a compiled model's compiled version of it)."""
         if self.done:
             raise RuntimeError("this verification was already committed or discarded")
         path, lengths = self.tree.paths(last, width)
         groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
         for rec in self.records.values():
             groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))
-        for kind, items in groups.items():
-            COMMITS[kind](items, path, lengths, last)
+        (fold or fold_states)(groups, path, lengths, last)
         self.cache.keep_kv(self.kv_start, path, lengths)
         self.done = True
         return path, lengths

@@ -16,7 +16,7 @@ from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import masks as hf_masks
 from ssmspec.hf.cache import SpecCache
 from ssmspec.tree import TokenTree
-from ssmspec.verification import Verification
+from ssmspec.verification import Verification, fold_states
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -45,6 +45,19 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
+def compiled_fold(model: nn.Module):
+    """A compiled model's commit: `fold_states` compiled with the model's own backend, mode and options, once
+    per model (kept on it), so that committing all layers is one compiled graph rather than dozens of eager
+    ops. None for a model that was not compiled."""
+    options = getattr(model, "ssmspec_compile_options", None)
+    if options is None:
+        return None
+    fold = model.__dict__.get("_ssmspec_compiled_commit")
+    if fold is None:
+        fold = model.__dict__["_ssmspec_compiled_commit"] = torch.compile(fold_states, **options)
+    return fold
+
+
 class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
@@ -67,6 +80,7 @@ class ModelRunner:
         self.static_shapes = static_shapes
         self.max_depth = max_depth
         self.max_nodes = max_nodes
+        self.fold = compiled_fold(model)  # None: the eager commit
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -154,7 +168,7 @@ class ModelRunner:
         self._pending = None
         if verification is None:  # the decode step already advanced every row by its one token
             return tree.paths(last)
-        return verification.commit(last, self.max_depth + 1 if self.static_shapes else None)
+        return verification.commit(last, self.max_depth + 1 if self.static_shapes else None, self.fold)
 
     def discard(self) -> None:
         """Forget the tree verified last (its K/V slots are dropped; nothing else changed)."""
