@@ -98,18 +98,15 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
     }  # fmt: skip
 
 
-def compiled_methods(k: int, budget: int, corpus) -> dict[str, dict]:
-    """The configurations also timed on the compiled target (`model.compile(backend="ssmspec")`: static
-    shapes, reference tree ops fused by Inductor)."""
-    spec = ssmspec.SpecConfig
-    return {
-        "ssmspec autoregressive (compiled)": dict(speculation=spec(drafter="none")),
-        "chain n-gram + corpus (compiled)": dict(speculation=spec(num_draft_tokens=k, corpus=corpus)),
-        f"tree n-gram + corpus ({k} nodes, compiled)": dict(speculation=spec(num_draft_tokens=k, tree=True,
-                                                                              tree_budget=k, corpus=corpus)),
-        "tree n-gram + corpus (compiled)": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
-                                                                 corpus=corpus)),
-    }  # fmt: skip
+def compiled_methods(greedy: dict[str, dict], k: int) -> dict[str, dict]:
+    """The configurations of `greedy_methods` also timed on the compiled target
+    (`model.compile(backend="ssmspec")`: static shapes, reference tree ops fused by Inductor), under their
+    compiled row names."""
+    names = {"ssmspec autoregressive": "ssmspec autoregressive (compiled)",
+             "chain n-gram + corpus": "chain n-gram + corpus (compiled)",
+             f"tree n-gram + corpus ({k} nodes)": f"tree n-gram + corpus ({k} nodes, compiled)",
+             "tree n-gram + corpus": "tree n-gram + corpus (compiled)"}  # fmt: skip
+    return {compiled: greedy[name] for name, compiled in names.items()}
 
 
 # the plain decoders (no speculation) a user could run instead; "vs best" divides by the fastest of them
@@ -128,28 +125,25 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
     prompts = held_out_prompts(tok, args.prompts, args.prompt_tokens, prompt_set)
     if not prompts:
         raise ValueError(f"no {prompt_set} file has {args.prompt_tokens} tokens")
-    index = training_index(tok)
-    methods = {name: (target, kw) for name, kw in greedy_methods(args.draft_tokens, args.tree_budget, index,
-                                                                 draft).items()}  # fmt: skip
+    greedy = greedy_methods(args.draft_tokens, args.tree_budget, training_index(tok), draft)
+    methods = {name: (target, kw) for name, kw in greedy.items()}
     baselines = {"HF greedy": ref}
-    warm = [(ref, {}, prompts[0], 8)] + [(model, kw, prompts[0], 8) for model, kw in methods.values()]
+    plain = {"do_sample": False}
+    warm = [(ref, plain, prompts[0], 8)] + [(model, kw, prompts[0], 8) for model, kw in methods.values()]
     if getattr(args, "compiled", False):
         compiled_ref = copy.deepcopy(ref)
         compiled_ref.compile()
         compiled = ssmspec.transform(copy.deepcopy(ref))
         compiled.compile(backend="ssmspec")
         baselines["HF greedy (compiled)"] = compiled_ref
-        extra = compiled_methods(args.draft_tokens, args.tree_budget, index)
+        extra = compiled_methods(greedy, args.draft_tokens)
         methods.update({name: (compiled, kw) for name, kw in extra.items()})
         warm += [(m, kw, p, args.max_new_tokens) for p in prompts[:2]
-                 for m, kw in [(compiled_ref, {}), *[(compiled, kw) for kw in extra.values()]]]  # fmt: skip
+                 for m, kw in [(compiled_ref, plain), *[(compiled, kw) for kw in extra.values()]]]  # fmt: skip
     # warm-up: first calls pay one-time costs (allocator, lazy imports, compilation) that must not land on
     # one method
     for model, kw, ids, n in tqdm(warm, desc="warm-up", disable=not progress):
-        if kw:
-            model.generate(ids, max_new_tokens=n, **kw)
-        else:
-            model.generate(ids, max_new_tokens=n, do_sample=False)
+        model.generate(ids, max_new_tokens=n, **kw)
     names = [*baselines, *methods]
     secs = {m: [] for m in names}  # per prompt
     accepted = {m: [] for m in methods}

@@ -162,7 +162,7 @@ class SpecGenerationMixin:
         shapes (SpecConfig.static_shapes): one graph per tree-size bucket instead of one per tree size; its
         commits are compiled with the same backend, mode and options."""
         self.ssmspec_static_shapes = True
-        # the commit between two verifications is compiled the same way (ssmspec.compile.compiled_commit)
+        # the commit between two verifications is compiled the same way (ssmspec.speculate.runner.compiled_fold)
         self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options") if k in kwargs}
         self.__dict__.pop("_ssmspec_compiled_commit", None)
         if kwargs.get("backend") == "ssmspec":

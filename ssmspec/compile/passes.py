@@ -102,10 +102,15 @@ def fold_conv_padding(gm: fx.GraphModule) -> int:
     return folded
 
 
+def _input_tensors(node: fx.Node) -> list[torch.Tensor]:
+    """The example (or fake) tensors a call takes, as Dynamo recorded them."""
+    vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
 def _float64(node: fx.Node) -> bool:
     """Whether the call takes float64 CUDA tensors (which the kernels leave to the reference)."""
-    vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
-    return any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 and v.is_cuda for v in vals)
+    return any(v.dtype == torch.float64 and v.is_cuda for v in _input_tensors(node))
 
 
 def lower_tree_ops(gm: fx.GraphModule) -> int:
@@ -123,11 +128,6 @@ def lower_tree_ops(gm: fx.GraphModule) -> int:
     return lowered
 
 
-def _on_cuda(node: fx.Node) -> bool:
-    vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
-    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in vals)
-
-
 def inline_tree_ops(gm: fx.GraphModule, *, on_cuda: bool) -> int:
     """Replace calls of traceable reference tree ops by their plain functions (the graph then holds the
     reference's own torch calls once traced); with `on_cuda` False, CUDA calls keep the op (their CUDA
@@ -136,7 +136,7 @@ def inline_tree_ops(gm: fx.GraphModule, *, on_cuda: bool) -> int:
 
     inlined = 0
     for node in gm.graph.nodes:
-        if not is_tree_op(node) or (_on_cuda(node) and not on_cuda):
+        if not is_tree_op(node) or (not on_cuda and any(v.is_cuda for v in _input_tensors(node))):
             continue
         fn = traceable_reference(node.target)
         if fn is not None:

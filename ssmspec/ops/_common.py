@@ -24,23 +24,27 @@ def reference_op(name: str, *, traceable: bool = True) -> Callable[[Callable], C
     `traceable=False` marks references with data-dependent control flow (level-by-level evaluation)."""
 
     def wrap(fn: Callable) -> Callable:
-        _REFERENCES[f"ssmspec::{name}"] = fn
+        qualname = f"ssmspec::{name}"
+        _REFERENCES[qualname] = fn
         if traceable:
-            _TRACEABLE.add(f"ssmspec::{name}")
-        return torch.library.custom_op(f"ssmspec::{name}", fn, mutates_args=())
+            _TRACEABLE.add(qualname)
+        return torch.library.custom_op(qualname, fn, mutates_args=())
 
     return wrap
 
 
+def _qualname(op: torch._ops.OpOverload | str) -> str:
+    return op if isinstance(op, str) else f"{op.namespace}::{op._opname}"
+
+
 def traceable_reference(op: torch._ops.OpOverload) -> Callable | None:
     """The plain function behind a reference op if it can be traced into a graph (None otherwise)."""
-    name = f"{op.namespace}::{op._opname}"
-    return _REFERENCES[name] if name in _TRACEABLE else None
+    return reference_impl(op) if _qualname(op) in _TRACEABLE else None
 
 
 def reference_impl(op: torch._ops.OpOverload | str) -> Callable:
     """The plain PyTorch function behind a reference op (an OpOverload or "ssmspec::name")."""
-    name = op if isinstance(op, str) else f"{op.namespace}::{op._opname}"
+    name = _qualname(op)
     if name not in _REFERENCES:
         raise KeyError(f"{name} is not an ssmspec reference op; known: {sorted(_REFERENCES)}")
     return _REFERENCES[name]
