@@ -47,6 +47,10 @@ class SpecConfig:
             `ssmspec.speculate.retrieval.frequent_tokens(index, 512).tolist()`: no corpus, so no fusion), plus
             the prompt's tokens, EOS and pad; mapped back to the target's ids; lossless (drafts only change
             speed). None: the full vocabulary.
+        ahead: Saguaro (speculative speculative decoding) for the "prompt_lookup" drafter: while the target
+            verifies a step, a background thread drafts the next step for the `ahead` likeliest verification
+            outcomes per row (accepted path x bonus token); on a hit the next draft is ready. Drafts and output
+            are unchanged; `spec_stats["drafter"]` reports the hit rate and the drafting time saved. 0: off.
 
     Raises:
         TypeError: a field of the wrong type (named).
@@ -64,13 +68,14 @@ class SpecConfig:
     static_shapes: bool | None = None
     corpus: SuffixIndex | str | PathLike | Sequence[str | PathLike] | None = None
     draft_vocab: int | Sequence[int] | None = None
+    ahead: int = 0
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
                  "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
                  "static_shapes": (bool, type(None)),
                  "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
-                 "draft_vocab": (int, list, tuple, type(None))}  # fmt: skip
+                 "draft_vocab": (int, list, tuple, type(None)), "ahead": int}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
             if not isinstance(value, want) or (
@@ -106,6 +111,13 @@ class SpecConfig:
             raise ValueError(
                 "SpecConfig.corpus with a draft model is used by tree=True (the retrieval tree fused into the "
                 "draft's) or by draft_vocab; set one of them"
+            )
+        if self.ahead < 0:
+            raise ValueError(f"SpecConfig.ahead must be >= 0 (outcomes drafted ahead per row), got {self.ahead}")
+        if self.ahead and self.drafter != "prompt_lookup":
+            raise ValueError(
+                f"SpecConfig.ahead (Saguaro) drafts ahead for the 'prompt_lookup' drafter; drafter is {self.drafter!r} "
+                "(a draft model's state cannot be forked in a background thread)"
             )
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")

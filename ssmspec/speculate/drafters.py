@@ -17,7 +17,7 @@ from torch import nn
 from ssmspec.errors import UnsupportedModelError, VocabMismatchError
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.decoding import Decoding
-from ssmspec.speculate.retrieval import SuffixIndex
+from ssmspec.speculate.retrieval import ContextIndex, SuffixIndex
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
@@ -55,6 +55,14 @@ class Drafter:
             lossless; greedy verification ignores it.
         """
         raise NotImplementedError
+
+    def ahead(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Draft], max_nodes: int, max_depth: int) -> None:
+        """Called after each proposal, just before the target verifies it (`drafts` as verified): a drafter may
+        start preparing the next step's proposals here (Saguaro, see ssmspec.speculate.ahead). Default: nothing."""
+
+    def finish(self, stats) -> None:
+        """Called once after the last step (also when generation fails): release what the drafter holds and add
+        its counters to `stats` (the call's SpecStats). Default: nothing."""
 
 
 class NoDrafter(Drafter):
@@ -102,41 +110,54 @@ class PromptLookupDrafter(Drafter):
         self.corpus_weight = corpus_weight
         self.corpus_samples = corpus_samples
         self.max_corpus_match = max_corpus_match
+        self._indices: list[ContextIndex] = []  # per row, over its context (reset by `start`)
 
-    def continuations(self, ctx: Sequence[int], depth: int) -> list[tuple[list[int], float]]:
+    def continuations(
+        self, ctx: Sequence[int], depth: int, index: ContextIndex | None = None
+    ) -> list[tuple[list[int], float]]:
         """(continuation, weight) after earlier occurrences of the context's tail, best (longest match,
-        then latest) first; then the corpus's continuations."""
-        n_ctx = len(ctx)
-        found = []
-        last = ctx[-1]
-        for end in range(n_ctx - 2, -1, -1):
-            if ctx[end] != last:
-                continue
-            m = 1
-            while m < self.max_ngram and end - m >= 0 and ctx[end - m] == ctx[n_ctx - 1 - m]:
-                m += 1
-            cont = list(ctx[end + 1 : end + 1 + depth])
-            if cont:
-                found.append((m, end, cont))
-        found.sort(key=lambda f: (-f[0], -f[1]))
-        out = [(cont, self.ngram_weight ** (m - 1)) for m, _, cont in found[: self.max_matches]]
+        then latest) first; then the corpus's continuations. `index`: the row's ContextIndex, synced to a
+        prefix of `ctx` (None: one is built for this call)."""
+        if index is None:
+            index = ContextIndex(self.max_ngram)
+            index.extend(ctx)
+        found = index.matches(ctx, self.max_matches)
+        out = [(list(ctx[end + 1 : end + 1 + depth]), self.ngram_weight ** (m - 1)) for m, end in found]
         if self.corpus is not None:
             _, retrieved = self.corpus.continuations(ctx, depth, self.max_corpus_match, self.corpus_samples)
             out += [(cont, w * self.corpus_weight) for cont, w in retrieved]
         return out
 
+    def start(self, input_ids, attention_mask):
+        self._indices = []
+
+    def draft(
+        self, ctx: Sequence[int], max_nodes: int, max_depth: int, index: ContextIndex | None = None,
+        with_weights: bool = False,
+    ) -> Draft | tuple[list[int], list[int], list[float]]:  # fmt: skip
+        """One row's draft for the context `ctx` (see `continuations` for `index`); with `with_weights`, each
+        node's vote weight too (see `_weighted_draft`)."""
+        conts = self.continuations(ctx, max_depth, index) if max_depth > 0 and max_nodes > 0 else []
+        return _weighted_draft(int(ctx[-1]), conts, max_nodes, chain=not self.tree, with_weights=with_weights)
+
+    def row_index(self, row: int, ctx: Sequence[int]) -> ContextIndex:
+        """The row's incremental index, synced to `ctx` (kept across the steps of one generate call)."""
+        while len(self._indices) <= row:
+            self._indices.append(ContextIndex(self.max_ngram))
+        index = self._indices[row]
+        index.sync(ctx)
+        return index
+
     def propose(self, contexts, max_nodes, max_depth):
-        out = []
-        for ctx in contexts:
-            conts = self.continuations(ctx, max_depth) if max_depth > 0 and max_nodes > 0 else []
-            out.append(_weighted_draft(int(ctx[-1]), conts, max_nodes, chain=not self.tree))
-        return out
+        return [self.draft(ctx, max_nodes, max_depth, self.row_index(r, ctx)) for r, ctx in enumerate(contexts)]
 
 
 def _weighted_draft(
-    root: int, continuations: Sequence[tuple[Sequence[int], float]], max_nodes: int, chain: bool
-) -> Draft:
-    """The heaviest chain, or the `max_nodes` heaviest nodes, of the weighted trie of continuations."""
+    root: int, continuations: Sequence[tuple[Sequence[int], float]], max_nodes: int, chain: bool,
+    with_weights: bool = False,
+) -> Draft | tuple[list[int], list[int], list[float]]:  # fmt: skip
+    """The heaviest chain, or the `max_nodes` heaviest nodes, of the weighted trie of continuations; with
+    `with_weights`, each kept node's weight too (the root's: the total of all continuations)."""
     tokens, parents, weight, depth = [root], [-1], [0.0], [0]
     children: dict[tuple[int, int], int] = {}
     for seq, w in continuations:
@@ -164,7 +185,11 @@ def _weighted_draft(
         ranked = sorted(range(1, len(tokens)), key=lambda k: (-weight[k], depth[k], k))
         keep = [0] + sorted(ranked[:max_nodes], key=lambda k: (depth[k], -weight[k], k))
     index = {node: i for i, node in enumerate(keep)}
-    return [tokens[k] for k in keep], [-1] + [index[parents[k]] for k in keep[1:]]
+    draft = [tokens[k] for k in keep], [-1] + [index[parents[k]] for k in keep[1:]]
+    if with_weights:
+        weight[0] = sum(w for _, w in continuations)
+        return (*draft, [weight[k] for k in keep])
+    return draft
 
 
 class TrimmedHead(nn.Module):

@@ -29,6 +29,7 @@ class SpecStats:
     # arithmetic (a tree vs one token, another kernel) may pick the other token in float32/bf16
     near_ties: int = 0
     near_tie_tolerance: float = 0.0
+    drafter: dict[str, float] = field(default_factory=dict)  # the drafter's own counters (Saguaro: hits, ...)
 
     @property
     def mean_accepted_per_step(self) -> float:
@@ -135,89 +136,95 @@ def speculative_generate(
         cost = cost_curve(model, runner)
         per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))
     shadow = None
-    while not all(done):
-        remaining = [max_new_tokens - len(g) for g in generated]
-        depth = min(depth_limit, max(remaining) - 1)
-        budget = tree_budget
-        if adaptive:
-            rates = [acceptance.rate(r) for r in range(b) if not done[r]]
-            chosen = choose_depth(rates, cost, max(depth, 0), per_depth)
-            # plain decoding: the drafter's first token still tells how accurate it is now
-            shadow = drafter.propose(contexts, 1, 1) if chosen == 0 and depth > 0 else None
-            depth, budget = chosen, max(1, min(tree_budget, int(round(per_depth * chosen))))
-        proposed = drafter.propose(contexts, budget, max(depth, 0))
-        drafts: list[tuple[list[int], list[int]]] = []
-        qs: list[dict[int, torch.Tensor] | None] = []
-        forced: dict[int, int] = {}  # finished rows decoding pads: row -> last node of its pad chain
-        for r, d in enumerate(proposed):
-            if done[r]:
-                k = min(max(depth, 0), max_new_tokens - len(kept[r]) - 1) if keep else -1
-                root = ids(r)[-1] if keep else contexts[r][-1]
-                drafts.append(([root] + [pad_token_id] * max(k, 0), list(range(-1, max(k, 0)))))
-                qs.append(None)
-                if k >= 0:
-                    forced[r] = k
-                continue
-            tokens, parents, index = _trim(d[0], d[1], remaining[r] - 1)
-            drafts.append((tokens, parents))
-            q = d[2] if len(d) > 2 else None
-            qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
-        tree = runner.prepare(TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=device))
-        if tree.origin is not None:
-            qs = [{tree.index_of(r, n): v for n, v in q.items()} if q else None for r, q in enumerate(qs)]
-        node_logits = runner.verify(tree)
-        raw = node_logits.float()
-        active = [not x for x in done]
-        if dec.processes:
-            scores = dec.score_tree(tree, raw, [ids(r) if active[r] or r in forced else None for r in range(b)])
-        else:
-            scores = raw
-        if dec.do_sample:
-            last, emitted = sample_verify(tree, scores, qs, dec.generator, active)
-        else:
-            last, emitted = greedy_verify(tree, scores)
-        for r, k in forced.items():
-            last[r] = tree.index_of(r, k)
-        path, _ = tree.paths(last)
-        # near-ties only mean something for greedy choices: not computed when sampling
-        ties = (
-            None if dec.do_sample else torch.gather(_near_ties(node_logits, stats.near_tie_tolerance), 1, path).tolist()
-        )
-        stats.verify_steps += 1
-        stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
-        all_accepted = True
-        if adaptive:
-            for r in range(b):
-                if done[r] or r in forced:
+    try:
+        while not all(done):
+            remaining = [max_new_tokens - len(g) for g in generated]
+            depth = min(depth_limit, max(remaining) - 1)
+            budget = tree_budget
+            if adaptive:
+                rates = [acceptance.rate(r) for r in range(b) if not done[r]]
+                chosen = choose_depth(rates, cost, max(depth, 0), per_depth)
+                # plain decoding: the drafter's first token still tells how accurate it is now
+                shadow = drafter.propose(contexts, 1, 1) if chosen == 0 and depth > 0 else None
+                depth, budget = chosen, max(1, min(tree_budget, int(round(per_depth * chosen))))
+            proposed = drafter.propose(contexts, budget, max(depth, 0))
+            drafts: list[tuple[list[int], list[int]]] = []
+            qs: list[dict[int, torch.Tensor] | None] = []
+            forced: dict[int, int] = {}  # finished rows decoding pads: row -> last node of its pad chain
+            for r, d in enumerate(proposed):
+                if done[r]:
+                    k = min(max(depth, 0), max_new_tokens - len(kept[r]) - 1) if keep else -1
+                    root = ids(r)[-1] if keep else contexts[r][-1]
+                    drafts.append(([root] + [pad_token_id] * max(k, 0), list(range(-1, max(k, 0)))))
+                    qs.append(None)
+                    if k >= 0:
+                        forced[r] = k
                     continue
-                if depth > 0:
-                    acceptance.update(r, _depth_of(drafts[r]), len(emitted[r]) - 1)
-                elif shadow is not None and len(shadow[r][0]) > 1:
-                    acceptance.update(r, 1, int(shadow[r][0][1] == emitted[r][0]))
-        cut = last.clone()
-        path_list = path.tolist()
-        for r in range(b):
-            if r in forced:
-                n = forced[r] + 1
-                pads[r] += n
-            elif active[r]:
-                stats.row_steps += 1
-                stats.accepted_tokens += len(emitted[r]) - 1
-                all_accepted &= len(emitted[r]) == len(drafts[r][0])
-                n = emit(r, emitted[r])
-                if ties is not None:
-                    stats.near_ties += sum(ties[r][:n])
-                cut[r] = path_list[r][n - 1]  # a row that stopped inside the block commits only what it emitted
+                tokens, parents, index = _trim(d[0], d[1], remaining[r] - 1)
+                drafts.append((tokens, parents))
+                q = d[2] if len(d) > 2 else None
+                qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
+            drafter.ahead(contexts, [None if done[r] else d for r, d in enumerate(drafts)], budget, max(depth, 0))
+            tree = runner.prepare(TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=device))
+            if tree.origin is not None:
+                qs = [{tree.index_of(r, n): v for n, v in q.items()} if q else None for r, q in enumerate(qs)]
+            node_logits = runner.verify(tree)
+            raw = node_logits.float()
+            active = [not x for x in done]
+            if dec.processes:
+                scores = dec.score_tree(tree, raw, [ids(r) if active[r] or r in forced else None for r in range(b)])
             else:
-                continue
-            if keep:
-                kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
-        runner.commit(cut)
-        stream.release(generated, done)
-        if schedule != "constant":
-            depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
-            if static_shapes:
-                depth_limit = min(depth_limit, num_draft_tokens)
+                scores = raw
+            if dec.do_sample:
+                last, emitted = sample_verify(tree, scores, qs, dec.generator, active)
+            else:
+                last, emitted = greedy_verify(tree, scores)
+            for r, k in forced.items():
+                last[r] = tree.index_of(r, k)
+            path, _ = tree.paths(last)
+            # near-ties only mean something for greedy choices: not computed when sampling
+            ties = (
+                None
+                if dec.do_sample
+                else torch.gather(_near_ties(node_logits, stats.near_tie_tolerance), 1, path).tolist()
+            )
+            stats.verify_steps += 1
+            stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
+            all_accepted = True
+            if adaptive:
+                for r in range(b):
+                    if done[r] or r in forced:
+                        continue
+                    if depth > 0:
+                        acceptance.update(r, _depth_of(drafts[r]), len(emitted[r]) - 1)
+                    elif shadow is not None and len(shadow[r][0]) > 1:
+                        acceptance.update(r, 1, int(shadow[r][0][1] == emitted[r][0]))
+            cut = last.clone()
+            path_list = path.tolist()
+            for r in range(b):
+                if r in forced:
+                    n = forced[r] + 1
+                    pads[r] += n
+                elif active[r]:
+                    stats.row_steps += 1
+                    stats.accepted_tokens += len(emitted[r]) - 1
+                    all_accepted &= len(emitted[r]) == len(drafts[r][0])
+                    n = emit(r, emitted[r])
+                    if ties is not None:
+                        stats.near_ties += sum(ties[r][:n])
+                    cut[r] = path_list[r][n - 1]  # a row that stopped inside the block commits only what it emitted
+                else:
+                    continue
+                if keep:
+                    kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
+            runner.commit(cut)
+            stream.release(generated, done)
+            if schedule != "constant":
+                depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
+                if static_shapes:
+                    depth_limit = min(depth_limit, num_draft_tokens)
+    finally:  # the drafter's thread and counters, also when a step fails
+        drafter.finish(stats)
     width = max(len(g) for g in generated)
     if keep:
         _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device)

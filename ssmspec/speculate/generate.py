@@ -13,6 +13,7 @@ from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedSettingError
 from ssmspec.hf.generation import resolve
+from ssmspec.speculate.ahead import AheadDrafter
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, NoDrafter, PromptLookupDrafter
@@ -107,6 +108,8 @@ def generate(
             drafter = FusedDrafter(drafter, retrieval)
     elif spec.drafter == "prompt_lookup":
         drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index)
+        if spec.ahead:
+            drafter = AheadDrafter(drafter, fanout=spec.ahead)
     else:
         drafter = NoDrafter()
     sequences, stats, _ = speculative_generate(

@@ -183,6 +183,72 @@ class SuffixIndex:
         return m, out
 
 
+class ContextIndex:
+    """An incremental n-gram index over one growing token sequence (a row's prompt and output): for every
+    n <= `max_ngram`, the end positions of each n-gram, appended as tokens arrive. Finding the earlier
+    occurrences of the context's tail then costs what it finds, not a scan of the whole context.
+
+    Args:
+        max_ngram: the longest tail match looked up (prompt lookup's `max_matching_ngram_size`).
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max(1, int(max_ngram))
+        self.tokens: list[int] = []
+        self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(self.max_ngram)]
+        self._source: Sequence[int] | None = None  # the sequence last synced (the engine appends to it)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Index tokens appended to the sequence."""
+        toks, ends = self.tokens, self._ends
+        for t in tokens:
+            toks.append(int(t))
+            i = len(toks) - 1
+            for m in range(1, min(self.max_ngram, i + 1) + 1):
+                ends[m - 1].setdefault(tuple(toks[i - m + 1 : i + 1]), []).append(i)
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Bring the index to `context`: extend it when `context` continues what was indexed, else rebuild."""
+        n = len(self.tokens)
+        grows = len(context) >= n and (
+            context is self._source
+            or (n == 0 or context[n - 1] == self.tokens[-1])
+            and list(context[:n]) == self.tokens
+        )
+        if not grows:
+            self.tokens, self._ends = [], [{} for _ in range(self.max_ngram)]
+            n = 0
+        self.extend(context[n:])
+        self._source = context
+
+    def matches(self, context: Sequence[int], limit: int) -> list[tuple[int, int]]:
+        """(match length, end) of the earlier occurrences of `context`'s last token, longest match of its tail
+        (up to `max_ngram`) first, then latest; at most `limit`. `context` is the indexed sequence, possibly
+        followed by a few tokens not indexed (they are scanned)."""
+        n, k = len(context), len(self.tokens)
+        if n < 1 or limit <= 0:
+            return []
+
+        def length(end: int) -> int:
+            m = 1
+            while m < self.max_ngram and end - m >= 0 and context[end - m] == context[n - 1 - m]:
+                m += 1
+            return m
+
+        found = [(length(e), e) for e in range(k, n - 1) if context[e] == context[n - 1]]
+        for m in range(min(self.max_ngram, n), 0, -1):
+            taken = 0
+            for end in reversed(self._ends[m - 1].get(tuple(context[n - m :]), ())):
+                if end >= n - 1 or length(end) != m:  # the tail itself, or a longer match (counted above)
+                    continue
+                found.append((m, end))
+                taken += 1
+                if taken == limit:
+                    break
+        found.sort(key=lambda f: (-f[0], -f[1]))
+        return found[:limit]
+
+
 def _suffix_array(tokens: np.ndarray, sort_depth: int) -> np.ndarray:
     """Suffix start positions sorted on their first `sort_depth` tokens (prefix doubling; ties by position)."""
     n = len(tokens)

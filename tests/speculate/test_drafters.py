@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ssmspec.speculate.drafters import PromptLookupDrafter, _weighted_draft
+from ssmspec.speculate.retrieval import ContextIndex
 
 
 def test_longer_matches_weigh_more_and_come_first():
@@ -53,3 +54,54 @@ def test_drafts_are_valid_trees_within_budget(ctx, budget, depth, ngram, tree):
             u = parents[u]
         path.reverse()
         assert any(ctx[e] == ctx[-1] and ctx[e + 1 : e + 1 + len(path)] == path for e in range(len(ctx) - 1))
+
+
+def _scan(ctx, max_ngram, limit):
+    """The plain scan an index must reproduce: every earlier occurrence of the last token, with the length of
+    the tail match (up to max_ngram), longest first, then latest."""
+    n = len(ctx)
+    found = []
+    for end in range(n - 1):
+        if ctx[end] != ctx[-1]:
+            continue
+        m = 1
+        while m < max_ngram and end - m >= 0 and ctx[end - m] == ctx[n - 1 - m]:
+            m += 1
+        found.append((m, end))
+    return sorted(found, key=lambda f: (-f[0], -f[1]))[:limit]
+
+
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=80),
+    st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    st.integers(0, 5),
+    st.integers(1, 4),
+    st.integers(1, 20),
+)
+def test_context_index_grows_incrementally_and_equals_a_scan(ctx, cuts, extra, max_ngram, limit):
+    """Synced step by step as a context grows (the engine's appends), the index finds what a scan finds, also
+    for a context with unindexed tokens after the indexed ones (Saguaro's hypothetical continuations)."""
+    index = ContextIndex(max_ngram)
+    grown: list[int] = []
+    pos = 0
+    for c in cuts + [len(ctx)]:
+        grown.extend(ctx[pos : pos + c])  # the same list object, appended to
+        pos += c
+        index.sync(grown)
+        assert index.tokens == grown
+        assert index.matches(grown, limit) == _scan(grown, max_ngram, limit)
+        hypothetical = grown + ctx[:extra]
+        assert index.matches(hypothetical, limit) == _scan(hypothetical, max_ngram, limit)
+        assert index.tokens == grown  # looking up a hypothetical context indexes nothing
+
+
+def test_context_index_rebuilds_for_an_unrelated_context():
+    index = ContextIndex(2)
+    index.sync([1, 2, 3, 1, 2])
+    index.sync([4, 2, 3, 1, 2, 9])  # not a continuation of what was indexed
+    assert index.tokens == [4, 2, 3, 1, 2, 9]
+    assert index.matches([4, 2, 3, 1, 2, 9, 2], 4) == _scan([4, 2, 3, 1, 2, 9, 2], 2, 4)
+    drafter = PromptLookupDrafter(2, tree=True)
+    first = drafter.propose([[1, 2, 3, 1, 2]], 4, 3)
+    assert drafter.propose([[7, 7, 3, 1, 2]], 4, 3) == PromptLookupDrafter(2, tree=True).propose([[7, 7, 3, 1, 2]], 4, 3)
+    assert first == PromptLookupDrafter(2, tree=True).propose([[1, 2, 3, 1, 2]], 4, 3)
