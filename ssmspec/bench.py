@@ -82,6 +82,8 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
                                                                     corpus=corpus)),
         "tree n-gram + corpus": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
                                                       corpus=corpus)),
+        f"tree n-gram + corpus ({k} nodes) + Saguaro": dict(speculation=spec(
+            num_draft_tokens=k, tree=True, tree_budget=k, corpus=corpus, ahead=2)),
         "tree n-gram + corpus adaptive": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
                                                                corpus=corpus, adaptive=True)),
         "chain draft model": dict(assistant_model=draft, num_assistant_tokens=min(k, 4)),
@@ -100,24 +102,30 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
 
 def compiled_methods(greedy: dict[str, dict], k: int) -> dict[str, dict]:
     """The configurations of `greedy_methods` also timed on the compiled target
-    (`model.compile(backend="ssmspec")`: static shapes, reference tree ops fused by Inductor), under their
-    compiled row names."""
+    (`model.compile(backend="ssmspec", options=COMPILE_OPTIONS)`: static shapes, reference tree ops fused by
+    Inductor, its C++ wrapper), under their compiled row names."""
     names = {"ssmspec autoregressive": "ssmspec autoregressive (compiled)",
              "chain n-gram + corpus": "chain n-gram + corpus (compiled)",
              f"tree n-gram + corpus ({k} nodes)": f"tree n-gram + corpus ({k} nodes, compiled)",
+             f"tree n-gram + corpus ({k} nodes) + Saguaro": f"tree n-gram + corpus ({k} nodes) + Saguaro (compiled)",
              "tree n-gram + corpus": "tree n-gram + corpus (compiled)"}  # fmt: skip
     return {compiled: greedy[name] for name, compiled in names.items()}
 
 
 # the plain decoders (no speculation) a user could run instead; "vs best" divides by the fastest of them
-BASELINES = ("HF greedy", "HF greedy (compiled)", "ssmspec autoregressive", "ssmspec autoregressive (compiled)")
+BASELINES = ("HF greedy", "HF greedy (compiled)", "HF greedy (compiled, C++ wrapper)", "ssmspec autoregressive",
+             "ssmspec autoregressive (compiled)")  # fmt: skip
+# Inductor's C++ wrapper: the fastest compiled configuration on CPU for both HF and ssmspec (it takes the
+# Python wrapper's per-call overhead off small graphs), at minutes of compilation instead of seconds
+COMPILE_OPTIONS = {"cpp_wrapper": True}
 
 
 def run(args: argparse.Namespace, progress: bool = True) -> dict:
     """Greedy end to end: every method on every prompt, timed side by side (best of `args.repeats` per
     prompt and method), outputs asserted identical to HF greedy. With `args.compiled`, also HF greedy on a
-    `model.compile()`d model and the main configurations on a target compiled with the ssmspec backend
-    (compilation and every tree-size bucket are warmed up on two prompts before timing)."""
+    `model.compile()`d model (with Inductor's Python wrapper and with its C++ wrapper) and the main
+    configurations on a target compiled with the ssmspec backend and the C++ wrapper (compilation and every
+    tree-size bucket are warmed up on two prompts before timing)."""
     ref, tok = models.load("mamba2-target")
     target = ssmspec.transform(copy.deepcopy(ref))
     draft, _ = models.load("mamba2-draft")
@@ -133,13 +141,17 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
     if getattr(args, "compiled", False):
         compiled_ref = copy.deepcopy(ref)
         compiled_ref.compile()
+        compiled_ref_cpp = copy.deepcopy(ref)
+        compiled_ref_cpp.compile(options=COMPILE_OPTIONS)
         compiled = ssmspec.transform(copy.deepcopy(ref))
-        compiled.compile(backend="ssmspec")
+        compiled.compile(backend="ssmspec", options=COMPILE_OPTIONS)
         baselines["HF greedy (compiled)"] = compiled_ref
+        baselines["HF greedy (compiled, C++ wrapper)"] = compiled_ref_cpp
         extra = compiled_methods(greedy, args.draft_tokens)
         methods.update({name: (compiled, kw) for name, kw in extra.items()})
         warm += [(m, kw, p, args.max_new_tokens) for p in prompts[:2]
-                 for m, kw in [(compiled_ref, plain), *[(compiled, kw) for kw in extra.values()]]]  # fmt: skip
+                 for m, kw in [(compiled_ref, plain), (compiled_ref_cpp, plain),
+                               *[(compiled, kw) for kw in extra.values()]]]  # fmt: skip
     # warm-up: first calls pay one-time costs (allocator, lazy imports, compilation) that must not land on
     # one method
     for model, kw, ids, n in tqdm(warm, desc="warm-up", disable=not progress):

@@ -47,24 +47,21 @@ class TokenTree:
         if n == 0:
             raise InvalidTreeError("a token tree needs at least its root node")
         self.parents = self.parents.to(torch.long)
-        if bool((self.parents[:, 0] != -1).any()):
+        # the structure is tiny (B x N <= a few thousand): checked and derived in Python, then one tensor each
+        par = self.parents.tolist()
+        if any(row[0] != -1 for row in par):
             raise InvalidTreeError("node 0 is the root: parents[:, 0] must be -1")
-        if n > 1:
-            idx = torch.arange(1, n, device=self.parents.device)
-            rest = self.parents[:, 1:]
-            bad = (rest < 0) | (rest >= idx)
-            if bool(bad.any()):
-                row, col = (int(v) for v in bad.nonzero()[0])
+        for row, pr in enumerate(par):
+            bad = next((t for t in range(1, n) if not 0 <= pr[t] < t), None)
+            if bad is not None:
                 raise InvalidTreeError(
-                    f"row {row}: node {col + 1} has parent {int(rest[row, col])}; every node's parent must be an "
-                    "earlier node (topological order, no cycles)"
+                    f"row {row}: node {bad} has parent {pr[bad]}; every node's parent must be an earlier node "
+                    "(topological order, no cycles)"
                 )
         if self.acceptable is None:
             self.acceptable = torch.ones_like(self.tokens, dtype=torch.bool)
         elif self.acceptable.shape != self.tokens.shape:
             raise InvalidTreeError("acceptable must have the shape of tokens")
-        # the structure is tiny (B x N <= a few thousand): derive it in Python, then one tensor each
-        par = self.parents.tolist()
         depth = [[0] * n for _ in range(b)]
         anc = [[[False] * n for _ in range(n)] for _ in range(b)]
         for r in range(b):
@@ -267,24 +264,30 @@ class TokenTree:
             cur = torch.where(cur < 0, cur - 1, torch.where(cur == 0, torch.full_like(cur, -1), par))
         return torch.stack(cols, dim=-1)
 
+    def path_nodes(self, row: int, node: int) -> list[int]:
+        """The nodes from the root to `node` (both included) in row `row`, root first."""
+        pr, out = self._parents_list[row], []
+        while node >= 0:
+            out.append(node)
+            node = pr[node]
+        return out[::-1]
+
     def paths(self, last: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Root-to-node paths for one node per row.
 
         Args:
             last: [B] the last node of each row's path.
-            width: M, fixed (static shapes: no host sync, one shape per configuration); default: the longest
-                path. Must be at least the longest path.
+            width: M, fixed (static shapes: one shape per configuration); default: the longest path. Must be at
+                least the longest path.
 
         Returns:
             ([B, M] node indices of each path, padded with its last node, [B] path lengths).
         """
-        rows = torch.arange(self.batch_size, device=self.tokens.device)
-        lengths = self.depth[rows, last] + 1
-        m = min(int(width), self.num_nodes) if width is not None else int(lengths.max())
-        anc = self.ancestor_mask[rows, last]  # [B, N], True on the path
-        # nodes on a path are increasing in index; sort the path's indices to the front
-        idx = torch.arange(self.num_nodes, device=self.tokens.device).expand_as(anc)
-        key = torch.where(anc, idx, idx + self.num_nodes)
-        order = key.sort(dim=1).values[:, :m]
-        order = torch.where(order >= self.num_nodes, last[:, None].expand_as(order), order)
-        return order, lengths
+        paths = [self.path_nodes(r, node) for r, node in enumerate(last.tolist())]
+        m = min(int(width), self.num_nodes) if width is not None else max(map(len, paths))
+        rows = [(p + [p[-1]] * (m - len(p)))[:m] for p in paths]
+        dev = self.tokens.device
+        return (
+            torch.tensor(rows, dtype=torch.long, device=dev),
+            torch.tensor([len(p) for p in paths], dtype=torch.long, device=dev),
+        )

@@ -73,6 +73,25 @@ def test_unknown_option_is_an_error():
         torch.compile(lambda x: x + 1, backend="ssmspec", options={"fusion": False})(torch.ones(2))
 
 
+def test_inductor_settings_pass_through_to_inductor(monkeypatch):
+    """Options that are Inductor config settings (cpp_wrapper, ...) reach Inductor with the mode's settings."""
+    import torch._inductor.compile_fx as fx_module
+
+    seen = []
+    real = fx_module.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(fx_module, "compile_fx", spy)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + 1, backend="ssmspec", options={"cpp_wrapper": True, "fuse": False})
+    assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+    assert seen == [{"cpp_wrapper": True}]
+    torch._dynamo.reset()
+
+
 def test_backend_registered_by_entry_point_in_a_fresh_interpreter():
     names = {ep.name for ep in entry_points(group="torch_dynamo_backends")}
     assert "ssmspec" in names

@@ -46,7 +46,7 @@ def test_bench_writes_json(tmp_path, capsys):
         "HF greedy", "ssmspec autoregressive", "chain n-gram", "chain draft model", "tree n-gram",
         "tree n-gram adaptive", "chain n-gram + corpus", "tree n-gram + corpus (8 nodes)", "tree n-gram + corpus",
         "tree n-gram + corpus adaptive", "dynamic tree draft model", "dynamic tree draft model + VocabTrim",
-        "dynamic tree draft model + corpus (RASD)", "RASD + VocabTrim",
+        "dynamic tree draft model + corpus (RASD)", "RASD + VocabTrim", "tree n-gram + corpus (8 nodes) + Saguaro",
     }  # fmt: skip
     row = result["methods"]["tree n-gram + corpus"]
     assert row["tokens_per_s"] > 0 and row["mean_accepted_per_step"] >= 1 and row["worst_prompt_speedup_vs_hf"] > 0
@@ -61,9 +61,11 @@ def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
 
     def cheap(self, *args, **kwargs):
         if kwargs.get("backend") == "ssmspec":
+            assert kwargs["options"] == {"cpp_wrapper": True}
             kwargs["options"] = {"inductor": False}
         else:
             kwargs["backend"] = "eager"
+            kwargs.pop("options", None)
         return compile_module(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "compile", cheap)
@@ -73,11 +75,14 @@ def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
     assert main(args) == 0
     result = json.loads(target.read_text())
     compiled = {name for name in result["methods"] if "compiled" in name}
-    assert compiled == {"HF greedy (compiled)", "ssmspec autoregressive (compiled)", "chain n-gram + corpus (compiled)",
-                        "tree n-gram + corpus (8 nodes, compiled)", "tree n-gram + corpus (compiled)"}  # fmt: skip
+    assert compiled == {"HF greedy (compiled)", "HF greedy (compiled, C++ wrapper)",
+                        "ssmspec autoregressive (compiled)", "chain n-gram + corpus (compiled)",
+                        "tree n-gram + corpus (8 nodes, compiled)", "tree n-gram + corpus (compiled)",
+                        "tree n-gram + corpus (8 nodes) + Saguaro (compiled)"}  # fmt: skip
     best = result["best_baseline"]
     times = {name: 1 / row["tokens_per_s"] for name, row in result["methods"].items()}
-    baselines = ["HF greedy", "HF greedy (compiled)", "ssmspec autoregressive", "ssmspec autoregressive (compiled)"]
+    baselines = ["HF greedy", "HF greedy (compiled)", "HF greedy (compiled, C++ wrapper)", "ssmspec autoregressive",
+                 "ssmspec autoregressive (compiled)"]  # fmt: skip
     assert best == min(baselines, key=times.get)
     for row in result["methods"].values():
         assert row["speedup_vs_best_baseline"] <= row["speedup_vs_hf"] * (1 + 1e-9)

@@ -58,7 +58,10 @@ def ssmspec_backend(
         options: "kernels" (None / "auto": per shape the faster of kernel and reference on CUDA; True /
             "kernels": lower every tree op to its Triton kernel; False / "reference": keep the references),
             "fuse" (graph simplifications around the tree ops, default True), "inductor" (hand the graph to
-            Inductor, default True; a graph Inductor fails on runs without it, with a warning).
+            Inductor, default True; a graph Inductor fails on runs without it, with a warning); any other key
+            is an Inductor config setting applied to this model's graphs (as `torch.compile(options=...)`),
+            e.g. `{"cpp_wrapper": True}`: Inductor's C++ wrapper instead of its Python one, which on CPU takes
+            most of the per-call overhead off small verify steps (and compiles for minutes instead of seconds).
         mode: torch.compile's mode, handed to Inductor ("reduce-overhead": CUDA graphs); a transformed model
             compiled with `model.compile` verifies with static shapes (SpecConfig.static_shapes).
 
@@ -66,12 +69,16 @@ def ssmspec_backend(
         The compiled graph, running under its kernel policy.
 
     Raises:
-        ValueError: an unknown option or kernels value.
+        ValueError: an option that is neither ssmspec's nor an Inductor config setting, or a bad kernels value.
     """
     options = dict(options or {})
-    unknown = set(options) - set(_OPTION_NAMES)
+    patches = {k: v for k, v in options.items() if k not in _OPTION_NAMES}
+    unknown = set(patches) - set(_inductor_settings())
     if unknown:
-        raise ValueError(f"ssmspec backend: unknown options {sorted(unknown)}; known: {_OPTION_NAMES}")
+        raise ValueError(
+            f"ssmspec backend: unknown options {sorted(unknown)}: neither ssmspec's {_OPTION_NAMES} nor Inductor "
+            "config settings (torch._inductor.config)"
+        )
     policy = _KERNEL_OPTION.get(options.get("kernels"))
     if policy is None:
         raise ValueError(f"ssmspec backend: kernels must be one of {list(_KERNEL_OPTION)}, got {options['kernels']!r}")
@@ -98,11 +105,20 @@ def ssmspec_backend(
     if not options.get("inductor", True):
         compiled = gm.forward
     else:
-        compiled = _inductor_or_fallback(gm, example_inputs, mode)
+        compiled = _inductor_or_fallback(gm, example_inputs, mode, patches)
     return _with_policy(compiled, policy)
 
 
-def _inductor_or_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None) -> Callable:
+def _inductor_settings() -> dict[str, Any]:
+    """Inductor's config settings by name (torch internals: `torch._inductor.config`)."""
+    from torch._inductor import config
+
+    return config.get_config_copy()
+
+
+def _inductor_or_fallback(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, patches: dict | None = None
+) -> Callable:
     """Inductor's compilation of the graph, or, if Inductor fails on it (at compile time or at its first
     run: Triton codegen bugs such as torch 2.11's `get_block_shape` TypeError on HF's Mamba2 path), the
     graph as ssmspec's passes left it, with one warning naming the failure. User code never crashes
@@ -121,7 +137,8 @@ def _inductor_or_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], mod
         return gm.forward
 
     try:
-        compiled = compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
+        config = {**(list_mode_options(mode) if mode else {}), **(patches or {})}
+        compiled = compile_fx(gm, example_inputs, config_patches=config or None)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back for this graph
         return fallback(exc)
     state = {"run": compiled, "proven": False}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 from collections.abc import Sequence
 
 import torch
@@ -294,6 +295,8 @@ class DraftModelDrafter(Drafter):
         self.tree = tree
         self.min_path_prob = min_path_prob
         self.processed: list[int] = []
+        # per row, the draft's logits [V] at the nodes of its last dynamic tree whose children it scored
+        self.scored: list[dict[int, torch.Tensor]] = []
 
     def start(self, input_ids, attention_mask):
         self.runner.prefill(input_ids, attention_mask)
@@ -413,6 +416,7 @@ class DraftModelDrafter(Drafter):
         logits = self._catch_up_to_root(contexts)
         per_round = max(1, -(-max_nodes // max_depth))
         trees = [([int(c[-1])], [-1], [0], [1.0]) for c in contexts]  # tokens, parents, depth, path prob
+        self.scored = [{0: logits[r]} for r in range(b)]
         heaps: list[list] = [[] for _ in range(b)]
         new = [[0] for _ in range(b)]  # nodes whose children are not scored yet (logits in `at`, in order)
         at = logits
@@ -445,6 +449,11 @@ class DraftModelDrafter(Drafter):
             out = runner.verify(aligned)
             runner.discard()
             at = torch.stack([out[r, aligned.index_of(r, node)] for r in range(b) for node in new[r]])
+            k = 0
+            for r in range(b):
+                for node in new[r]:
+                    self.scored[r][node] = at[k]
+                    k += 1
         return [(tokens, parents) for tokens, parents, _, _ in trees]
 
     def _grow(self, trees, dists: torch.Tensor, width: int, level: int, gen) -> list[list]:
@@ -498,10 +507,16 @@ class DraftModelDrafter(Drafter):
 
 class FusedDrafter(Drafter):
     """RASD-style fusion of a draft model's tree with a retrieval tree: both drafters propose for every row,
-    and the retrieval nodes are merged into the draft's tree by longest-prefix matching (a retrieved path
-    that starts like a drafted one continues it; the rest branch off), within one node budget, so both are
-    verified in one pass. The draft model gets `draft_share` of the budget; the retrieval tree fills the rest
-    (nodes the two agree on are counted once). When sampling, retrieved nodes stay deterministic proposals
+    the retrieval tree is pruned with the draft model's probabilities, and what is left is merged into the
+    draft's tree by longest-prefix matching (a retrieved path that starts like a drafted one continues it; the
+    rest branch off), within one node budget, so both are verified in one pass. The draft model gets
+    `draft_share` of the budget; the retrieval tree fills the rest (nodes the two agree on are counted once).
+
+    Pruning: wherever a retrieved token would branch off a node whose children the draft model scored (the
+    root, and the inner nodes of its dynamic tree), it is dropped with its subtree when the draft gives it a
+    probability below `prune_below`, and the budget goes to the next retrieved candidates (the retrieval
+    tree is asked for twice the budget). Retrieval still adds what the draft did not consider likely enough
+    to draft, but not what the draft rules out. When sampling, retrieved nodes stay deterministic proposals
     next to the draft's sampled ones, only where they do not collide with a sampled node's parent (a node's
     children are either all sampled or all deterministic, which the verifier requires).
 
@@ -509,12 +524,18 @@ class FusedDrafter(Drafter):
         draft: the draft model's drafter.
         retrieval: a PromptLookupDrafter (with a corpus) in tree mode.
         draft_share: the draft model's share of the node budget.
+        prune_below: the draft probability under which a retrieved branch is pruned (0: no pruning).
     """
 
-    def __init__(self, draft: DraftModelDrafter, retrieval: PromptLookupDrafter, draft_share: float = 0.5) -> None:
+    def __init__(
+        self, draft: DraftModelDrafter, retrieval: PromptLookupDrafter, draft_share: float = 0.5,
+        prune_below: float = 0.01,
+    ) -> None:  # fmt: skip
         self.draft = draft
         self.retrieval = retrieval
         self.draft_share = draft_share
+        self.prune_below = prune_below
+        self.pruned = 0  # retrieved branches pruned in this generate call
 
     def set_decoding(self, decoding: Decoding) -> None:
         super().set_decoding(decoding)
@@ -522,19 +543,49 @@ class FusedDrafter(Drafter):
         self.retrieval.set_decoding(decoding)
 
     def start(self, input_ids, attention_mask):
+        self.pruned = 0
         self.draft.start(input_ids, attention_mask)
         self.retrieval.start(input_ids, attention_mask)
 
+    def finish(self, stats) -> None:
+        stats.drafter["pruned"] = self.pruned
+
     def propose(self, contexts, max_nodes, max_depth):
         share = max(1, int(round(max_nodes * self.draft_share))) if max_nodes > 1 else max_nodes
+        self.draft.scored = []
         drafted = self.draft.propose(contexts, share, max_depth)
-        retrieved = self.retrieval.propose(contexts, max_nodes, max_depth)
-        return [_merge(d, r, max_nodes) for d, r in zip(drafted, retrieved)]
+        prune = self.prune_below > 0 and bool(self.draft.scored)
+        retrieved = self.retrieval.propose(contexts, 2 * max_nodes if prune else max_nodes, max_depth)
+        return [
+            _merge(d, e, max_nodes, self._pruner(self.draft.scored[r]) if prune else None)
+            for r, (d, e) in enumerate(zip(drafted, retrieved))
+        ]
+
+    def _pruner(self, scored: dict[int, torch.Tensor]):
+        """keep(node, token) for `_merge`: False where the draft scored `node`'s children and gives `token` a
+        probability below `prune_below`; a token outside a trimmed draft vocabulary (logit -inf) is kept, as
+        the draft says nothing about it."""
+        probs: dict[int, torch.Tensor] = {}
+
+        def keep(node: int, token: int) -> bool:
+            logits = scored.get(node)
+            if logits is None or not math.isfinite(float(logits[token])):
+                return True
+            if node not in probs:
+                probs[node] = logits.float().softmax(-1)
+            if float(probs[node][token]) >= self.prune_below:
+                return True
+            self.pruned += 1
+            return False
+
+        return keep
 
 
-def _merge(base: tuple, extra: Draft, max_nodes: int) -> tuple:
+def _merge(base: tuple, extra: Draft, max_nodes: int, keep=None) -> tuple:
     """`extra`'s nodes merged into `base` (prefix-matched, in `extra`'s order) up to `max_nodes` drafted
-    nodes; extra nodes never go under a node whose children were sampled (those carry a q)."""
+    nodes; extra nodes never go under a node whose children were sampled (those carry a q). `keep(node,
+    token)`: whether a new child `token` may branch off base node `node` (None: always); a refused node's
+    subtree is dropped with it."""
     tokens, parents = list(base[0]), list(base[1])
     qs = base[2] if len(base) > 2 else None
     child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents)) if p >= 0}
@@ -546,7 +597,11 @@ def _merge(base: tuple, extra: Draft, max_nodes: int) -> tuple:
         key = (parent, extra[0][j])
         if key in child:
             where[j] = child[key]
-        elif len(tokens) - 1 < max_nodes and not (qs and parent in qs):
+        elif (
+            len(tokens) - 1 < max_nodes
+            and not (qs and parent in qs)
+            and (keep is None or parent >= len(base[0]) or keep(parent, extra[0][j]))
+        ):
             tokens.append(extra[0][j])
             parents.append(parent)
             child[key] = where[j] = len(tokens) - 1

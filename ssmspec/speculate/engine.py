@@ -179,15 +179,12 @@ def speculative_generate(
                 last, emitted = sample_verify(tree, scores, qs, dec.generator, active)
             else:
                 last, emitted = greedy_verify(tree, scores)
+            cut = last.tolist()  # per row, the last node to commit
             for r, k in forced.items():
-                last[r] = tree.index_of(r, k)
-            path, _ = tree.paths(last)
+                cut[r] = tree.index_of(r, k)
+            path_list = [tree.path_nodes(r, node) for r, node in enumerate(cut)]
             # near-ties only mean something for greedy choices: not computed when sampling
-            ties = (
-                None
-                if dec.do_sample
-                else torch.gather(_near_ties(node_logits, stats.near_tie_tolerance), 1, path).tolist()
-            )
+            ties = None if dec.do_sample else _path_ties(node_logits, path_list, stats.near_tie_tolerance)
             stats.verify_steps += 1
             stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
             all_accepted = True
@@ -199,8 +196,6 @@ def speculative_generate(
                         acceptance.update(r, _depth_of(drafts[r]), len(emitted[r]) - 1)
                     elif shadow is not None and len(shadow[r][0]) > 1:
                         acceptance.update(r, 1, int(shadow[r][0][1] == emitted[r][0]))
-            cut = last.clone()
-            path_list = path.tolist()
             for r in range(b):
                 if r in forced:
                     n = forced[r] + 1
@@ -217,7 +212,7 @@ def speculative_generate(
                     continue
                 if keep:
                     kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
-            runner.commit(cut)
+            runner.commit(torch.tensor(cut, dtype=torch.long, device=device))
             stream.release(generated, done)
             if schedule != "constant":
                 depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
@@ -268,6 +263,17 @@ def _near_ties(logits: torch.Tensor, tolerance: float) -> torch.Tensor:
     """Per position, whether the top-2 logit gap is below tolerance * max(1, |top logit|)."""
     top = logits.float().topk(2, dim=-1).values
     return (top[..., 0] - top[..., 1]) < tolerance * top[..., 0].abs().clamp(min=1.0)
+
+
+def _path_ties(logits: torch.Tensor, paths: list[list[int]], tolerance: float) -> list[list[bool]]:
+    """Per row, `_near_ties` at the nodes of its path (root first), computed on those nodes only."""
+    rows = [r for r, p in enumerate(paths) for _ in p]
+    flat = _near_ties(logits[rows, [node for p in paths for node in p]], tolerance).tolist()
+    out, k = [], 0
+    for p in paths:
+        out.append(flat[k : k + len(p)])
+        k += len(p)
+    return out
 
 
 def _depth_of(draft: tuple[list[int], list[int]]) -> int:

@@ -163,3 +163,57 @@ def test_fused_sampling_matches_hf_sampling():
     )  # fmt: skip
     assert 0 < stats["accepted_tokens"] < stats["row_steps"] * 3, stats
     assert p > 1e-3, p
+
+
+def test_merge_drops_what_keep_refuses_with_its_subtree():
+    base = ([1, 5, 6, 7], [-1, 0, 1, 0])
+    extra = ([1, 5, 6, 9, 8, 4, 3], [-1, 0, 1, 2, 0, 4, 0])  # 1 -> 5 -> 6 -> 9, 1 -> 8 -> 4, 1 -> 3
+    refused = []
+
+    def keep(node, token):
+        refused.append((node, token))
+        return token != 8
+
+    tokens, parents = _merge(base, extra, max_nodes=10, keep=keep)
+    assert tokens == [1, 5, 6, 7, 9, 3] and parents == [-1, 0, 1, 0, 2, 0]  # 8 and its child 4 are gone
+    assert (0, 8) in refused and (0, 5) not in refused  # only new branches are asked about
+
+
+class _StubDraft:
+    """A draft drafter with a fixed tree and fixed scored logits (root: token 5 likely, 9 unlikely, 3 outside a
+    trimmed vocabulary)."""
+
+    def __init__(self):
+        self.scored = []
+
+    def set_decoding(self, decoding):
+        pass
+
+    def start(self, input_ids, attention_mask):
+        pass
+
+    def propose(self, contexts, max_nodes, max_depth):
+        logits = torch.full((12,), 0.0)
+        logits[5], logits[9], logits[3] = 10.0, -10.0, -float("inf")
+        self.scored = [{0: logits} for _ in contexts]
+        return [([ctx[-1], 5], [-1, 0]) for ctx in contexts]
+
+
+@pytest.mark.parametrize("prune_below", [0.0, 0.01])
+def test_fused_drafter_prunes_retrieved_branches_the_draft_rules_out(prune_below):
+    from ssmspec.speculate.drafters import FusedDrafter, PromptLookupDrafter
+    from ssmspec.speculate.engine import SpecStats
+
+    # the corpus continues "2" with 9 1 1 (twice: the heaviest), 3 1 and 5 6
+    corpus = SuffixIndex.from_sequences([[2, 9, 1, 1], [2, 9, 1, 1], [2, 3, 1], [2, 5, 6]])
+    fused = FusedDrafter(_StubDraft(), PromptLookupDrafter(2, tree=True, corpus=corpus), prune_below=prune_below)
+    fused.start(None, None)
+    ((tokens, parents),) = fused.propose([[0, 2]], 6, 3)
+    children = {t for t, p in zip(tokens, parents) if p == 0}
+    assert 5 in children and 3 in children  # the draft's own token; a token outside the draft's vocabulary
+    assert (9 in children) == (prune_below == 0)  # the retrieval's favourite, which the draft rules out
+    if prune_below:
+        assert 6 in tokens  # the freed budget takes the retrieved continuation of the draft's token
+    stats = SpecStats()
+    fused.finish(stats)
+    assert stats.drafter["pruned"] == (1 if prune_below else 0)

@@ -103,5 +103,7 @@ def test_context_index_rebuilds_for_an_unrelated_context():
     assert index.matches([4, 2, 3, 1, 2, 9, 2], 4) == _scan([4, 2, 3, 1, 2, 9, 2], 2, 4)
     drafter = PromptLookupDrafter(2, tree=True)
     first = drafter.propose([[1, 2, 3, 1, 2]], 4, 3)
-    assert drafter.propose([[7, 7, 3, 1, 2]], 4, 3) == PromptLookupDrafter(2, tree=True).propose([[7, 7, 3, 1, 2]], 4, 3)
+    assert drafter.propose([[7, 7, 3, 1, 2]], 4, 3) == PromptLookupDrafter(2, tree=True).propose(
+        [[7, 7, 3, 1, 2]], 4, 3
+    )
     assert first == PromptLookupDrafter(2, tree=True).propose([[1, 2, 3, 1, 2]], 4, 3)
