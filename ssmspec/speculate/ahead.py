@@ -72,11 +72,13 @@ class AheadDrafter(Drafter):
         self.base.start(input_ids, attention_mask)
 
     def _join(self) -> None:
-        if self._job is not None:
+        job, self._job = self._job, None
+        if job is not None:
             t0 = time.perf_counter()
-            self._job.result()
-            self.counters["waited_s"] += time.perf_counter() - t0
-            self._job = None
+            try:
+                job.result()
+            finally:
+                self.counters["waited_s"] += time.perf_counter() - t0
 
     def propose(self, contexts, max_nodes, max_depth):
         self._join()
