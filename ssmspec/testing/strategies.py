@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.ahead import AheadDrafter
+from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
@@ -112,8 +113,9 @@ def trees(draw, batch_size: int = 1, max_nodes: int = 16, vocab_size: int = 96) 
 def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[tuple[str, DrafterFactory]]:
     """(description, factory(reference_rows) -> Drafter), adversarial ones included: no drafts, random
     tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
-    not the first child, prompt lookup chains and trees (with and without a retrieval corpus), and draft
-    models (SSM, hybrid, short-conv; chains, dynamic trees, trimmed vocabularies).
+    not the first child, prompt lookup chains and trees (with and without a retrieval corpus, with Saguaro's
+    background drafting), draft models (SSM, hybrid, short-conv; chains, dynamic trees, trimmed
+    vocabularies) and RASD (a draft's dynamic tree fused with a pruned retrieval tree).
 
     Args:
         vocab_size: the target's vocabulary size.
@@ -142,23 +144,50 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
             lambda a: (f"prompt_lookup(n={a[0]}, tree={a[1]})", lambda ref: PromptLookupDrafter(a[0], tree=a[1]))
         ),
         st.tuples(st.integers(1, 3), st.booleans(), seeds).map(lambda a: _retrieval(vocab_size, *a)),
+        st.tuples(st.integers(1, 3), st.booleans(), seeds, st.integers(1, 4)).map(lambda a: _ahead(vocab_size, *a)),
         st.tuples(
             st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.booleans(), st.sampled_from([0, vocab_size // 2])
         ).map(draft_model),  # fmt: skip
+        st.tuples(st.sampled_from(["mamba2", "lfm2"]), seeds).map(lambda a: _rasd(a[0], vocab_size, a[1])),
     )
 
 
+def _noisy_corpus(ref: list[list[int]], vocab_size: int, seed: int) -> SuffixIndex:
+    """The reference rows with about a fifth of their tokens replaced, plus a random document, indexed: retrieved
+    continuations are right for a while, then wrong."""
+    rng = random.Random(seed)
+    docs = [[t if rng.random() > 0.2 else rng.randrange(vocab_size) for t in row] for row in ref]
+    docs.append([rng.randrange(vocab_size) for _ in range(64)])
+    return SuffixIndex.from_sequences(docs)
+
+
 def _retrieval(vocab_size: int, n: int, tree: bool, seed: int) -> tuple[str, DrafterFactory]:
-    """Prompt lookup with a retrieval corpus: the reference rows with about a fifth of their tokens replaced,
-    plus a random document, so retrieved continuations are right for a while, then wrong."""
+    """Prompt lookup with a retrieval corpus (`_noisy_corpus`)."""
 
     def factory(ref: list[list[int]]) -> Drafter:
-        rng = random.Random(seed)
-        docs = [[t if rng.random() > 0.2 else rng.randrange(vocab_size) for t in row] for row in ref]
-        docs.append([rng.randrange(vocab_size) for _ in range(64)])
-        return PromptLookupDrafter(n, tree=tree, corpus=SuffixIndex.from_sequences(docs))
+        return PromptLookupDrafter(n, tree=tree, corpus=_noisy_corpus(ref, vocab_size, seed))
 
     return f"retrieval(n={n}, tree={tree}, seed={seed})", factory
+
+
+def _ahead(vocab_size: int, n: int, tree: bool, seed: int, fanout: int) -> tuple[str, DrafterFactory]:
+    """Retrieval drafting with Saguaro: the next step drafted in a background thread for `fanout` outcomes."""
+
+    def factory(ref: list[list[int]]) -> Drafter:
+        return AheadDrafter(PromptLookupDrafter(n, tree=tree, corpus=_noisy_corpus(ref, vocab_size, seed)), fanout)
+
+    return f"ahead(retrieval(n={n}, tree={tree}, seed={seed}), fanout={fanout})", factory
+
+
+def _rasd(family: str, vocab_size: int, seed: int) -> tuple[str, DrafterFactory]:
+    """RASD: a tiny draft's dynamic tree fused with a pruned retrieval tree (`_noisy_corpus`)."""
+    draft = cached_tiny_model(family, 0, torch.float64, 5)
+
+    def factory(ref: list[list[int]]) -> Drafter:
+        retrieval = PromptLookupDrafter(2, tree=True, corpus=_noisy_corpus(ref, vocab_size, seed))
+        return FusedDrafter(DraftModelDrafter(prepare_draft(draft), vocab_size, tree=True), retrieval)
+
+    return f"rasd({family}, seed={seed})", factory
 
 
 def _draft_model(family: str, vocab_size: int, tree: bool = False, trim: int = 0) -> tuple[str, DrafterFactory]:
@@ -184,6 +213,7 @@ def _chain_drafters(vocab_size: int, seeds) -> st.SearchStrategy[tuple[str, Draf
         ),
         st.integers(1, 3).map(lambda n: (f"prompt_lookup(n={n}, tree=False)", lambda ref: PromptLookupDrafter(n))),
         st.tuples(st.integers(1, 3), seeds).map(lambda a: _retrieval(vocab_size, a[0], False, a[1])),
+        st.tuples(st.integers(1, 3), seeds, st.integers(1, 4)).map(lambda a: _ahead(vocab_size, a[0], False, *a[1:])),
         st.tuples(st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.sampled_from([0, vocab_size // 2])).map(
             lambda a: _draft_model(a[0], vocab_size, trim=a[1])
         ),
