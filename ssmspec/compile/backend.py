@@ -73,7 +73,7 @@ def ssmspec_backend(
     """
     options = dict(options or {})
     patches = {k: v for k, v in options.items() if k not in _OPTION_NAMES}
-    unknown = set(patches) - set(_inductor_settings())
+    unknown = set(patches) - set(_inductor_settings()) if patches else set()
     if unknown:
         raise ValueError(
             f"ssmspec backend: unknown options {sorted(unknown)}: neither ssmspec's {_OPTION_NAMES} nor Inductor "

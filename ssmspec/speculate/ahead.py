@@ -126,18 +126,18 @@ class AheadDrafter(Drafter):
             if d is None:  # a finished row
                 continue
             self._verified[r] = (d[0], d[1], len(ctx))
-            weights = _path_weights(self._weighted.get(r))
             index = self.base.row_index(r, ctx)  # synced here; the thread only reads it
-            rows.append((r, ctx, len(ctx), index, d[0], d[1], weights))
+            rows.append((r, ctx, len(ctx), index, d[0], d[1], self._weighted.get(r)))
         alpha = self._accepted / (self._accepted + self._rejected)
         self._job = self._pool.submit(self._prepare, rows, max_nodes, max_depth, alpha)
 
     def _prepare(self, rows, max_nodes: int, max_depth: int, alpha: float) -> None:
         """In the thread: the likeliest outcomes' drafts per row, stored for the next `propose`."""
         t0 = time.perf_counter()
-        for r, ctx, n, index, tokens, parents, weights in rows:
+        for r, ctx, n, index, tokens, parents, weighted in rows:
             base = index.tokens  # == ctx[:n] until the main thread joins
             paths = _paths(tokens, parents)
+            weights = _path_weights(weighted, tokens, parents, paths)
             reach, onward = [1.0] * len(tokens), [0.0] * len(tokens)
             for i in range(1, len(tokens)):
                 p = parents[i]
@@ -195,9 +195,13 @@ def _paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
     return paths
 
 
-def _path_weights(weighted: tuple | None) -> dict[tuple[int, ...], float]:
-    """A weighted draft's node weights keyed by path (the verified draft may be a trimmed copy of it)."""
+def _path_weights(
+    weighted: tuple | None, tokens: list[int], parents: list[int], paths: list[tuple[int, ...]]
+) -> dict[tuple[int, ...], float]:
+    """A weighted draft's node weights keyed by path; the verified draft (`tokens`, `parents`, its `paths`) is
+    that draft or a trimmed copy of it, whose paths are reused when it is the draft itself."""
     if weighted is None:
         return {}
-    tokens, parents, weights = weighted
-    return dict(zip(_paths(tokens, parents), weights))
+    w_tokens, w_parents, weights = weighted
+    same = w_tokens == tokens and w_parents == parents
+    return dict(zip(paths if same else _paths(w_tokens, w_parents), weights))

@@ -58,8 +58,9 @@ class Drafter:
         raise NotImplementedError
 
     def ahead(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Draft], max_nodes: int, max_depth: int) -> None:
-        """Called after each proposal, just before the target verifies it (`drafts` as verified): a drafter may
-        start preparing the next step's proposals here (Saguaro, see ssmspec.speculate.ahead). Default: nothing."""
+        """Called after each proposal, just before the target verifies it (`drafts` as verified; None for a
+        finished row): a drafter may start preparing the next step's proposals here (Saguaro, see
+        ssmspec.speculate.ahead). Default: nothing."""
 
     def finish(self, stats) -> None:
         """Called once after the last step (also when generation fails): release what the drafter holds and add
@@ -295,7 +296,8 @@ class DraftModelDrafter(Drafter):
         self.tree = tree
         self.min_path_prob = min_path_prob
         self.processed: list[int] = []
-        # per row, the draft's logits [V] at the nodes of its last dynamic tree whose children it scored
+        # per row, the draft's logits [V] at the nodes of its last dynamic tree whose children it scored (empty
+        # after a proposal of another kind)
         self.scored: list[dict[int, torch.Tensor]] = []
 
     def start(self, input_ids, attention_mask):
@@ -304,6 +306,7 @@ class DraftModelDrafter(Drafter):
         self._device = input_ids.device
 
     def propose(self, contexts, max_nodes, max_depth):
+        self.scored = []  # filled by a dynamic tree only
         if self.decoding is not None and self.decoding.do_sample:
             return self._propose_sampled(contexts, max_nodes, max_depth)
         if self.tree:
@@ -552,7 +555,6 @@ class FusedDrafter(Drafter):
 
     def propose(self, contexts, max_nodes, max_depth):
         share = max(1, int(round(max_nodes * self.draft_share))) if max_nodes > 1 else max_nodes
-        self.draft.scored = []
         drafted = self.draft.propose(contexts, share, max_depth)
         prune = self.prune_below > 0 and bool(self.draft.scored)
         retrieved = self.retrieval.propose(contexts, 2 * max_nodes if prune else max_nodes, max_depth)
