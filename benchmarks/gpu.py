@@ -4,15 +4,24 @@ interpreter, to check the script itself; writes nothing unless --json is given).
 
 1. tree SSD kernel vs its reference op, vs unrolling every root-to-leaf path (one chain SSD per leaf), vs N
    single-token state updates (HF's selective_state_update seam; mamba-ssm's kernel when installed);
-2. verify(N) / decode for N = 1, 6, 16, 64 on a 1.3B-class random-init Mamba2 (48 layers, d_model 2048) in
-   bf16: eager, and compiled with backend="ssmspec" against HF's decode compiled with torch.compile;
-   verification under CUDA graphs is not supported yet: "graphs" stays empty;
+2. verify(N) + commit / decode for N = 1, 6, 16, 64 on a 1.3B-class random-init Mamba2 (48 layers, d_model
+   2048) in bf16: eager; under CUDA graphs (each side's step captured once with torch.cuda.graph and replayed:
+   static shapes, the commit over a fixed path length with paths computed on the device, no host read);
+   compiled (backend="ssmspec" against HF's decode under torch.compile); compiled and captured;
 3. end to end on the embedded target and bamba-hybrid (float32, held-out prompts): HF greedy eager and
    compiled, ssmspec autoregressive eager and compiled, chain and tree n-gram and retrieval-tree speculation
    compiled; outputs compared with HF greedy and near-ties counted; `speedup_vs_best_ar` divides by the
-   fastest plain decoder (HF or ssmspec, eager or compiled).
+   fastest plain decoder (HF or ssmspec, eager or compiled);
+4. every supported family's tiny model in bf16 on CUDA under backend="ssmspec": generates without crashing,
+   with speculation, compared with HF greedy (near-ties counted), one process per family.
+
+A section that fails is recorded (its error in the JSON) and the others still run; the JSON is rewritten
+after every mode, method and family. A device call that cannot run every section within its time limit runs
+them in separate calls (`--sections`), and `--merge` puts their JSON files together into docs/data/gpu.json.
 
     python benchmarks/gpu.py                       # on an H100/H200 -> docs/data/gpu.json
+    python benchmarks/gpu.py --sections verify e2e --json /tmp/part.json
+    python benchmarks/gpu.py --merge /tmp/part.json /tmp/other.json   # -> docs/data/gpu.json
     python benchmarks/gpu.py --smoke --json out.json
 """
 
@@ -22,8 +31,11 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 if "--smoke" in sys.argv:
@@ -118,48 +130,103 @@ def mamba2_pair(device: str, dtype: torch.dtype, layers: int, hidden: int):
     return ref, ssmspec.transform(copy.deepcopy(ref))
 
 
-def compile_both(ref, model, smoke: bool) -> None:
+def inductor_without_scans(gm, example_inputs):
+    """Inductor with the graph's cumsums opaque (ATen's kernel): the workaround the ssmspec backend applies by
+    itself for torch 2.11's split-scan codegen bug, which plain torch.compile hits on HF's bf16 Mamba2."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from ssmspec.compile.passes import opaque_cumsums
+
+    opaque_cumsums(gm)
+    return compile_fx(gm, example_inputs)
+
+
+def compile_both(ref, model, smoke: bool, hf_backend="inductor") -> None:
     """HF's model with torch.compile, ssmspec's with the ssmspec backend; `smoke` (checking the script on a
     CPU): without Inductor's code generation, which costs minutes there and is tested elsewhere."""
-    ref.compile(backend="eager" if smoke else "inductor")
+    ref.compile(backend="eager" if smoke else hf_backend)
     model.compile(backend="ssmspec", options={"inductor": False} if smoke else None)
 
 
+def cuda_graph(fn):
+    """fn captured once as a CUDA graph (after warm-up calls on a side stream); returns its replay. The
+    replay runs the captured kernels only: the same GPU work as fn, without the Python and launches."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def verify_section(device: str, dtype: torch.dtype, layers: int, hidden: int, nodes: list[int], repeats: int,
-                   smoke: bool = False) -> dict:  # fmt: skip
-    """verify(N) + commit over one HF decode step, eager and compiled (both sides)."""
+                   smoke: bool = False, modes: list[str] | None = None, out: dict | None = None,
+                   save=lambda: None) -> dict:  # fmt: skip
+    """verify(N) + commit over one HF decode step, both sides alike: eager; eager kernels replayed as CUDA
+    graphs ("graphs"); compiled; compiled and replayed as CUDA graphs ("graphs (compiled)")."""
     print(f"\n2. verify(N)/decode, Mamba2 random-init, {layers} layers, d_model {hidden}, {dtype}")
     ref, model = mamba2_pair(device, dtype, layers, hidden)
     ids = torch.randint(3, 1000, (1, 256), device=device)
-    out = {"eager": {}, "compiled": {}, "graphs": {}}
-    for mode in ("eager", "compiled"):
-        if mode == "compiled":
+    out = {} if out is None else out
+    for key in ("eager", "graphs", "compiled", "graphs (compiled)", "decode_ms", "verify_ms", "errors"):
+        out.setdefault(key, {})
+    cuda = device == "cuda"
+    every = ["eager"] + (["graphs"] if cuda else []) + ["compiled"] + (["graphs (compiled)"] if cuda else [])
+    for mode in [m for m in every if modes is None or m in modes]:
+        if mode == "compiled" or (mode == "graphs (compiled)" and modes is not None and "compiled" not in modes):
             torch._dynamo.reset()
-            compile_both(ref, model, smoke)
-        with torch.no_grad():
-            decode = median_time(hf_decode_step(ref, ids), repeats, warmup=2)
-            runner = ModelRunner(model)
-            runner.prefill(ids, torch.ones_like(ids))
-            for n in nodes:
-                tree = random_tree(n, 4, device)
-                last = torch.tensor([int(tree.depth[0].argmax())], device=device)
-                snap = runner.snapshot()
+            # HF's side with opaque cumsums: plain torch.compile crashes on its bf16 Mamba2 path in torch 2.11
+            compile_both(ref, model, smoke, hf_backend=inductor_without_scans)
+        graphed = mode.startswith("graphs")
+        try:
+            with torch.no_grad():
+                decode_fn = hf_decode_step(ref, ids)
+                decode = median_time(cuda_graph(decode_fn) if graphed else decode_fn, repeats, warmup=2)
+                out["decode_ms"][mode] = decode * 1e3
+                # static shapes: the commit runs a fixed number of masked steps and computes paths on the device
+                runner = ModelRunner(model, static_shapes=True)
+                runner.prefill(ids, torch.ones_like(ids))
+                for n in nodes:
+                    tree = random_tree(n, 4, device)
+                    runner.max_nodes, runner.max_depth = n, int(tree.depth.max())
+                    last = torch.tensor([int(tree.depth[0].argmax())], device=device)
 
-                def step(tree=tree, last=last, snap=snap):
-                    runner.verify(tree)
-                    runner.commit(last)
-                    runner.restore(snap)
+                    def step(tree=tree, last=last):
+                        runner.verify(tree)
+                        runner.commit(last)
 
-                ratio = median_time(step, repeats, warmup=2) / decode
-                out[mode][str(n)] = ratio
-                print(f"  {mode:<9} N={n:<3} decode {decode * 1e3:7.2f} ms   verify+commit / decode {ratio:6.2f}")
+                    t0 = time.perf_counter()
+                    fn = cuda_graph(step) if graphed else step
+                    t = median_time(fn, repeats, warmup=2)
+                    out[mode][str(n)] = t / decode
+                    out["verify_ms"].setdefault(mode, {})[str(n)] = t * 1e3
+                    print(f"  {mode:<22} N={n:<3} decode {decode * 1e3:7.2f} ms   verify+commit {t * 1e3:7.2f} ms   "
+                          f"ratio {t / decode:6.2f}   ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - recorded, the other modes and sections still run
+            out["errors"][mode] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"  {mode}: FAILED {out['errors'][mode][:400]}")
+            traceback.print_exc()
+        save()
     return out
 
 
-def e2e_section(device: str, names: list[str], prompts: int, new_tokens: int, smoke: bool = False) -> dict:
-    """Tokens/s end to end, side by side; every output compared with HF greedy, near-ties counted."""
+def e2e_section(
+    device: str,
+    names: list[str],
+    prompts: int,
+    new_tokens: int,
+    smoke: bool = False,
+    out: dict | None = None,
+    save=lambda: None,
+) -> dict:
+    """Tokens/s end to end, side by side; every output compared with HF greedy, near-ties counted. Rows go
+    into `out` as they are measured (`save` after each), so a run cut short keeps what it measured."""
     print(f"\n3. end to end, {prompts} held-out prompts x {new_tokens} tokens, float32, {device}")
-    out = {}
+    out = {} if out is None else out
     for name in names:
         ref, tok = models.load(name)
         ref = ref.to(device)
@@ -176,45 +243,165 @@ def e2e_section(device: str, names: list[str], prompts: int, new_tokens: int, sm
             "HF greedy (compiled)": (compiled_ref, {"do_sample": False}),
             "ssmspec autoregressive (eager)": (eager, {"speculation": spec(drafter="none")}),
             "ssmspec autoregressive (compiled)": (compiled, {"speculation": spec(drafter="none")}),
-            "chain n-gram (compiled)": (compiled, {"speculation": spec(num_draft_tokens=8)}),
-            "tree n-gram (compiled)": (compiled, {"speculation": spec(tree=True, num_draft_tokens=8)}),
             "tree n-gram + corpus, 8 nodes (compiled)": (compiled, {"speculation": spec(
                 tree=True, num_draft_tokens=8, tree_budget=8, corpus=corpus)}),
+            "chain n-gram (compiled)": (compiled, {"speculation": spec(num_draft_tokens=8)}),
+            "tree n-gram (compiled)": (compiled, {"speculation": spec(tree=True, num_draft_tokens=8)}),
+            "tree n-gram + corpus, 8 nodes (eager)": (eager, {"speculation": spec(
+                tree=True, num_draft_tokens=8, tree_budget=8, corpus=corpus)}),
         }  # fmt: skip
+        if not smoke:  # CUDA graphs through Inductor (cudagraph trees), where a user would ask for them
+            graphed_ref = copy.deepcopy(ref)
+            graphed_ref.compile(mode="reduce-overhead")
+            graphed = ssmspec.transform(copy.deepcopy(ref))
+            graphed.compile(backend="ssmspec", mode="reduce-overhead")
+            methods["HF greedy (compiled, reduce-overhead)"] = (graphed_ref, {"do_sample": False})
+            methods["ssmspec autoregressive (compiled, reduce-overhead)"] = (
+                graphed, {"speculation": spec(drafter="none")})  # fmt: skip
+            methods["tree n-gram + corpus, 8 nodes (compiled, reduce-overhead)"] = (graphed, {"speculation": spec(
+                tree=True, num_draft_tokens=8, tree_budget=8, corpus=corpus)})  # fmt: skip
         want = [ref.generate(p, max_new_tokens=new_tokens, do_sample=False) for p in batch]
-        rows = {}
+        rows = out[name] = {}
         for method, (model, kwargs) in methods.items():
             spec = "speculation" in kwargs
             if spec:
                 kwargs = {**kwargs, "return_dict_in_generate": True}
-            for p in batch[:2]:  # warm-up (compilation, tree-size buckets) outside the timing
-                model.generate(p, max_new_tokens=new_tokens, **kwargs)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0, same, ties, tokens = time.perf_counter(), True, 0, 0
-            for p, w in zip(batch, want):
-                got = model.generate(p, max_new_tokens=new_tokens, **kwargs)
-                seq = got.sequences if spec else got
-                same &= torch.equal(seq, w)
-                ties += got.spec_stats["near_ties"] if spec else 0
-                tokens += seq.shape[1] - p.shape[1]
-            if device == "cuda":
-                torch.cuda.synchronize()
+            try:
+                # warm-up on every prompt: each compiled graph (tree-size bucket, commit width) a timed run
+                # meets is compiled before the timing starts
+                for p in batch:
+                    model.generate(p, max_new_tokens=new_tokens, **kwargs)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0, same, ties, tokens = time.perf_counter(), True, 0, 0
+                for p, w in zip(batch, want):
+                    got = model.generate(p, max_new_tokens=new_tokens, **kwargs)
+                    seq = got.sequences if spec else got
+                    same &= torch.equal(seq, w)
+                    ties += got.spec_stats["near_ties"] if spec else 0
+                    tokens += seq.shape[1] - p.shape[1]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - recorded, the other methods still run
+                rows[method] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"  {name:<14} {method:<34} FAILED {rows[method]['error'][:400]}")
+                traceback.print_exc()
+                continue
             rows[method] = {"tokens_per_s": tokens / (time.perf_counter() - t0), "identical": same,
                             "near_ties": ties}  # fmt: skip
-        hf = rows["HF greedy"]["tokens_per_s"]
-        # the best plain decoder a user has: HF or ssmspec without drafts, eager or compiled
-        best_ar = max(
-            v["tokens_per_s"] for k, v in rows.items() if k.startswith(("HF greedy", "ssmspec autoregressive"))
-        )
-        for method, row in rows.items():
-            row["speedup_vs_hf"] = row["tokens_per_s"] / hf
-            row["speedup_vs_best_ar"] = row["tokens_per_s"] / best_ar
+            print(f"  {name:<14} {method:<34} {rows[method]['tokens_per_s']:8.1f} tok/s", flush=True)
+            save()
+        for method, row in speedups(rows).items():
             print(
-                f"  {name:<14} {method:<34} {row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_hf']:.2f} HF  "
-                f"x{row['speedup_vs_best_ar']:.2f} best AR  identical {row['identical']}  near-ties {row['near_ties']}"
+                f"  {name:<14} {method:<34} {row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_hf'] or 0:.2f} HF  "
+                f"x{row['speedup_vs_best_ar'] or 0:.2f} best AR  identical {row['identical']}  "
+                f"near-ties {row['near_ties']}"
             )
-        out[name] = rows
+        save()
+    return out
+
+
+def speedups(rows: dict) -> dict:
+    """Fill each timed row's speed-ups over HF greedy and over the best plain decoder a user has (HF or ssmspec
+    without drafts, eager or compiled, among the rows measured); returns the timed rows."""
+    timed = {k: v for k, v in rows.items() if "tokens_per_s" in v}
+    hf = timed.get("HF greedy", {}).get("tokens_per_s")
+    best_ar = max(
+        (v["tokens_per_s"] for k, v in timed.items() if k.startswith(("HF greedy", "ssmspec autoregressive"))),
+        default=None,
+    )
+    for row in timed.values():
+        row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf else None
+        row["speedup_vs_best_ar"] = row["tokens_per_s"] / best_ar if best_ar else None
+    return timed
+
+
+def merge(paths: list[str]) -> dict:
+    """Section JSON files of one machine (separate device calls) as one result: sections, verify modes, e2e
+    models and families are combined (a later file's entry replaces an earlier one's); each file's device must
+    match; the sources are listed under "runs"."""
+    result: dict = {"runs": []}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        if result.get("device", part["device"]) != part["device"]:
+            sys.exit(f"{path}: measured on {part['device']}, not {result['device']}")
+        result["device"], result["torch"] = part["device"], part["torch"]
+        result["runs"].append({"file": Path(path).name, "seconds": part.get("seconds"),
+                               "sections": [k for k in SECTIONS.values() if k in part]})  # fmt: skip
+        for key in SECTIONS.values():
+            if key not in part:
+                continue
+            if key == "kernels":
+                result[key] = part[key]
+            elif key == "verify_over_decode":
+                into = result.setdefault(key, {})
+                for mode, values in part[key].items():
+                    into.setdefault(mode, {}).update(values)
+                for mode in [m for m in into.get("errors", {}) if into.get(m)]:  # measured by a later run
+                    into["errors"].pop(mode)
+            else:
+                for name, rows in part[key].items():
+                    result.setdefault(key, {}).setdefault(name, {}).update(rows)
+    for rows in result.get("e2e", {}).values():
+        speedups(rows)
+    return result
+
+
+def family_check(family: str, device: str, dtype: torch.dtype, new_tokens: int = 24) -> dict:
+    """One family's tiny model under backend="ssmspec" (Inductor on): speculative generate vs HF greedy."""
+    from ssmspec.compile.backend import STATS
+    from ssmspec.testing.configs import build_tiny_model
+
+    t0 = time.perf_counter()
+    ref = build_tiny_model(family, dtype=dtype).to(device)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]], device=device)
+    want = ref.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    model.compile(backend="ssmspec", options={"inductor": False} if device == "cpu" else None)
+    trees = bool(getattr(model.ssmspec_info, "trees", False))
+    got = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, return_dict_in_generate=True,
+                         speculation=ssmspec.SpecConfig(tree=trees, num_draft_tokens=4))  # fmt: skip
+    same = got.sequences.shape == want.shape and torch.equal(got.sequences, want)
+    first = None if same else int((got.sequences[0, : want.shape[1]] != want[0, : got.sequences.shape[1]]).nonzero()[0])
+    return {"ok": True, "identical": same, "first_difference": first, "near_ties": got.spec_stats["near_ties"],
+            "inductor_fallbacks": STATS.fallbacks, "tree": trees, "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def families_section(
+    smoke: bool,
+    workers: int = 6,
+    timeout: float = 240,
+    out: dict | None = None,
+    save=lambda: None,
+    only: list[str] | None = None,
+) -> dict:
+    """family_check for every supported family, one fresh process each (a crash stays in its process)."""
+    from ssmspec.testing.configs import SUPPORTED_FAMILIES
+
+    families = SUPPORTED_FAMILIES[:2] if smoke else [f for f in SUPPORTED_FAMILIES if only is None or f in only]
+    print(f"\n4. {len(families)} families, bf16, backend='ssmspec', {'cpu (smoke)' if smoke else 'cuda'}")
+
+    def run(family: str) -> tuple[str, dict]:
+        cmd = [sys.executable, __file__, "--family", family] + (["--smoke"] if smoke else [])
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return family, {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode == 0 and lines:
+            return family, json.loads(lines[-1])
+        return family, {"ok": False, "error": (proc.stderr or proc.stdout)[-2000:]}
+
+    out = {} if out is None else out
+    with ThreadPoolExecutor(workers) as pool:
+        for done in as_completed([pool.submit(run, f) for f in families]):
+            family, row = done.result()
+            out[family] = row
+            save()
+            summary = (f"identical {row['identical']}  near-ties {row['near_ties']}  fallbacks "
+                       f"{row['inductor_fallbacks']}  {row['seconds']:.0f} s" if row["ok"]
+                       else "FAILED " + row["error"][-300:])  # fmt: skip
+            print(f"  {family:<18} {summary}")
     return out
 
 
@@ -222,30 +409,94 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter), to test the script")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     p.add_argument("--json", help="where to write the results (default on CUDA: docs/data/gpu.json)")
+    p.add_argument("--family", help=argparse.SUPPRESS)  # the per-family child process of section 4
+    p.add_argument("--verify-modes", nargs="+", help="verify section: only these modes (eager, graphs, compiled, "
+                   "'graphs (compiled)')")  # fmt: skip
+    p.add_argument("--merge", nargs="+", help="merge these section JSON files into --json (default docs/data/gpu.json)")
+    p.add_argument("--models", nargs="+", default=["mamba2-target", "bamba-hybrid"], help="e2e section's models")
+    p.add_argument("--families", nargs="+", help="families section: only these families")
+    p.add_argument("--workers", type=int, default=6, help="families section: processes at a time")
     args = p.parse_args()
+    if args.merge:
+        out = Path(args.json or ROOT / "docs" / "data" / "gpu.json")
+        out.write_text(json.dumps(merge(args.merge), indent=1))
+        print(f"wrote {out}")
+        return
+    if args.family:
+        device = "cpu" if args.smoke else "cuda"
+        print(json.dumps(family_check(args.family, device, torch.bfloat16)))
+        return
     t0 = time.perf_counter()
+    result = {}
+
+    def save() -> None:
+        result["seconds"] = time.perf_counter() - t0
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
     if args.smoke:
         device = "cpu"
-        result = {"kernels": kernel_section(device, torch.float32, 2, 4, 8, [6], 1),
-                  "verify_over_decode": verify_section(device, torch.float32, 2, 64, [1, 6], 1, smoke=True),
-                  "e2e": e2e_section(device, ["mamba2-target"], 1, 8, smoke=True)}  # fmt: skip
+        sections = {
+            "kernels": lambda: kernel_section(device, torch.float32, 2, 4, 8, [6], 1),
+            "verify": lambda: verify_section(
+                device,
+                torch.float32,
+                2,
+                64,
+                [1, 6],
+                1,
+                True,
+                args.verify_modes,
+                result.setdefault("verify_over_decode", {}),
+                save,
+            ),
+            "e2e": lambda: e2e_section(device, ["mamba2-target"], 1, 8, True, result.setdefault("e2e", {}), save),
+            "families": lambda: families_section(
+                True, 1, out=result.setdefault("families", {}), save=save, only=args.families
+            ),
+        }
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu.py needs CUDA (use --smoke to check the script on CPU)")
         device = "cuda"
-        result = {"kernels": kernel_section(device, torch.bfloat16, 64, 64, 128, [6, 16, 64], args.repeats),
-                  "verify_over_decode": verify_section(device, torch.bfloat16, 48, 2048, [1, 6, 16, 64],
-                                                       args.repeats),
-                  "e2e": e2e_section(device, ["mamba2-target", "bamba-hybrid"], 6, 128)}  # fmt: skip
+        sections = {
+            "kernels": lambda: kernel_section(device, torch.bfloat16, 64, 64, 128, [6, 16, 64], args.repeats),
+            "verify": lambda: verify_section(
+                device,
+                torch.bfloat16,
+                48,
+                2048,
+                [1, 6, 16, 64],
+                args.repeats,
+                False,
+                args.verify_modes,
+                result.setdefault("verify_over_decode", {}),
+                save,
+            ),
+            "e2e": lambda: e2e_section(device, args.models, 6, 128, False, result.setdefault("e2e", {}), save),
+            "families": lambda: families_section(
+                False, args.workers, out=result.setdefault("families", {}), save=save, only=args.families
+            ),
+        }
         args.json = args.json or str(ROOT / "docs" / "data" / "gpu.json")
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
     result["torch"] = torch.__version__
-    result["seconds"] = time.perf_counter() - t0
-    result["notes"] = {"graphs": "verification under CUDA graphs is not supported yet: no ratios under CUDA graphs"}
+    for name in args.sections:
+        key = SECTIONS[name]
+        try:
+            result[key] = sections[name]()
+        except Exception as e:  # noqa: BLE001 - recorded, the other sections still run
+            result[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            traceback.print_exc()
+        save()
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"\nwrote {args.json} ({result['seconds']:.0f} s)")
+
+
+# section name -> its key in the JSON
+SECTIONS = {"kernels": "kernels", "verify": "verify_over_decode", "e2e": "e2e", "families": "families"}
 
 
 if __name__ == "__main__":

@@ -114,19 +114,49 @@ def _gpu() -> str:
         return ("**No GPU measurements yet.** `docs/data/gpu.json` does not exist: `python benchmarks/gpu.py` on a "
                 "CUDA machine writes it, and this page then shows its numbers.\n")  # fmt: skip
     data = json.loads(path.read_text())
-    lines = [f"Measured on **{data['device']}**, torch {data['torch']}.", "", "### verify(N) / decode", "",
-             "| N | eager | compiled | CUDA graphs |", "|---|---|---|---|"]  # fmt: skip
-    vod = data["verify_over_decode"]
-    for n in sorted({int(k) for mode in vod.values() for k in mode}):
-        cells = [f"{vod[m][str(n)]:.2f}" if str(n) in vod.get(m, {}) else "not measured" for m in
-                 ("eager", "compiled", "graphs")]  # fmt: skip
+    lines = [f"Measured on **{data['device']}**, torch {data['torch']}."]
+    kernels = data.get("kernels")
+    if isinstance(kernels, list) and kernels:
+        lines += ["", "### Tree SSD kernel (bf16, 64 heads x 64 x state 128, batch 1)", "",
+                  "| nodes | kernel ms | x reference | x unrolled paths | x N single-token updates |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in kernels:
+            k = r["kernel_ms"]
+            lines.append(f"| {r['nodes']} | {k:.3f} | {r['reference_ms'] / k:.2f} | {r['unrolled_ms'] / k:.2f} | "
+                         f"{r['single_token_ms'] / k:.2f} |")  # fmt: skip
+    vod = data.get("verify_over_decode", {})
+    modes = {"eager": "eager", "graphs": "CUDA graphs", "compiled": "compiled", "graphs (compiled)":
+             "compiled + CUDA graphs"}  # fmt: skip
+    lines += ["", "### verify(N) + commit / decode (1.3B-class Mamba2, bf16)", "",
+              "| N | " + " | ".join(modes.values()) + " |", "|---" * (len(modes) + 1) + "|"]  # fmt: skip
+    ns = sorted({int(k) for m in modes for k in vod.get(m, {})})
+    for n in ns:
+        cells = [f"{vod[m][str(n)]:.2f}" if str(n) in vod.get(m, {}) else "not measured" for m in modes]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += ["", "### End to end", "", "| model | method | tokens/s | vs HF greedy | vs best ssmspec AR | identical "
-              "| near-ties |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for model, rows in data["e2e"].items():
+    if vod.get("decode_ms"):
+        lines += ["", "HF decode step: " + ", ".join(f"{modes.get(m, m)} {v:.2f} ms" for m, v in
+                                                     vod["decode_ms"].items()) + "."]  # fmt: skip
+    for mode, err in vod.get("errors", {}).items():
+        lines += ["", f"*{modes.get(mode, mode)}: {err}*"]
+    lines += ["", "### End to end", "", "| model | method | tokens/s | vs HF greedy | vs best plain decoder | "
+              "identical | near-ties |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for model, rows in data.get("e2e", {}).items():
         for method, r in rows.items():
+            if "tokens_per_s" not in r:
+                lines.append(f"| {model} | {method} | failed: {r.get('error', '')[:120]} | | | | |")
+                continue
             lines.append(f"| {model} | {method} | {r['tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | "
                          f"{r['speedup_vs_best_ar']:.2f} | {r['identical']} | {r['near_ties']} |")  # fmt: skip
+    families = data.get("families", {})
+    if families:
+        lines += ["", '### Families under backend="ssmspec" in bf16 on CUDA (tiny models, speculative vs HF greedy)',
+                  "", "| family | result | identical | near-ties | Inductor fallbacks |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for fam, r in sorted(families.items()):
+            if r.get("ok"):
+                lines.append(f"| {fam} | ran | {r['identical']} | {r['near_ties']} | {r['inductor_fallbacks']} |")
+            else:
+                lines.append(f"| {fam} | failed: {r.get('error', '')[-120:]} | | | |")
     for key, note in data.get("notes", {}).items():
         lines += ["", f"*{key}: {note}*"]
     return "\n".join(lines) + "\n"

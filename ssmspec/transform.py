@@ -51,6 +51,8 @@ class TransformInfo:
     limits: dict[str, str] = field(default_factory=dict)
     slot_positions: bool = False
     probe_diffs: dict[str, float] = field(default_factory=dict)
+    # bfloat16/float16: the low-precision probe's finding that the float32 probe overruled as rounding (else None)
+    probe_rounding: str | None = None
 
 
 def _describe(model: nn.Module) -> str:
@@ -239,6 +241,7 @@ def transform(hf_model: nn.Module, config: SpecConfig | None = None) -> nn.Modul
         info.trees, info.batches, info.limits = result.trees, result.batches, result.limits
         info.slot_positions = result.slot_positions
         info.probe_diffs = {"logits": result.max_logit_diff, "layers": result.max_layer_diff}
+        info.probe_rounding = result.rounding
         hf_model.ssmspec_config = config
     except BaseException:
         hf_seams.uninstall(changed)

@@ -272,6 +272,17 @@ class TokenTree:
             node = pr[node]
         return out[::-1]
 
+    def _static_paths(self, last: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`paths` of a fixed width on the device, without reading `last` on the host (a CUDA-graph step):
+        a node's ancestors in index order are its root-to-node path (parents precede their children)."""
+        n = self.num_nodes
+        on_path = torch.gather(self.ancestor_mask, 1, last.view(-1, 1, 1).expand(-1, 1, n)).squeeze(1)  # [B, N]
+        index = torch.arange(n, device=last.device)
+        order = torch.where(on_path, index, index + n).argsort(dim=-1)[:, :m]
+        lengths = on_path.sum(-1)
+        path = torch.where(index[:m] < lengths[:, None], order, last[:, None])
+        return path, lengths
+
     def paths(self, last: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Root-to-node paths for one node per row.
 
@@ -283,8 +294,10 @@ class TokenTree:
         Returns:
             ([B, M] node indices of each path, padded with its last node, [B] path lengths).
         """
+        if width is not None:
+            return self._static_paths(last, min(int(width), self.num_nodes))
         paths = [self.path_nodes(r, node) for r, node in enumerate(last.tolist())]
-        m = min(int(width), self.num_nodes) if width is not None else max(map(len, paths))
+        m = max(map(len, paths))
         rows = [(p + [p[-1]] * (m - len(p)))[:m] for p in paths]
         dev = self.tokens.device
         return (

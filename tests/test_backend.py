@@ -158,6 +158,47 @@ def test_inductor_failure_falls_back_per_graph(monkeypatch, when):
     assert STATS.fallbacks >= 1
 
 
+@pytest.mark.parametrize("when", ["compile", "first run"])
+def test_split_scan_bug_is_worked_around_with_an_opaque_cumsum(monkeypatch, when):
+    """torch 2.11's Triton codegen of a split scan (the cumsum of HF's Mamba2 chunked path) fails in
+    `get_block_shape`; the graph is compiled again with its cumsums opaque to Inductor (ATen's kernel), still
+    through Inductor (no fallback), with one warning saying so, and the output stays exact."""
+    import torch._inductor.compile_fx as inductor
+
+    from ssmspec.compile.backend import STATS
+
+    real = inductor.compile_fx
+    seen = {"cumsum": 0, "opaque": 0}
+
+    def split_scan_bug(gm, example_inputs, *args, **kwargs):
+        targets = [n.target for n in gm.graph.nodes]
+        if any(t in (torch.cumsum, "cumsum", torch.ops.aten.cumsum.default) for t in targets):
+            seen["cumsum"] += 1
+            if when == "compile":
+                raise TypeError("list indices must be integers or slices, not NoneType")
+
+            def run(*a):
+                raise TypeError("list indices must be integers or slices, not NoneType")
+
+            return run
+        seen["opaque"] += torch.ops.ssmspec_compat.cumsum.default in targets
+        return real(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", split_scan_bug)
+    torch._dynamo.reset()
+    STATS.__init__()
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    model.compile(backend="ssmspec", options={"kernels": "reference"})
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="ATen's cumsum"):
+        got = model.generate(ids, max_new_tokens=4, speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3))
+    assert torch.equal(got, want)
+    assert seen["cumsum"] >= 1 and seen["opaque"] >= 1
+    assert STATS.fallbacks == 0 and STATS.workarounds == seen["cumsum"]
+
+
 def test_traceable_references_are_inlined_for_inductor():
     """Where the reference runs anyway (CPU), the backend traces it into the graph so Inductor fuses it; the
     level-by-level references (data-dependent loops) stay ops. The rewritten graph computes the same."""

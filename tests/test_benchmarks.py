@@ -16,8 +16,11 @@ def test_gpu_benchmark_smoke(tmp_path):
     subprocess.run([sys.executable, "gpu.py", "--smoke", "--json", str(out)], cwd=ROOT / "benchmarks", check=True,
                    timeout=900, capture_output=True)  # fmt: skip
     data = json.loads(out.read_text())
-    assert {"device", "torch", "kernels", "verify_over_decode", "e2e"} <= set(data)
-    assert set(data["verify_over_decode"]) == {"eager", "compiled", "graphs"}
+    assert {"device", "torch", "kernels", "verify_over_decode", "e2e", "families"} <= set(data)
+    verify = data["verify_over_decode"]
+    assert {"eager", "compiled", "graphs", "graphs (eager kernels)"} <= set(verify)
+    assert verify["errors"] == {} and set(verify["eager"]) == set(verify["compiled"]) == {"1", "6"}
+    assert all(row["ok"] and row["identical"] for row in data["families"].values()) and data["families"]
     rows = data["e2e"]["mamba2-target"]
     assert all(row["identical"] for row in rows.values())
     for row in rows.values():

@@ -61,6 +61,21 @@ def test_derived_structure(tree):
         assert got == chain[::-1]
 
 
+@given(tree=trees(batch_size=3, max_nodes=12), data=st.data())
+def test_static_width_paths_equal_the_walked_paths(tree, data):
+    """With a fixed width the paths are computed on the device (no host read of `last`: CUDA graphs); they
+    equal the walked paths, padded with the last node (or cut) to the width."""
+    b, n = tree.tokens.shape
+    last = torch.tensor([data.draw(st.integers(0, n - 1)) for _ in range(b)])
+    width = data.draw(st.integers(int(tree.depth[torch.arange(b), last].max()) + 1, n + 2))
+    path, lengths = tree.paths(last, width)
+    assert path.shape == (b, min(width, n))
+    for r in range(b):
+        walked = tree.path_nodes(r, int(last[r]))
+        assert int(lengths[r]) == len(walked)
+        assert path[r].tolist() == (walked + [walked[-1]] * n)[: min(width, n)]
+
+
 @given(st.integers(1, 6))
 def test_chain(n):
     tree = TokenTree.chain(torch.arange(n)[None])

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ssmspec.compile.passes import fold_conv_padding, inline_tree_ops, is_tree_op, lower_tree_ops
+from ssmspec.compile.passes import fold_conv_padding, inline_tree_ops, is_tree_op, lower_tree_ops, opaque_cumsums
 from ssmspec.ops import using_kernel_policy
 
 _OPTION_NAMES = ("kernels", "fuse", "inductor")
@@ -41,6 +41,7 @@ class BackendStats:
     folded: int = 0
     inlined: int = 0  # reference tree-op calls traced into the graph for Inductor to fuse
     fallbacks: int = 0  # graphs run without Inductor after it failed on them
+    workarounds: int = 0  # graphs Inductor compiled only with their cumsums opaque (torch 2.11 scan bug)
     per_graph: list[dict[str, int]] = field(default_factory=list)
 
 
@@ -136,11 +137,30 @@ def _inductor_or_fallback(
         STATS.fallbacks += 1
         return gm.forward
 
+    config = {**(list_mode_options(mode) if mode else {}), **(patches or {})}
+
+    def workaround(exc: BaseException) -> Callable:
+        """Inductor once more with the graph's cumsums opaque (`opaque_cumsums`: torch 2.11's split-scan codegen
+        bug); a graph without any, or one that fails again, falls back."""
+        if not opaque_cumsums(gm):
+            return fallback(exc)
+        try:
+            compiled = compile_fx(gm, example_inputs, config_patches=config or None)
+        except Exception:  # noqa: BLE001 - not that bug: fall back for this graph (its cumsums stay opaque)
+            return fallback(exc)
+        warnings.warn(
+            f"ssmspec backend: Inductor failed on a graph ({type(exc).__name__}: {str(exc).splitlines()[0][:200]});"
+            " compiled it with ATen's cumsum instead of Inductor's scan (a torch 2.11 split-scan codegen bug)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        STATS.workarounds += 1
+        return compiled
+
     try:
-        config = {**(list_mode_options(mode) if mode else {}), **(patches or {})}
         compiled = compile_fx(gm, example_inputs, config_patches=config or None)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back for this graph
-        return fallback(exc)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: the workaround, else fall back
+        return workaround(exc)
     state = {"run": compiled, "proven": False}
 
     def run(*args):
@@ -149,8 +169,12 @@ def _inductor_or_fallback(
         try:
             out = state["run"](*args)
         except Exception as exc:  # noqa: BLE001 - the first run compiles Triton code lazily
-            state["run"] = fallback(exc)
-            out = state["run"](*args)
+            state["run"] = workaround(exc)
+            try:
+                out = state["run"](*args)
+            except Exception:  # noqa: BLE001 - the workaround compiled but fails to run: fall back
+                state["run"] = fallback(exc)
+                out = state["run"](*args)
         state["proven"] = True
         return out
 

@@ -145,3 +145,45 @@ def inline_tree_ops(gm: fx.GraphModule, *, on_cuda: bool) -> int:
     if inlined:
         gm.recompile()
     return inlined
+
+
+# ---------------------------------------------------------------- a workaround for a torch bug
+# torch 2.11's Inductor lowers a cumsum over a long axis (HF's Mamba2 chunked path: 256-token chunks) to a split
+# scan whose Triton codegen fails in `get_block_shape` (InductorError: TypeError: list indices must be integers
+# or slices, not NoneType), bf16 prefill and some float32 shapes. Inductor always splits scans it can
+# (config.split_reductions does not apply to them), so the backend's retry hides each floating-point cumsum
+# behind an opaque op: Inductor calls ATen's cumsum for it and compiles the rest of the graph as before.
+@torch.library.custom_op("ssmspec_compat::cumsum", mutates_args=())
+def opaque_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.cumsum of a floating-point tensor, opaque to Inductor (see `opaque_cumsums`)."""
+    return torch.cumsum(x, dim)
+
+
+@opaque_cumsum.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def opaque_cumsums(gm: fx.GraphModule) -> int:
+    """Replace each floating-point cumsum without a dtype argument (torch.cumsum, Tensor.cumsum) by the opaque
+    op; returns how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        is_call = node.op == "call_function" and node.target in (torch.cumsum, torch.ops.aten.cumsum.default)
+        is_method = node.op == "call_method" and node.target == "cumsum"
+        if not (is_call or is_method) or set(node.kwargs) - {"dim"} or len(node.args) > 2:
+            continue
+        x = node.args[0]
+        val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or not isinstance(dim, int):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.ssmspec_compat.cumsum.default, (x, dim))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count

@@ -52,12 +52,24 @@ class SpecCache(DynamicCache):
         self.attention = hf_layers.attention_layers(self.layers)
         self.recurrent = hf_layers.recurrent_layers(self.layers)
         self.valid: torch.Tensor | None = None  # [B, W] validity of the last W absolute slots
-        self.seen = 0  # absolute slot count (of the longest row)
+        self._seen: int | None = 0  # absolute slot count (of the longest row); None: block.max(), not read yet
         self.n_real: torch.Tensor | None = None  # [B] real tokens processed per row
         self.block: torch.Tensor | None = None  # [B] slots of each row in HF's layout (its pads included)
         self.reads_slot_positions = False  # a model read query/key offsets while verifying a tree
 
     # ---------------------------------------------------------------- layout bookkeeping
+    @property
+    def seen(self) -> int:
+        """Absolute slot count of the longest row. A model without attention never needs it during a step, so
+        its commit leaves it on the device (no host synchronisation: CUDA graphs) until something reads it."""
+        if self._seen is None:
+            self._seen = int(self.block.max())
+        return self._seen
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self._seen = value
+
     def attention_layers(self) -> list[int]:
         """Indices of layers that hold attention K/V."""
         return [a.index for a in self.attention]
@@ -89,7 +101,8 @@ class SpecCache(DynamicCache):
 
     def after_decode(self) -> None:
         """After one HF decode step (one token per row, HF's own cache update)."""
-        self.seen += 1
+        if self._seen is not None:
+            self._seen += 1
         self.n_real = self.n_real + 1
         self.block = self.block + 1
         valid = torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], 1)], dim=1)
@@ -256,9 +269,10 @@ class SpecCache(DynamicCache):
         """
         self.n_real = self.n_real + lengths
         self.block = self.block + lengths
-        self.seen = int(self.block.max())
         if not self.attention:
+            self._seen = None
             return
+        self.seen = int(self.block.max())
         b, w = self.valid.shape
         dev = self.valid.device
         block = torch.minimum(self.block - lengths, torch.full_like(lengths, w))  # each row's stored columns
@@ -301,7 +315,7 @@ class SpecCache(DynamicCache):
                     for name, d in hf_layers.state_dicts(layer).items()}  # fmt: skip
             item["kv"] = hf_layers.kv(layer) if hasattr(layer, "keys") else (None, None)
             states.append(item)
-        return {"layers": states, "valid": self.valid, "seen": self.seen, "n_real": self.n_real, "block": self.block}
+        return {"layers": states, "valid": self.valid, "seen": self._seen, "n_real": self.n_real, "block": self.block}
 
     def restore(self, snap: dict) -> None:
         """Put back the state saved by `snapshot` (conv/recurrent states in place, keeping addresses)."""
@@ -313,4 +327,4 @@ class SpecCache(DynamicCache):
             keys, values = item["kv"]
             if keys is not None:
                 hf_layers.set_kv(layer, keys, values, snap["seen"])
-        self.valid, self.seen, self.n_real, self.block = snap["valid"], snap["seen"], snap["n_real"], snap["block"]
+        self.valid, self._seen, self.n_real, self.block = snap["valid"], snap["seen"], snap["n_real"], snap["block"]

@@ -167,7 +167,7 @@ class ModelRunner:
         tree, verification = self._pending
         self._pending = None
         if verification is None:  # the decode step already advanced every row by its one token
-            return tree.paths(last)
+            return tree.paths(last, 1 if self.static_shapes else None)
         return verification.commit(last, self.max_depth + 1 if self.static_shapes else None, self.fold)
 
     def discard(self) -> None:
