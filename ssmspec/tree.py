@@ -6,12 +6,25 @@ depth, ancestor mask, the k nearest ancestors (for tree conv) and root-to-node p
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ssmspec.errors import InvalidTreeError
+
+
+def upload(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA it goes from pinned memory without waiting for the device (a plain
+    copy from pageable memory synchronises the stream): building a step's tree and handing over its commit
+    never stall the queued work."""
+    device = torch.device(device) if device is not None else t.device
+    if device == t.device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -75,7 +88,11 @@ class TokenTree:
                 row[t] = True
         dev = self.tokens.device
         self.depth_is_index = all(d == list(range(n)) for d in depth)  # every row a chain (positions = slots)
+        # host copies of the structure: verification walks and paths read these, never the device tensors
         self._parents_list = par
+        self._tokens_list = self.tokens.tolist()
+        self._acceptable_list = self.acceptable.tolist()
+        self._depth_list = depth
         self.depth = torch.tensor(depth, dtype=torch.long, device=dev)
         self.ancestor_mask = torch.tensor(anc, dtype=torch.bool, device=dev)
         self._ancestors: dict[int, torch.Tensor] = {}
@@ -126,11 +143,29 @@ class TokenTree:
             # padding continues the row's last node as a chain: a row of chains stays a chain
             par.append(list(row_p) + list(range(len(row_t) - 1, n - 1)))
             ok.append([True] * len(row_t) + [False] * pad)
-        return cls(
-            torch.tensor(tok, dtype=torch.long, device=device),
-            torch.tensor(par, dtype=torch.long, device=device),
-            torch.tensor(ok, dtype=torch.bool, device=device),
-        )
+        host = cls(torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long), torch.tensor(ok))
+        return host.to(device) if device is not None else host
+
+    def to(self, device: torch.device | str) -> TokenTree:
+        """The same trees on `device`, every tensor in one transfer (non-blocking to CUDA, see `upload`); the
+        host-side structure comes along, so nothing derived later reads the device."""
+        device = torch.device(device)
+        if self.tokens.device == device:
+            return self
+        return self._moved(lambda flat: upload(flat, device))
+
+    def _moved(self, transfer) -> TokenTree:
+        """A copy whose tensors went through `transfer` packed into one flat int64 tensor."""
+        b, n = self.tokens.shape
+        parts = [self.tokens, self.parents, self.acceptable, self.depth, self.ancestor_mask]
+        flat = transfer(torch.cat([t.reshape(-1).to(torch.long) for t in parts]))
+        tokens, parents, ok, depth, anc = flat.split([b * n] * 4 + [b * n * n])
+        moved = copy.copy(self)
+        moved.tokens = tokens.view(b, n).to(self.tokens.dtype)
+        moved.parents, moved.depth = parents.view(b, n), depth.view(b, n)
+        moved.acceptable, moved.ancestor_mask = ok.view(b, n).bool(), anc.view(b, n, n).bool()
+        moved._ancestors = {}
+        return moved
 
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> TokenTree:
@@ -151,9 +186,7 @@ class TokenTree:
         Args:
             pad_token_id: the token of padding nodes.
         """
-        depth = self.depth.tolist()
-        ok = self.acceptable.tolist()
-        tok = self.tokens.tolist()
+        depth, ok, tok = self._depth_list, self._acceptable_list, self._tokens_list
         levels = [[[t for t in range(self.num_nodes) if d[t] == lv] for lv in range(max(d) + 1)] for d in depth]
         widths = [max(len(rows[lv]) if lv < len(rows) else 0 for rows in levels) for lv in range(max(map(len, levels)))]
         tokens, parents, accept, origin = [], [], [], []
@@ -182,12 +215,10 @@ class TokenTree:
             parents.append(p_r)
             accept.append(a_r)
             origin.append(o_r)
-        dev = self.tokens.device
         aligned = TokenTree(
-            torch.tensor(tokens, dtype=self.tokens.dtype, device=dev),
-            torch.tensor(parents, dtype=torch.long, device=dev),
-            torch.tensor(accept, dtype=torch.bool, device=dev),
-        )
+            torch.tensor(tokens, dtype=self.tokens.dtype), torch.tensor(parents, dtype=torch.long),
+            torch.tensor(accept, dtype=torch.bool),
+        ).to(self.tokens.device)  # fmt: skip
         aligned.origin = origin
         return aligned
 
@@ -196,16 +227,15 @@ class TokenTree:
         row's last node as a chain, so they are nobody's ancestors); node indices are unchanged."""
         if num_nodes == self.num_nodes:
             return self
-        b, extra = self.batch_size, num_nodes - self.num_nodes
+        extra = num_nodes - self.num_nodes
         if extra < 0:
             raise InvalidTreeError(f"cannot pad {self.num_nodes} nodes down to {num_nodes}")
-        dev = self.tokens.device
-        tail = torch.arange(self.num_nodes - 1, num_nodes - 1, device=dev).expand(b, extra)
+        tail = list(range(self.num_nodes - 1, num_nodes - 1))
         padded = TokenTree(
-            torch.cat([self.tokens, torch.full((b, extra), pad_token_id, dtype=self.tokens.dtype, device=dev)], 1),
-            torch.cat([self.parents, tail], 1),
-            torch.cat([self.acceptable, torch.zeros(b, extra, dtype=torch.bool, device=dev)], 1),
-        )
+            torch.tensor([row + [pad_token_id] * extra for row in self._tokens_list], dtype=self.tokens.dtype),
+            torch.tensor([row + tail for row in self._parents_list], dtype=torch.long),
+            torch.tensor([row + [False] * extra for row in self._acceptable_list]),
+        ).to(self.tokens.device)
         padded.origin = self.origin
         return padded
 
@@ -250,7 +280,7 @@ class TokenTree:
                         cur = pr[cur]
                     rows.append(chain + [-(i + 1) for i in range(k - len(chain))])
                 out.append(rows)
-            self._ancestors[k] = torch.tensor(out, dtype=torch.long, device=self.tokens.device)
+            self._ancestors[k] = upload(torch.tensor(out, dtype=torch.long), self.tokens.device)
         return self._ancestors[k]
 
     def _ancestors_tensor(self, k: int) -> torch.Tensor:
@@ -295,12 +325,12 @@ class TokenTree:
             ([B, M] node indices of each path, padded with its last node, [B] path lengths).
         """
         if width is not None:
-            return self._static_paths(last, min(int(width), self.num_nodes))
+            return self._static_paths(upload(last, self.tokens.device), min(int(width), self.num_nodes))
         paths = [self.path_nodes(r, node) for r, node in enumerate(last.tolist())]
         m = max(map(len, paths))
         rows = [(p + [p[-1]] * (m - len(p)))[:m] for p in paths]
-        dev = self.tokens.device
-        return (
-            torch.tensor(rows, dtype=torch.long, device=dev),
-            torch.tensor([len(p) for p in paths], dtype=torch.long, device=dev),
-        )
+        b = len(rows)
+        flat = upload(torch.tensor([x for row in rows for x in row] + [len(p) for p in paths], dtype=torch.long),
+                      self.tokens.device)  # fmt: skip
+        path, lengths = flat.split([b * m, b])
+        return path.view(b, m), lengths

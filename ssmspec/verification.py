@@ -15,7 +15,7 @@ import torch
 
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.ops import COMMITS, Record
-from ssmspec.tree import TokenTree
+from ssmspec.tree import TokenTree, upload
 
 COMMIT_STRATEGIES = ("replay", "materialize")
 
@@ -78,6 +78,7 @@ class Verification:
         if self.done:
             raise RuntimeError("this verification was already committed or discarded")
         path, lengths = self.tree.paths(last, width)
+        last = upload(last, path.device)
         groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
         for rec in self.records.values():
             groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))

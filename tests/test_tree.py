@@ -76,6 +76,21 @@ def test_static_width_paths_equal_the_walked_paths(tree, data):
         assert path[r].tolist() == (walked + [walked[-1]] * n)[: min(width, n)]
 
 
+@given(tree=trees(batch_size=3, max_nodes=10))
+def test_moving_a_tree_is_one_packed_transfer_of_every_field(tree):
+    """`TokenTree.to` sends every tensor in one flat transfer (non-blocking from pinned memory on CUDA) and
+    carries the host-side structure along: the copy equals the original field by field, dtypes included."""
+    transfers = []
+    moved = tree._moved(lambda flat: transfers.append(flat) or flat.clone())
+    assert len(transfers) == 1
+    for name in ("tokens", "parents", "acceptable", "depth", "ancestor_mask"):
+        a, b = getattr(tree, name), getattr(moved, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert moved._parents_list == tree._parents_list and moved._tokens_list == tree._tokens_list
+    assert torch.equal(moved.ancestors(3), tree.ancestors(3))
+    assert tree.to(tree.tokens.device) is tree
+
+
 @given(st.integers(1, 6))
 def test_chain(n):
     tree = TokenTree.chain(torch.arange(n)[None])

@@ -18,7 +18,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ssmspec.hf.generation import reads_ids
-from ssmspec.tree import TokenTree
+from ssmspec.tree import TokenTree, upload
 
 
 @dataclass
@@ -98,11 +98,9 @@ class Decoding:
         their raw logits (nothing is chosen from them)."""
         if not self.processes:
             return logits
-        tokens = tree.tokens.tolist()
-        ok = tree.acceptable.tolist()
+        tokens, ok = tree._tokens_list, tree._acceptable_list
         seqs, where = [], []
         with_ids = self.reads_ids
-        anc = tree.ancestor_mask.tolist() if with_ids else None
         for b, base in enumerate(bases):
             if base is None:
                 continue
@@ -110,12 +108,11 @@ class Decoding:
                 if not ok[b][t]:
                     continue
                 if with_ids:
-                    seqs.append(list(base) + [tokens[b][j] for j in range(1, t + 1) if anc[b][t][j]])
+                    seqs.append(list(base) + [tokens[b][j] for j in tree.path_nodes(b, t)[1:]])
                 where.append((b, t))
         if not where:
             return logits
-        rows = torch.tensor([w[0] for w in where], device=logits.device)
-        cols = torch.tensor([w[1] for w in where], device=logits.device)
+        rows, cols = upload(torch.tensor(where, dtype=torch.long), logits.device).unbind(1)
         out = logits.clone()
         out[rows, cols] = self.process(seqs if with_ids else None, logits[rows, cols], [w[0] for w in where])
         return out

@@ -165,7 +165,8 @@ def speculative_generate(
                 q = d[2] if len(d) > 2 else None
                 qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
             drafter.ahead(contexts, [None if done[r] else d for r, d in enumerate(drafts)], budget, max(depth, 0))
-            tree = runner.prepare(TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts], device=device))
+            # built and prepared on the host, then one transfer (runner.prepare moves it to the model's device)
+            tree = runner.prepare(TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts]))
             if tree.origin is not None:
                 qs = [{tree.index_of(r, n): v for n, v in q.items()} if q else None for r, q in enumerate(qs)]
             node_logits = runner.verify(tree)
@@ -177,14 +178,18 @@ def speculative_generate(
                 scores = raw
             if dec.do_sample:
                 last, emitted = sample_verify(tree, scores, qs, dec.generator, active)
+                ties_at = None  # near-ties only mean something for greedy choices: not computed when sampling
             else:
-                last, emitted = greedy_verify(tree, scores)
+                # the step's one read from the device: every node's argmax and whether it is a near-tie
+                ties_now = _near_ties(node_logits, stats.near_tie_tolerance).long()
+                picked = torch.stack([scores.argmax(-1), ties_now]).tolist()
+                last, emitted = greedy_verify(tree, None, target=picked[0])
+                ties_at = picked[1]
             cut = last.tolist()  # per row, the last node to commit
             for r, k in forced.items():
                 cut[r] = tree.index_of(r, k)
             path_list = [tree.path_nodes(r, node) for r, node in enumerate(cut)]
-            # near-ties only mean something for greedy choices: not computed when sampling
-            ties = None if dec.do_sample else _path_ties(node_logits, path_list, stats.near_tie_tolerance)
+            ties = None if ties_at is None else [[ties_at[r][node] for node in p] for r, p in enumerate(path_list)]
             stats.verify_steps += 1
             stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
             all_accepted = True
@@ -212,7 +217,7 @@ def speculative_generate(
                     continue
                 if keep:
                     kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
-            runner.commit(torch.tensor(cut, dtype=torch.long, device=device))
+            runner.commit(torch.tensor(cut, dtype=torch.long))  # on the host: the commit uploads what it needs
             stream.release(generated, done)
             if schedule != "constant":
                 depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
@@ -263,17 +268,6 @@ def _near_ties(logits: torch.Tensor, tolerance: float) -> torch.Tensor:
     """Per position, whether the top-2 logit gap is below tolerance * max(1, |top logit|)."""
     top = logits.float().topk(2, dim=-1).values
     return (top[..., 0] - top[..., 1]) < tolerance * top[..., 0].abs().clamp(min=1.0)
-
-
-def _path_ties(logits: torch.Tensor, paths: list[list[int]], tolerance: float) -> list[list[bool]]:
-    """Per row, `_near_ties` at the nodes of its path (root first), computed on those nodes only."""
-    rows = [r for r, p in enumerate(paths) for _ in p]
-    flat = _near_ties(logits[rows, [node for p in paths for node in p]], tolerance).tolist()
-    out, k = [], 0
-    for p in paths:
-        out.append(flat[k : k + len(p)])
-        k += len(p)
-    return out
 
 
 def _depth_of(draft: tuple[list[int], list[int]]) -> int:

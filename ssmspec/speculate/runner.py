@@ -72,6 +72,7 @@ class ModelRunner:
         # one-node trees go through HF's decode path (False: the tree path, e.g. to test it on one node)
         self.decode_single_nodes = decode_single_nodes
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         self.info = getattr(model, "ssmspec_info", None)
         self.level_aligned = bool(getattr(self.info, "slot_positions", False))
         # static shapes (compiled / CUDA-graph verification): trees padded to a power-of-two node count, commits
@@ -113,13 +114,14 @@ class ModelRunner:
         return self.cache.n_real
 
     def prepare(self, tree: TokenTree) -> TokenTree:
-        """The tree to verify for `tree`: level-aligned for models that read positions from cache slots; with
-        static shapes, padded (never-acceptable nodes) to its bucket's node count (`bucket`)."""
+        """The tree to verify for `tree`, on the model's device: level-aligned for models that read positions
+        from cache slots; with static shapes, padded (never-acceptable nodes) to its bucket's node count
+        (`bucket`). A tree built on the host is prepared there and moved in one transfer."""
         if self.level_aligned and tree.batch_size > 1 and not tree.depth_is_index:
             tree = tree.level_aligned()
         if self.static_shapes and tree.num_nodes > 1:
             tree = tree.padded(bucket(tree.num_nodes, self.max_nodes))
-        return tree
+        return tree.to(self.device)
 
     def masks(self, tree: TokenTree):
         """The attention masks of a verify (or decode) step on `tree`, as the model takes them."""

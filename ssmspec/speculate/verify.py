@@ -18,11 +18,9 @@ def walk_rows(tree: TokenTree, walk: Walk, rows: Sequence[bool] | None = None) -
     is the row's node tokens. Rows where `rows` is False are skipped (last node 0, nothing emitted).
 
     Returns:
-        (last accepted node per row [B], emitted tokens per row).
+        (last accepted node per row [B], on the host, emitted tokens per row).
     """
-    tokens = tree.tokens.tolist()
-    parents = tree.parents.tolist()
-    ok = tree.acceptable.tolist()
+    tokens, parents, ok = tree._tokens_list, tree._parents_list, tree._acceptable_list
     last, emitted = [], []
     for b in range(tree.batch_size):
         if rows is not None and not rows[b]:
@@ -36,16 +34,21 @@ def walk_rows(tree: TokenTree, walk: Walk, rows: Sequence[bool] | None = None) -
         node, out = walk(b, kids, tokens[b])
         last.append(node)
         emitted.append(out)
-    return torch.tensor(last, dtype=torch.long, device=tree.tokens.device), emitted
+    return torch.tensor(last, dtype=torch.long), emitted
 
 
-def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
-    """Returns (last accepted node per row [B], emitted tokens per row: accepted drafts then the bonus token).
+def greedy_verify(
+    tree: TokenTree, logits: torch.Tensor | None, target: list[list[int]] | None = None
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Returns (last accepted node per row [B], on the host, emitted tokens per row: accepted drafts then the
+    bonus token).
 
     A child is accepted when it is acceptable and its token equals argmax(logits[parent]); siblings are
-    searched in node order, so the correct branch need not be the first child.
+    searched in node order, so the correct branch need not be the first child. `target`: that argmax per row
+    and node, already read from the device (the engine reads it with the near-ties, in one transfer).
     """
-    target = logits.argmax(-1).tolist()  # [B, N]
+    if target is None:
+        target = logits.argmax(-1).tolist()  # [B, N]
 
     def walk(b: int, kids: dict[int, list[int]], tokens: list[int]) -> tuple[int, list[int]]:
         cur, out = 0, []
