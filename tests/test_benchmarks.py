@@ -18,7 +18,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert {"device", "torch", "kernels", "verify_over_decode", "e2e", "families"} <= set(data)
     verify = data["verify_over_decode"]
-    assert {"eager", "compiled", "graphs", "graphs (eager kernels)"} <= set(verify)
+    assert {"eager", "compiled", "graphs", "graphs (compiled)"} <= set(verify)
     assert verify["errors"] == {} and set(verify["eager"]) == set(verify["compiled"]) == {"1", "6"}
     assert all(row["ok"] and row["identical"] for row in data["families"].values()) and data["families"]
     rows = data["e2e"]["mamba2-target"]
