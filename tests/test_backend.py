@@ -19,14 +19,17 @@ from ssmspec.testing.configs import SUPPORTED_FAMILIES
 from ssmspec.testing.strategies import cached_tiny_model, capabilities
 
 
-def _compiled_vs_eager(family: str, options: dict) -> None:
+def _compiled_vs_eager(family: str, options: dict, device: str = "cpu") -> None:
+    """On CUDA the models run there in float32 (float64 is routed to the references by design)."""
     torch._dynamo.reset()
     STATS.__init__()
     ref = cached_tiny_model(family)
+    if device != "cpu":
+        ref = copy.deepcopy(cached_tiny_model(family, dtype=torch.float32)).to(device)
     eager = ssmspec.transform(copy.deepcopy(ref))
     compiled = ssmspec.transform(copy.deepcopy(ref))
     compiled.compile(backend="ssmspec", options=options)
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
@@ -58,12 +61,13 @@ def test_compiled_equals_eager(family):
 
 @pytest.mark.parametrize("family", ["mamba", "mamba2", "qwen3_next", "kimi_linear", "lfm2"])
 def test_compiled_with_kernels_forced_equals_eager(family):
-    """The lowering to Triton kernels, exercised on CPU through the interpreter."""
+    """The lowering to Triton kernels, exercised on CPU through the interpreter; with CUDA visible, the real
+    kernels on CUDA (Triton cannot compile for CPU tensors outside the interpreter)."""
     if not torch.cuda.is_available():
         import os
 
         assert os.environ.get("TRITON_INTERPRET") == "1"
-    _compiled_vs_eager(family, {"inductor": False, "kernels": True})
+    _compiled_vs_eager(family, {"inductor": False, "kernels": True}, "cuda" if torch.cuda.is_available() else "cpu")
     assert STATS.lowered == STATS.tree_ops > 0
 
 
