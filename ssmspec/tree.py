@@ -90,14 +90,26 @@ class TokenTree:
         self.depth_is_index = all(d == list(range(n)) for d in depth)  # every row a chain (positions = slots)
         # host copies of the structure: verification walks and paths read these, never the device tensors
         self._parents_list = par
-        self._tokens_list = self.tokens.tolist()
-        self._acceptable_list = self.acceptable.tolist()
         self._depth_list = depth
         self.depth = torch.tensor(depth, dtype=torch.long, device=dev)
         self.ancestor_mask = torch.tensor(anc, dtype=torch.bool, device=dev)
         self._ancestors: dict[int, torch.Tensor] = {}
         # per row, the index each node had in the tree this one was level-aligned from (-1: padding)
         self.origin: list[list[int]] | None = None
+
+    @property
+    def _tokens_list(self) -> list[list[int]]:
+        """The tokens on the host (read from the device once, for a tree built there; carried by `to`)."""
+        if "_tokens_host" not in self.__dict__:
+            self._tokens_host = self.tokens.tolist()
+        return self._tokens_host
+
+    @property
+    def _acceptable_list(self) -> list[list[bool]]:
+        """Which nodes are acceptable, on the host (as `_tokens_list`)."""
+        if "_acceptable_host" not in self.__dict__:
+            self._acceptable_host = self.acceptable.tolist()
+        return self._acceptable_host
 
     @classmethod
     def from_lists(
@@ -157,6 +169,7 @@ class TokenTree:
     def _moved(self, transfer) -> TokenTree:
         """A copy whose tensors went through `transfer` packed into one flat int64 tensor."""
         b, n = self.tokens.shape
+        self._tokens_list, self._acceptable_list  # noqa: B018 - read here (cheaply, on the host) so the copy keeps them
         parts = [self.tokens, self.parents, self.acceptable, self.depth, self.ancestor_mask]
         flat = transfer(torch.cat([t.reshape(-1).to(torch.long) for t in parts]))
         tokens, parents, ok, depth, anc = flat.split([b * n] * 4 + [b * n * n])
