@@ -213,11 +213,11 @@ def probe(model: nn.Module) -> ProbeResult:
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
+        if not _low_precision(model):
+            return _probe(model)
         try:
             result = _probe(model)
         except UnsupportedModelError as exc:
-            if not _low_precision(model):
-                raise
             result, found = None, str(exc)
         else:
             found = _narrowed(result)

@@ -174,6 +174,20 @@ def test_deep_bfloat16_model_is_not_refused_for_its_own_rounding():
     assert all(v.dtype == after[k].dtype and torch.equal(v, after[k]) for k, v in before.items())
 
 
+def test_only_low_precision_models_are_probed_again_in_float32():
+    """A float64 model the probe narrows (Inkling2: chains only) keeps that finding: no second probe in float32,
+    whose round trip would round float64 weights that float32 cannot hold."""
+    model = copy.deepcopy(cached_tiny_model("inkling2", 0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.full_like(p, 1e-12))  # not representable in float32
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ssmspec.transform(model)
+    assert not model.ssmspec_info.trees and model.ssmspec_info.probe_rounding is None
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
 def test_semantic_differences_are_still_refused_in_bfloat16():
     """The float32 probe refuses what ssmspec does not reproduce, and leaves the bf16 model as it was."""
     model = _with_attention(QueryIndexFromZero).to(torch.bfloat16)
