@@ -77,8 +77,10 @@ class Verification:
         instead of `fold_states` (a compiled model's compiled version of it)."""
         if self.done:
             raise RuntimeError("this verification was already committed or discarded")
-        path, lengths = self.tree.paths(last, width)
-        last = upload(last, path.device)
+        on_device = upload(last, self.tree.tokens.device)
+        # host indices for the walked paths (no device read); the fixed-width paths are computed on the device
+        path, lengths = self.tree.paths(last if width is None else on_device, width)
+        last = on_device
         groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
         for rec in self.records.values():
             groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))
