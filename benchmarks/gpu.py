@@ -148,6 +148,12 @@ def compile_both(ref, model, smoke: bool, hf_backend="inductor") -> None:
     model.compile(backend="ssmspec", options={"inductor": False} if smoke else None)
 
 
+def failure(e: BaseException) -> str:
+    """A failed mode, method or section as the JSON records it (its traceback printed to the log)."""
+    traceback.print_exc()
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
 def cuda_graph(fn):
     """fn captured once as a CUDA graph (after warm-up calls on a side stream); returns its replay. The
     replay runs the captured kernels only: the same GPU work as fn, without the Python and launches."""
@@ -207,9 +213,8 @@ def verify_section(device: str, dtype: torch.dtype, layers: int, hidden: int, no
                     print(f"  {mode:<22} N={n:<3} decode {decode * 1e3:7.2f} ms   verify+commit {t * 1e3:7.2f} ms   "
                           f"ratio {t / decode:6.2f}   ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded, the other modes and sections still run
-            out["errors"][mode] = f"{type(e).__name__}: {e}"[:2000]
+            out["errors"][mode] = failure(e)
             print(f"  {mode}: FAILED {out['errors'][mode][:400]}")
-            traceback.print_exc()
         save()
     return out
 
@@ -283,9 +288,8 @@ def e2e_section(
                 if device == "cuda":
                     torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - recorded, the other methods still run
-                rows[method] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                rows[method] = {"error": failure(e)}
                 print(f"  {name:<14} {method:<34} FAILED {rows[method]['error'][:400]}")
-                traceback.print_exc()
                 continue
             rows[method] = {"tokens_per_s": tokens / (time.perf_counter() - t0), "identical": same,
                             "near_ties": ties}  # fmt: skip
@@ -488,8 +492,7 @@ def main() -> None:
         try:
             result[key] = sections[name]()
         except Exception as e:  # noqa: BLE001 - recorded, the other sections still run
-            result[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            traceback.print_exc()
+            result[key] = {"error": failure(e)}
         save()
     if args.json:
         print(f"\nwrote {args.json} ({result['seconds']:.0f} s)")
