@@ -315,6 +315,10 @@ class TokenTree:
             node = pr[node]
         return out[::-1]
 
+    def longest_path(self, last: Sequence[int]) -> int:
+        """The longest root-to-`last[b]` path over the rows, in nodes (read on the host)."""
+        return max(self._depth_list[r][node] for r, node in enumerate(last)) + 1
+
     def _static_paths(self, last: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`paths` of a fixed width on the device, without reading `last` on the host (a CUDA-graph step):
         a node's ancestors in index order are its root-to-node path (parents precede their children)."""

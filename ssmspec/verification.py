@@ -29,18 +29,38 @@ class CommittedState(Protocol):
 
     def state_tensor(self, rec: Record) -> torch.Tensor: ...
 
-    def keep_kv(self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor) -> None: ...
+    def keep_kv(
+        self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor, longest: int | None = None
+    ) -> None: ...
 
     def drop_kv(self, widths: dict[int, int]) -> None: ...
 
+    def kv_slots(self) -> tuple[list[torch.Tensor], torch.Tensor] | None: ...
+
+
+def move_slots(buffers: list[torch.Tensor], block: torch.Tensor, path: torch.Tensor) -> None:
+    """Static K/V buffers [B, H, C, D]: each row's accepted nodes, written by the verify step at slots
+    block[b] + node, move down to block[b] + i (i-th node of the path), in place. All M path entries are read
+    before any is written; padded entries land past the row's new end, where no slot is valid."""
+    target = block[:, None] + torch.arange(path.shape[1], device=path.device)
+    source = block[:, None] + path
+    for t in buffers:
+        shape = (-1, t.shape[1], -1, t.shape[3])
+        moved = torch.gather(t, 2, source[:, None, :, None].expand(shape))
+        t.scatter_(2, target[:, None, :, None].expand(shape), moved)
+
 
 def fold_states(
-    groups: dict[str, list[tuple[torch.Tensor, Record]]], path: torch.Tensor, lengths: torch.Tensor, last: torch.Tensor
-) -> None:
+    groups: dict[str, list[tuple[torch.Tensor, Record]]], path: torch.Tensor, lengths: torch.Tensor, last: torch.Tensor,
+    kv: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+) -> None:  # fmt: skip
     """Overwrite the committed states with the accepted paths' (each op family's commit on its records, all
-    layers of a family at once). Tensor work only, so that a compiled model runs it as one compiled graph."""
+    layers of a family at once), and move the accepted K/V slots of static buffers (`kv`: the buffers and each
+    row's first tree slot). Tensor work only, so that a compiled model runs the whole commit as one graph."""
     for kind, items in groups.items():
         COMMITS[kind](items, path, lengths, last)
+    if kv is not None:
+        move_slots(*kv, path)
 
 
 class Verification:
@@ -77,6 +97,8 @@ class Verification:
         instead of `fold_states` (a compiled model's compiled version of it)."""
         if self.done:
             raise RuntimeError("this verification was already committed or discarded")
+        # the longest accepted path, when `last` is on the host (static K/V buffers track how full they are)
+        longest = self.tree.longest_path(last.tolist()) if last.device.type == "cpu" else None
         on_device = upload(last, self.tree.tokens.device)
         # host indices for the walked paths (no device read); the fixed-width paths are computed on the device
         path, lengths = self.tree.paths(last if width is None else on_device, width)
@@ -84,8 +106,8 @@ class Verification:
         groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
         for rec in self.records.values():
             groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))
-        (fold or fold_states)(groups, path, lengths, last)
-        self.cache.keep_kv(self.kv_start, path, lengths)
+        (fold or fold_states)(groups, path, lengths, last, self.cache.kv_slots())
+        self.cache.keep_kv(self.kv_start, path, lengths, longest)
         self.done = True
         return path, lengths
 

@@ -14,6 +14,13 @@ Inside `verifying(tree)` (one ssmspec.verification.Verification per call):
 - query and key offsets are each node's own position (prefix + depth), per node when the tree branches.
 `Verification.commit(last)` then folds the accepted paths in; `keep_kv` rewrites the attention slots so that
 every row again holds exactly its own tokens, contiguous (no slots of rejected drafts, bounded memory).
+
+With a `capacity` (static shapes: compiled and CUDA-graph verification), the attention K/V live instead in
+preallocated buffers [B, H, prompt + capacity, D] updated in place (`static_kv`), laid out by absolute slot:
+each row's tokens occupy its slots [0, block[b]) (the prompt's pads invalid), a step's nodes are written at
+[block[b], block[b] + N), and commit moves each row's accepted path down to [block[b], block[b] + length). Every
+tensor a step touches keeps its shape and address, so one compiled graph (one CUDA graph) serves every step of
+a tree-size bucket; the masks say which slots each node sees (`hf.masks.allowed_static`).
 """
 
 from __future__ import annotations
@@ -37,12 +44,17 @@ class SpecCache(DynamicCache):
         config: the model's config (HF builds the per-layer caches from it).
         commit: "replay" or "materialize" (how verifications commit recurrent states).
         state_dtype: recurrent states are stored in at least this dtype.
+        capacity: static K/V: slots per row to preallocate after the prompt (the tokens that may still follow,
+            tree nodes included; the buffers grow, once, if a step would overflow them). None: HF's dynamic
+            layout (K/V concatenated and rewritten per step).
 
     Raises:
         ValueError: an unknown commit strategy.
     """
 
-    def __init__(self, config, *, commit: str = "replay", state_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config, *, commit: str = "replay", state_dtype: torch.dtype | None = None, capacity: int | None = None
+    ) -> None:
         if commit not in COMMIT_STRATEGIES:
             raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
         super().__init__(config=config)
@@ -56,6 +68,9 @@ class SpecCache(DynamicCache):
         self.n_real: torch.Tensor | None = None  # [B] real tokens processed per row
         self.block: torch.Tensor | None = None  # [B] slots of each row in HF's layout (its pads included)
         self.reads_slot_positions = False  # a model read query/key offsets while verifying a tree
+        self.capacity = capacity
+        self.static_kv = False  # K/V in preallocated buffers (set by `start` when a capacity was given)
+        self._bound = 0  # static K/V: host upper bound of the longest row's slots (`reserve` grows the buffers)
 
     # ---------------------------------------------------------------- layout bookkeeping
     @property
@@ -98,12 +113,64 @@ class SpecCache(DynamicCache):
         self.valid = mask[:, mask.shape[1] - self._needed_width(mask.shape[1]) :]
         self.n_real = mask.sum(-1)
         self.block = torch.full_like(self.n_real, mask.shape[1])
+        if self.capacity is not None and self.attention:
+            self.static_kv = True
+            self._bound = mask.shape[1]
+            # a power of two: prompts of similar lengths share the buffers' shape (and so their compiled graphs)
+            width = 1 << max(6, (mask.shape[1] + self.capacity - 1).bit_length())
+            self.valid = torch.cat([mask, mask.new_zeros(mask.shape[0], width - mask.shape[1])], dim=1)
+            self._place_kv(self.valid.shape[1], mask.shape[1])
+
+    # ---------------------------------------------------------------- static K/V buffers
+    def _place_kv(self, width: int, end: int) -> None:
+        """Put every attention layer's K/V in zeroed [B, H, width, D] buffers, their columns ending at slot `end`:
+        after the prefill, the prompt's last slot (a sliding layer kept only its window); when the buffers grow,
+        the old width (every slot stays where it was). Addresses are marked static (CUDA graphs)."""
+        for a in self.attention:
+            layer = self.layers[a.index]
+            keys, values = hf_layers.kv(layer)
+            if keys is None:
+                raise RuntimeError(f"layer {a.index}: static K/V buffers need a prefilled attention cache")
+            placed = []
+            for t in (keys, values):
+                buf = t.new_zeros(*t.shape[:2], width, t.shape[3])
+                buf[:, :, end - t.shape[2] : end] = t
+                if not torch.compiler.is_compiling():
+                    torch._dynamo.mark_static_address(buf)
+                placed.append(buf)
+            hf_layers.set_kv(layer, *placed, self.seen)
+
+    def reserve(self, nodes: int) -> None:
+        """Make sure a step of `nodes` nodes per row fits the static K/V buffers (eager, before the step: inside a
+        compiled step nothing may change shape); grows them, doubling, where it would not. No-op otherwise."""
+        old = self.valid.shape[1] if self.static_kv else 0
+        if not self.static_kv or self._bound + nodes <= old:
+            return
+        width = max(2 * old, self._bound + nodes)
+        self._place_kv(width, old)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], width - old)], dim=1)
+
+    def _write_kv(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Static K/V: write a step's N nodes per row at slots [block[b], block[b] + N), in place; returns the
+        whole buffers (the masks say which slots each node sees)."""
+        layer = self.layers[layer_idx]
+        keys, values = hf_layers.kv(layer)
+        n = key_states.shape[-2]
+        slots = self.block[:, None] + torch.arange(n, device=self.block.device)
+        for buf, new in ((keys, key_states), (values, value_states)):  # K and V may differ in width (MLA)
+            buf.scatter_(2, slots[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]), new.to(buf.dtype))
+        return keys, values
 
     def after_decode(self) -> None:
         """After one HF decode step (one token per row, HF's own cache update)."""
         if self._seen is not None:
             self._seen += 1
         self.n_real = self.n_real + 1
+        if self.static_kv:  # the token was written at each row's slot `block` (no host synchronisation)
+            self.valid = self.valid.scatter(1, self.block[:, None], True)
+            self.block = self.block + 1
+            self._bound += 1
+            return
         self.block = self.block + 1
         valid = torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], 1)], dim=1)
         self.valid = valid[:, valid.shape[1] - self._needed_width(valid.shape[1]) :]
@@ -119,6 +186,19 @@ class SpecCache(DynamicCache):
         if width is None:
             width = hf_layers.kv_width(self.layers[index])
         return self.valid[:, self.valid.shape[1] - width :]
+
+    def committed_kv(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V [H, T, D] of one row's committed tokens that the layer still attends to (a sliding layer: the
+        last window - 1), in slot order, whichever the layout."""
+        keys, values = hf_layers.kv(self.layers[layer_idx])
+        if self.static_kv:
+            window = next(a.window for a in self.attention if a.index == layer_idx)
+            valid = self.valid[row].clone()
+            if window is not None:
+                valid[: max(int(self.block[row]) - (window - 1), 0)] = False
+        else:
+            valid = self.valid[row, self.valid.shape[1] - keys.shape[2] :]
+        return keys[row][:, valid], values[row][:, valid]
 
     # ---------------------------------------------------------------- committed state access
     def committed_recurrent(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -167,6 +247,8 @@ class SpecCache(DynamicCache):
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.static_kv:
+            return self._write_kv(layer_idx, key_states, value_states)
         if self.verification is None:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]  # keep every slot until commit (sliding layers too)
@@ -184,6 +266,7 @@ class SpecCache(DynamicCache):
     def get_query_offset(self, layer_idx: int = 0):
         """Absolute slot of the first query; while verifying a branching tree, per node (prefix + depth)
         minus its index, so that `arange(q) + offset` is every node's own position."""
+        self._no_slot_positions("get_query_offset")
         if self.verification is None:
             return self.seen
         self.reads_slot_positions = True
@@ -195,6 +278,7 @@ class SpecCache(DynamicCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if not self.attention or self.valid is None:
             return super().get_mask_sizes(query_length, layer_idx)
+        self._no_slot_positions("get_mask_sizes")
         if layer_idx >= len(self.layers) or layer_idx not in self.kv_widths():
             layer_idx = self.attention[0].index
         if self.verification is None:
@@ -207,6 +291,15 @@ class SpecCache(DynamicCache):
             return width + query_length, self.seen - width
         nodes = self.seen + depth - torch.arange(width, width + depth.shape[0], device=depth.device)
         return width + query_length, torch.cat([nodes.new_full((width,), self.seen - width), nodes])
+
+    def _no_slot_positions(self, method: str) -> None:
+        """Static K/V slots are not HF's layout: a model deriving positions or mask sizes from them is refused
+        (the runner keeps HF's layout for models the probe saw reading them)."""
+        if self.static_kv:
+            raise RuntimeError(
+                f"the model calls SpecCache.{method} (positions from cache slots), which the static K/V layout does "
+                "not provide; verify it with SpecConfig(static_shapes=False)"
+            )
 
     def _uniform_depth(self) -> torch.Tensor | None:
         """The tree's node depths if every row has the same depth per node index (None for chains: then
@@ -250,24 +343,34 @@ class SpecCache(DynamicCache):
             self.verification = None
 
     def drop_kv(self, widths: dict[int, int]) -> None:
-        """Remove the slots appended after `widths` (a discarded tree)."""
+        """Remove the slots appended after `widths` (a discarded tree). Static K/V: nothing to do, the tree's
+        slots were never valid."""
+        if self.static_kv:
+            return
         for a in self.attention:
             layer = self.layers[a.index]
             keys, values = hf_layers.kv(layer)
             if keys is not None:
                 hf_layers.set_kv(layer, keys[:, :, : widths[a.index]], values[:, :, : widths[a.index]], self.seen)
 
-    def keep_kv(self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor) -> None:
+    def keep_kv(
+        self, widths: dict[int, int], path: torch.Tensor, lengths: torch.Tensor, longest: int | None = None
+    ) -> None:
         """Keep each row's committed slots plus its accepted path, right-aligned, and nothing else: every row
         is again laid out as in HF's own cache for that row (its pads, its tokens), the slots of rejected drafts
-        are gone, and the layout is as wide as the longest row.
+        are gone, and the layout is as wide as the longest row. Static K/V: the commit already moved the path's
+        slots (`kv_slots`); they become valid here.
 
         Args:
             widths: stored slots per attention layer before the tree's K/V were appended.
             path: [B, M] each row's accepted node indices (padded).
             lengths: [B] accepted path lengths.
+            longest: max(lengths) if known on the host (static K/V: how full the buffers are; else M is assumed).
         """
         self.n_real = self.n_real + lengths
+        if self.static_kv:
+            self._keep_static(path, lengths, path.shape[1] if longest is None else longest)
+            return
         self.block = self.block + lengths
         if not self.attention:
             self._seen = None
@@ -305,6 +408,22 @@ class SpecCache(DynamicCache):
                                 for t in (keys, values))  # fmt: skip
             hf_layers.set_kv(layer, keys, values, self.seen)
 
+    def kv_slots(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """Static K/V: every attention layer's K and V buffers and each row's first tree slot, for the commit to
+        move the accepted nodes' slots (ssmspec.verification.move_slots); None for HF's layout."""
+        if not self.static_kv:
+            return None
+        return [t for a in self.attention for t in hf_layers.kv(self.layers[a.index])], self.block
+
+    def _keep_static(self, path: torch.Tensor, lengths: torch.Tensor, longest: int) -> None:
+        """Static K/V, after the commit moved the accepted slots (`kv_slots`): they become valid, the rest of the
+        step's slots stay invalid; device work only."""
+        steps = torch.arange(path.shape[1], device=path.device)
+        self.valid = self.valid.scatter(1, self.block[:, None] + steps, steps[None, :] < lengths[:, None])
+        self.block = self.block + lengths
+        self._seen = None
+        self._bound += longest
+
     # ---------------------------------------------------------------- snapshots (draft models)
     def snapshot(self) -> dict:
         """Everything needed to roll the cache back: conv/recurrent states (copied, they change in place),
@@ -315,7 +434,9 @@ class SpecCache(DynamicCache):
                     for name, d in hf_layers.state_dicts(layer).items()}  # fmt: skip
             item["kv"] = hf_layers.kv(layer) if hasattr(layer, "keys") else (None, None)
             states.append(item)
-        return {"layers": states, "valid": self.valid, "seen": self._seen, "n_real": self.n_real, "block": self.block}
+        # static K/V: slots below each row's block are never written again, and `valid` is replaced, not changed
+        return {"layers": states, "valid": self.valid, "seen": self._seen, "n_real": self.n_real, "block": self.block,
+                "bound": self._bound}
 
     def restore(self, snap: dict) -> None:
         """Put back the state saved by `snapshot` (conv/recurrent states in place, keeping addresses)."""
@@ -328,3 +449,4 @@ class SpecCache(DynamicCache):
             if keys is not None:
                 hf_layers.set_kv(layer, keys, values, snap["seen"])
         self.valid, self._seen, self.n_real, self.block = snap["valid"], snap["seen"], snap["n_real"], snap["block"]
+        self._bound = snap["bound"]

@@ -33,6 +33,25 @@ def allowed(valid: torch.Tensor, tree: TokenTree, window: int | None) -> torch.T
     return torch.cat([see_prefix, see_tree], dim=-1)
 
 
+def allowed_static(valid: torch.Tensor, block: torch.Tensor, tree: TokenTree, window: int | None) -> torch.Tensor:
+    """[B, N, C] which slots of static K/V buffers (ssmspec.hf.cache, `static_kv`) each node sees: valid committed
+    slots (within the window: block + depth - slot < window) and its ancestors, which the step wrote at
+    slots block + node index. Shapes depend on the bucket only; nothing is read on the host."""
+    b, width = valid.shape
+    n = tree.num_nodes
+    col = torch.arange(width, device=valid.device)
+    node = col[None, :] - block[:, None]  # [B, C]: the tree node a slot holds (outside [0, N): none)
+    in_tree = ((node >= 0) & (node < n))[:, None, :]
+    node = node.clamp(0, n - 1)[:, None, :].expand(b, n, width)
+    see_tree = torch.gather(tree.ancestor_mask, 2, node) & in_tree
+    see_prefix = valid[:, None, :].expand(b, n, width)
+    if window is not None:
+        depth = tree.depth
+        see_prefix = see_prefix & ((block[:, None, None] + depth[:, :, None] - col) < window)
+        see_tree = see_tree & ((depth[:, :, None] - torch.gather(depth[:, None, :].expand(b, n, n), 2, node)) < window)
+    return see_prefix | see_tree
+
+
 def additive(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, 1, N, S] float mask: 0 where allowed, the dtype's minimum elsewhere."""
     mask = torch.zeros(allow.shape[0], 1, *allow.shape[1:], dtype=dtype, device=allow.device)

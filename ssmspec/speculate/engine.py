@@ -83,6 +83,7 @@ def speculative_generate(
     runner = ModelRunner(
         model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
         max_depth=num_draft_tokens, max_nodes=max(tree_budget, num_draft_tokens) + 1,
+        capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2,
     )  # fmt: skip
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     if max_new_tokens <= 0:

@@ -63,7 +63,7 @@ class ModelRunner:
 
     def __init__(
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True,
-        static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None,
+        static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -81,6 +81,10 @@ class ModelRunner:
         self.static_shapes = static_shapes
         self.max_depth = max_depth
         self.max_nodes = max_nodes
+        # static shapes also keep attention K/V in preallocated buffers (ssmspec.hf.cache): `capacity` slots per row
+        # after the prompt (default: 256, grown when a step would not fit); not for models that read positions
+        # from cache slots (the probe saw them do it), which keep HF's layout
+        self.capacity = (capacity or 256) if static_shapes and not self.level_aligned else None
         self.fold = compiled_fold(model)  # None: the eager commit
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
@@ -102,7 +106,9 @@ class ModelRunner:
                 "speculative decoding of a batch is not exact for this model, only one prompt at a time (found at "
                 f"transform: {self.info.limits['batches']})",
             )
-        self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype)
+        self.cache = SpecCache(
+            self.model.config, commit=self.commit_strategy, state_dtype=self.dtype, capacity=self.capacity
+        )
         mask = attention_mask.to(torch.long)
         logits = self._call(input_ids, mask, positions_from_mask(mask))
         self.cache.start(mask)
@@ -128,10 +134,11 @@ class ModelRunner:
         cache = self.cache
         if not cache.attention:
             return None
-        masks = {
-            window: hf_masks.additive(hf_masks.allowed(cache.window_view(window), tree, window), self.dtype)
-            for window in cache.windows()
-        }
+        if cache.static_kv:
+            allow = {w: hf_masks.allowed_static(cache.valid, cache.block, tree, w) for w in cache.windows()}
+        else:
+            allow = {w: hf_masks.allowed(cache.window_view(w), tree, w) for w in cache.windows()}
+        masks = {window: hf_masks.additive(a, self.dtype) for window, a in allow.items()}
         return hf_masks.package(masks, recurrent=bool(cache.linear_layers()))
 
     def _decodes(self, tree: TokenTree) -> bool:
@@ -149,6 +156,7 @@ class ModelRunner:
                 "tree verification is not exact for this model, only chains: use SpecConfig(tree=False) (found at "
                 f"transform: {self.info.limits['trees']})",
             )
+        self.cache.reserve(tree.num_nodes)
         positions = self.cache.n_real[:, None] + tree.depth
         attention = self.masks(tree)
         if self._decodes(tree):

@@ -50,13 +50,6 @@ class CheckReport:
     seams: list[str] = field(default_factory=list)  # the kernel seams transform made tree-aware
 
 
-def _valid_kv(runner: ModelRunner, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    layer = runner.cache.layers[layer_idx]
-    keys, values = hf_layers.kv(layer)
-    valid = runner.cache.valid[row, runner.cache.valid.shape[1] - keys.shape[2] :]
-    return keys[row][:, valid], values[row][:, valid]
-
-
 def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
     """|x - y| relative to y's magnitude (at least 1): states of trained models reach tens, so an absolute
     tolerance would measure their size, not the arithmetic."""
@@ -79,7 +72,7 @@ def state_diff(a: ModelRunner, b: ModelRunner, rows: Sequence[int]) -> float:
                     worst = max(worst, _rel(ta[idx], tb[idx]))
         if i in a.cache.attention_layers():
             for r in rows:
-                (ka, va), (kb, vb) = _valid_kv(a, i, r), _valid_kv(b, i, r)
+                (ka, va), (kb, vb) = a.cache.committed_kv(i, r), b.cache.committed_kv(i, r)
                 if ka.shape != kb.shape:
                     return float("inf")
                 worst = max(worst, _rel(ka, kb), _rel(va, vb))
@@ -100,6 +93,7 @@ def check_model(
     logit_tolerance: float | None = None,
     eos_token_id: int | list[int] | None = None,
     decode_single_nodes: bool = True,
+    static_shapes: bool = False,
 ) -> CheckReport:
     """Run the equivalence checks on a model; raises EquivalenceError at the first violation.
 
@@ -121,6 +115,8 @@ def check_model(
         logit_tolerance: largest plain-forward logit difference allowed.
         eos_token_id: overrides the model's EOS for both sides (to test stopping exactly).
         decode_single_nodes: whether one-node steps use HF's decode path (ssmspec's default) or the tree path.
+        static_shapes: verify as a compiled model does (SpecConfig.static_shapes): padded trees, fixed-length
+            commits, attention K/V in preallocated buffers written in place.
 
     Returns:
         A CheckReport of what was compared.
@@ -196,6 +192,7 @@ def check_model(
                 num_draft_tokens=0,
                 commit=commit,
                 decode_single_nodes=decode_single_nodes,
+                static_shapes=static_shapes,
             )
             _compare(ar_seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "ssmspec autoregressive")
             for make in drafters:
@@ -211,6 +208,7 @@ def check_model(
                     num_draft_tokens=num_draft_tokens,
                     commit=commit,
                     decode_single_nodes=decode_single_nodes,
+                    static_shapes=static_shapes,
                 )
                 report.runs += 1
                 report.mean_accepted_per_step.append(stats.mean_accepted_per_step)

@@ -37,6 +37,8 @@ def test_speculative_equals_hf_greedy(family, data):
     # one-node steps: HF's decode path (the default) or the tree path; only the latter keeps every committed
     # state inside ssmspec's arithmetic, so only it is held to 1e-9 (see check_model)
     decode_single = data.draw(st.booleans(), label="decode single nodes")
+    # as a compiled model verifies: padded trees, fixed-length commits, K/V in preallocated buffers
+    static = data.draw(st.booleans(), label="static shapes")
     note(f"drafter={name}")
     state_tol = 1e-6 if family in FLOAT32_IN_HF_CODE or decode_single else 1e-9
     report = check_model(
@@ -50,6 +52,7 @@ def test_speculative_equals_hf_greedy(family, data):
         eos_token_id=eos,
         state_tolerance=state_tol,
         decode_single_nodes=decode_single,
+        static_shapes=static,
     )
     assert report.tie_flips == 0
     assert report.max_state_diff <= state_tol
