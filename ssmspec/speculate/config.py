@@ -51,6 +51,10 @@ class SpecConfig:
             verifies a step, a background thread drafts the next step for the `ahead` likeliest verification
             outcomes per row (accepted path x bonus token); on a hit the next draft is ready. Drafts and output
             are unchanged; `spec_stats["drafter"]` reports the hit rate and the drafting time saved. 0: off.
+        recycle: token recycling for the "prompt_lookup" drafter: the target's `recycle` most likely next tokens
+            after every token it verified (its logits are computed anyway) are proposed besides the n-gram and
+            corpus votes, and drafts grow best-first by acceptance estimates calibrated online on which drafted
+            nodes the target accepts (ssmspec.speculate.recycling). Most useful with trees. 0: off.
 
     Raises:
         TypeError: a field of the wrong type (named).
@@ -69,13 +73,14 @@ class SpecConfig:
     corpus: SuffixIndex | str | PathLike | Sequence[str | PathLike] | None = None
     draft_vocab: int | Sequence[int] | None = None
     ahead: int = 0
+    recycle: int = 0
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
                  "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
                  "static_shapes": (bool, type(None)),
                  "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
-                 "draft_vocab": (int, list, tuple, type(None)), "ahead": int}  # fmt: skip
+                 "draft_vocab": (int, list, tuple, type(None)), "ahead": int, "recycle": int}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
             if not isinstance(value, want) or (
@@ -118,6 +123,18 @@ class SpecConfig:
             raise ValueError(
                 f"SpecConfig.ahead (Saguaro) drafts ahead for the 'prompt_lookup' drafter; drafter is {self.drafter!r} "
                 "(a draft model's state cannot be forked in a background thread)"
+            )
+        if self.recycle < 0:
+            raise ValueError(f"SpecConfig.recycle must be >= 0 (successors kept per token), got {self.recycle}")
+        if self.recycle and self.drafter != "prompt_lookup":
+            raise ValueError(
+                f"SpecConfig.recycle (token recycling) drafts for the 'prompt_lookup' drafter; drafter is "
+                f"{self.drafter!r}"
+            )
+        if self.recycle and self.ahead:
+            raise ValueError(
+                "SpecConfig.recycle and SpecConfig.ahead cannot be combined: drafting ahead runs while the target "
+                "verifies, before the recycled successors of that step are known"
             )
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")

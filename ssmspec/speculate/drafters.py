@@ -18,6 +18,7 @@ from torch import nn
 from ssmspec.errors import UnsupportedModelError, VocabMismatchError
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.decoding import Decoding
+from ssmspec.speculate.recycling import Calibration, SuccessorTable, Trie, best_first
 from ssmspec.speculate.retrieval import ContextIndex, SuffixIndex
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
@@ -66,6 +67,22 @@ class Drafter:
         """Called once after the last step (also when generation fails): release what the drafter holds and add
         its counters to `stats` (the call's SpecStats). Default: nothing."""
 
+    # the target's top-k successors the engine reports after every token it processes (`observe_prompt`,
+    # `observe`); 0: none (the engine then computes nothing for the drafter)
+    target_topk: int = 0
+
+    def observe_prompt(self, row: int, tokens: Sequence[int], tops: Sequence[tuple[list[int], list[float]]]) -> None:
+        """After the prefill (drafters with `target_topk`): row `row`'s real prompt tokens and, after each of
+        them, the target's top-k next tokens with their probabilities. Default: nothing."""
+
+    def observe(
+        self, row: int, context: Sequence[int], draft: Draft, tops: Sequence[tuple[list[int], list[float]]],
+        emitted: Sequence[int],
+    ) -> None:  # fmt: skip
+        """After a verify step (drafters with `target_topk`): the draft verified for `row` from `context`, the
+        target's top-k next tokens with their probabilities after each of its nodes, and the tokens the step
+        emitted (the accepted drafts, then the bonus token). Default: nothing."""
+
 
 class NoDrafter(Drafter):
     """Proposes nothing: plain greedy decoding through the tree path (ssmspec's own autoregressive decode)."""
@@ -97,13 +114,18 @@ class PromptLookupDrafter(Drafter):
         corpus_weight: the corpus's total vote (in units of one single-token context match).
         corpus_samples: occurrences of the corpus match read per step (evenly spaced over all of them).
         max_corpus_match: the longest context tail matched against the corpus.
+        recycle: token recycling (ssmspec.speculate.recycling): the target's top-`recycle` successors of every
+            token it verified are proposed besides the votes, and the draft is grown best-first by calibrated
+            acceptance estimates (learned online from which drafted nodes the target accepts). 0: off.
     """
 
     def __init__(
         self, max_matching_ngram_size: int = 2, tree: bool = False, max_matches: int = 16, ngram_weight: float = 4.0,
         corpus: SuffixIndex | None = None, corpus_weight: float = 1.0, corpus_samples: int = 32,
-        max_corpus_match: int = 16,
+        max_corpus_match: int = 16, recycle: int = 0,
     ) -> None:  # fmt: skip
+        if recycle < 0:
+            raise ValueError(f"recycle must be >= 0 (successors kept per token), got {recycle}")
         self.max_ngram = max_matching_ngram_size
         self.tree = tree
         self.max_matches = max_matches
@@ -112,7 +134,16 @@ class PromptLookupDrafter(Drafter):
         self.corpus_weight = corpus_weight
         self.corpus_samples = corpus_samples
         self.max_corpus_match = max_corpus_match
+        self.recycle = int(recycle)
+        self.target_topk = self.recycle
         self._indices: list[ContextIndex] = []  # per row, over its context (reset by `start`)
+        self._start_recycling()
+
+    def _start_recycling(self) -> None:
+        """Fresh successor table and calibration (one generate call learns from its own target only)."""
+        self.successors = SuccessorTable(self.recycle) if self.recycle else None
+        self.calibration = Calibration()
+        self._evidence: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}  # row -> {token path: bucket}
 
     def continuations(
         self, ctx: Sequence[int], depth: int, index: ContextIndex | None = None
@@ -132,6 +163,7 @@ class PromptLookupDrafter(Drafter):
 
     def start(self, input_ids, attention_mask):
         self._indices = []
+        self._start_recycling()
 
     def draft(
         self, ctx: Sequence[int], max_nodes: int, max_depth: int, index: ContextIndex | None = None,
@@ -139,8 +171,56 @@ class PromptLookupDrafter(Drafter):
     ) -> Draft | tuple[list[int], list[int], list[float]]:  # fmt: skip
         """One row's draft for the context `ctx` (see `continuations` for `index`); with `with_weights`, each
         node's vote weight too (see `_weighted_draft`)."""
-        conts = self.continuations(ctx, max_depth, index) if max_depth > 0 and max_nodes > 0 else []
+        conts = self._votes(ctx, max_nodes, max_depth, index)
+        if self.recycle and not with_weights:
+            return self._calibrated_draft(ctx, conts, max_nodes, max_depth)[:2]
         return _weighted_draft(int(ctx[-1]), conts, max_nodes, chain=not self.tree, with_weights=with_weights)
+
+    def _votes(self, ctx: Sequence[int], max_nodes: int, max_depth: int, index: ContextIndex | None):
+        """The weighted continuations a draft is made of (none when nothing may be drafted)."""
+        return self.continuations(ctx, max_depth, index) if max_depth > 0 and max_nodes > 0 else []
+
+    def _calibrated_draft(
+        self, ctx: Sequence[int], conts, max_nodes: int, max_depth: int
+    ) -> tuple[list[int], list[int], dict[tuple[int, ...], tuple[int, int]]]:
+        """Votes and recycled successors, grown best-first by calibrated estimates (see `recycle`); with each
+        node's evidence by its token path (what `observe` calibrates with)."""
+        prev = int(ctx[-2]) if len(ctx) > 1 else None
+        trie = Trie(int(ctx[-1]), conts)
+        depth = max_depth if max_nodes > 0 else 0
+        tokens, parents, paths, evidence = best_first(
+            prev, trie, self.successors, self.calibration, max_nodes, depth, chain=not self.tree
+        )
+        return tokens, parents, dict(zip(paths, evidence))
+
+    def observe_prompt(self, row, tokens, tops):
+        for i, (ids, probs) in enumerate(tops):
+            self.successors.learn(int(tokens[i - 1]) if i else None, int(tokens[i]), ids, probs)
+
+    def observe(self, row, context, draft, tops, emitted):
+        tokens, parents = draft[0], draft[1]
+        kids: dict[int, list[int]] = {}
+        for t in range(1, len(tokens)):
+            kids.setdefault(parents[t], []).append(t)
+        path = [0]  # the accepted nodes: what the target saw in the real context
+        for tok in emitted[:-1]:
+            path.append(next(k for k in kids[path[-1]] if tokens[k] == tok))
+        on_path = set(path)
+        # the target's successors of every verified token; a rejected node's (its context was not the real one)
+        # only where nothing is known yet, an accepted node's always. Measured on the embedded model, 16-node
+        # trees: 2.60 tokens per step (2.40 learning from accepted nodes only); with a corpus 3.33 (3.28 learning
+        # from every node alike)
+        before = [int(context[-2]) if len(context) > 1 else None] + [tokens[p] for p in parents[1:]]
+        for t in range(len(tokens)):
+            if t in on_path or not self.successors.knows(before[t], tokens[t]):
+                self.successors.learn(before[t], tokens[t], *tops[t])
+        # calibration: every node whose parent was accepted was tested; it passed if it is on the accepted path
+        evidence = self._evidence.pop(row, {})
+        paths = [()] * len(tokens)
+        for t in range(1, len(tokens)):
+            paths[t] = (*paths[parents[t]], tokens[t])
+            if parents[t] in on_path and paths[t] in evidence:
+                self.calibration.update(evidence[paths[t]], t in on_path)
 
     def row_index(self, row: int, ctx: Sequence[int]) -> ContextIndex:
         """The row's incremental index, synced to `ctx` (kept across the steps of one generate call)."""
@@ -151,7 +231,14 @@ class PromptLookupDrafter(Drafter):
         return index
 
     def propose(self, contexts, max_nodes, max_depth):
-        return [self.draft(ctx, max_nodes, max_depth, self.row_index(r, ctx)) for r, ctx in enumerate(contexts)]
+        if not self.recycle:
+            return [self.draft(ctx, max_nodes, max_depth, self.row_index(r, ctx)) for r, ctx in enumerate(contexts)]
+        out = []
+        for r, ctx in enumerate(contexts):
+            conts = self._votes(ctx, max_nodes, max_depth, self.row_index(r, ctx))
+            tokens, parents, self._evidence[r] = self._calibrated_draft(ctx, conts, max_nodes, max_depth)
+            out.append((tokens, parents))
+        return out
 
 
 def _weighted_draft(
@@ -160,27 +247,12 @@ def _weighted_draft(
 ) -> Draft | tuple[list[int], list[int], list[float]]:  # fmt: skip
     """The heaviest chain, or the `max_nodes` heaviest nodes, of the weighted trie of continuations; with
     `with_weights`, each kept node's weight too (the root's: the total of all continuations)."""
-    tokens, parents, weight, depth = [root], [-1], [0.0], [0]
-    children: dict[tuple[int, int], int] = {}
-    for seq, w in continuations:
-        cur = 0
-        for tok in seq:
-            key = (cur, int(tok))
-            if key not in children:
-                children[key] = len(tokens)
-                tokens.append(int(tok))
-                parents.append(cur)
-                weight.append(0.0)
-                depth.append(depth[cur] + 1)
-            cur = children[key]
-            weight[cur] += w
+    trie = Trie(root, continuations)
+    tokens, parents, weight, depth = trie.tokens, trie.parents, trie.weight, trie.depth
     if chain:
-        kids: dict[int, list[int]] = {}
-        for (par, _), node in children.items():
-            kids.setdefault(par, []).append(node)
         keep, cur = [0], 0
-        while cur in kids and len(keep) <= max_nodes:
-            cur = max(kids[cur], key=lambda k: (weight[k], -k))  # heaviest child, first inserted on ties
+        while cur in trie.kids and len(keep) <= max_nodes:
+            cur = max(trie.kids[cur], key=lambda k: (weight[k], -k))  # heaviest child, first inserted on ties
             keep.append(cur)
         keep = keep[: max_nodes + 1]
     else:
@@ -189,7 +261,6 @@ def _weighted_draft(
     index = {node: i for i, node in enumerate(keep)}
     draft = [tokens[k] for k in keep], [-1] + [index[parents[k]] for k in keep[1:]]
     if with_weights:
-        weight[0] = sum(w for _, w in continuations)
         return (*draft, [weight[k] for k in keep])
     return draft
 

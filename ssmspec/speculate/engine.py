@@ -90,12 +90,22 @@ def speculative_generate(
         return input_ids.clone(), stats, runner
     device = input_ids.device
     stream = ColumnStreamer(dec.streamer, input_ids, pad_token_id)
-    logits = runner.prefill(input_ids, attention_mask)
+    topk = drafter.target_topk
+    logits = runner.prefill(input_ids, attention_mask, all_positions=topk > 0)
     drafter.set_decoding(dec)
     drafter.start(input_ids, attention_mask)
     mask = attention_mask.bool()
     prompts = input_ids.tolist()  # what HF's processors and criteria see: the padded prompt rows
     contexts = [input_ids[r][mask[r]].tolist() for r in range(b)]
+    if topk:  # the target's top-k after every prompt token, for a drafter that recycles them
+        ids_k, probs_k = _top(logits[:, -PROMPT_TOPK_POSITIONS:], topk)
+        ids_k, probs_k = ids_k.tolist(), probs_k.tolist()
+        offset = logits.shape[1] - len(ids_k[0])
+        for r in range(b):
+            real = mask[r, offset:].tolist()
+            tokens = [t for t, m in zip(prompts[r][offset:], real) if m]
+            drafter.observe_prompt(r, tokens, [(i, p) for i, p, m in zip(ids_k[r], probs_k[r], real) if m])
+        logits = logits[:, -1]
     generated: list[list[int]] = [[] for _ in range(b)]
     pads = [0] * b  # pads a finished row has decoded since (only when scores are kept, as HF's loop does)
     done = [False] * b
@@ -177,20 +187,38 @@ def speculative_generate(
                 scores = dec.score_tree(tree, raw, [ids(r) if active[r] or r in forced else None for r in range(b)])
             else:
                 scores = raw
+            tops = None
             if dec.do_sample:
                 last, emitted = sample_verify(tree, scores, qs, dec.generator, active)
                 ties_at = None  # near-ties only mean something for greedy choices: not computed when sampling
+                if topk:
+                    tops = [x.tolist() for x in _top(node_logits, topk)]
             else:
-                # the step's one read from the device: every node's argmax and whether it is a near-tie
+                # the step's one read from the device: every node's argmax and whether it is a near-tie (and the
+                # target's top-k after every node, for a drafter that recycles them)
                 ties_now = _near_ties(node_logits, stats.near_tie_tolerance).long()
-                picked = torch.stack([scores.argmax(-1), ties_now]).tolist()
-                last, emitted = greedy_verify(tree, None, target=picked[0])
-                ties_at = picked[1]
+                if topk:
+                    ids_k, probs_k = _top(node_logits, topk)
+                    picked = torch.cat([scores.argmax(-1)[..., None].double(), ties_now[..., None].double(),
+                                        ids_k.double(), probs_k.double()], -1).tolist()  # [B][N][2 + 2k]  # fmt: skip
+                    target = [[int(node[0]) for node in row] for row in picked]
+                    ties_at = [[int(node[1]) for node in row] for row in picked]
+                    tops = ([[[int(i) for i in node[2 : 2 + topk]] for node in row] for row in picked],
+                            [[node[2 + topk :] for node in row] for row in picked])  # fmt: skip
+                else:
+                    target, ties_at = torch.stack([scores.argmax(-1), ties_now]).tolist()
+                last, emitted = greedy_verify(tree, None, target=target)
             cut = last.tolist()  # per row, the last node to commit
             for r, k in forced.items():
                 cut[r] = tree.index_of(r, k)
             path_list = [tree.path_nodes(r, node) for r, node in enumerate(cut)]
             ties = None if ties_at is None else [[ties_at[r][node] for node in p] for r, p in enumerate(path_list)]
+            if tops is not None:
+                for r in range(b):
+                    if active[r] and r not in forced:
+                        nodes = [tree.index_of(r, n) for n in range(len(drafts[r][0]))]
+                        row_tops = [(tops[0][r][i], tops[1][r][i]) for i in nodes]
+                        drafter.observe(r, contexts[r], drafts[r], row_tops, emitted[r])
             stats.verify_steps += 1
             stats.tree_nodes_per_step.append(max(len(d[0]) for d in drafts))
             all_accepted = True
@@ -258,6 +286,17 @@ def _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device) 
                 kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path[r][: k + 1])
                 pads[r] += k + 1
         runner.commit(last)
+
+
+# prompt positions (the last ones) whose top-k a recycling drafter is told after the prefill
+PROMPT_TOPK_POSITIONS = 2048
+
+
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely next tokens per position and their probabilities (softmax of the raw logits)."""
+    logits = logits.float()
+    values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return ids, (values - logits.logsumexp(-1, keepdim=True)).exp()
 
 
 def near_tie_tolerance(dtype: torch.dtype) -> float:

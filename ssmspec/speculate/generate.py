@@ -107,7 +107,7 @@ def generate(
             retrieval = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index)
             drafter = FusedDrafter(drafter, retrieval)
     elif spec.drafter == "prompt_lookup":
-        drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index)
+        drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index, recycle=spec.recycle)
         if spec.ahead:
             drafter = AheadDrafter(drafter, fanout=spec.ahead)
     else:

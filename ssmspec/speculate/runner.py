@@ -98,8 +98,11 @@ class ModelRunner:
         return self.model(input_ids=input_ids, **kwargs).logits
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Process the (padded) prompt with HF's own forward; returns the last position's logits [B, V]."""
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_positions: bool = False
+    ) -> torch.Tensor:
+        """Process the (padded) prompt with HF's own forward; returns the last position's logits [B, V] (every
+        position's, [B, L, V], with `all_positions`)."""
         if input_ids.shape[0] > 1 and self.info is not None and not self.info.batches:
             raise UnsupportedModelError(
                 type(self.model).__name__,
@@ -112,7 +115,7 @@ class ModelRunner:
         mask = attention_mask.to(torch.long)
         logits = self._call(input_ids, mask, positions_from_mask(mask))
         self.cache.start(mask)
-        return logits[:, -1]
+        return logits if all_positions else logits[:, -1]
 
     @property
     def n_real(self) -> torch.Tensor:

@@ -114,7 +114,7 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
     """(description, factory(reference_rows) -> Drafter), adversarial ones included: no drafts, random
     tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
     not the first child, prompt lookup chains and trees (with and without a retrieval corpus, with Saguaro's
-    background drafting), draft models (SSM, hybrid, short-conv; chains, dynamic trees, trimmed
+    background drafting, with token recycling), draft models (SSM, hybrid, short-conv; chains, dynamic trees, trimmed
     vocabularies) and RASD (a draft's dynamic tree fused with a pruned retrieval tree).
 
     Args:
@@ -145,6 +145,9 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
         ),
         st.tuples(st.integers(1, 3), st.booleans(), seeds).map(lambda a: _retrieval(vocab_size, *a)),
         st.tuples(st.integers(1, 3), st.booleans(), seeds, st.integers(1, 4)).map(lambda a: _ahead(vocab_size, *a)),
+        st.tuples(st.integers(1, 3), st.booleans(), st.integers(1, 8), st.sampled_from([None, *range(4)])).map(
+            lambda a: _recycling(vocab_size, *a)
+        ),
         st.tuples(
             st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.booleans(), st.sampled_from([0, vocab_size // 2])
         ).map(draft_model),  # fmt: skip
@@ -177,6 +180,17 @@ def _ahead(vocab_size: int, n: int, tree: bool, seed: int, fanout: int) -> tuple
         return AheadDrafter(PromptLookupDrafter(n, tree=tree, corpus=_noisy_corpus(ref, vocab_size, seed)), fanout)
 
     return f"ahead(retrieval(n={n}, tree={tree}, seed={seed}), fanout={fanout})", factory
+
+
+def _recycling(vocab_size: int, n: int, tree: bool, k: int, seed: int | None) -> tuple[str, DrafterFactory]:
+    """Prompt lookup with token recycling (the target's top-k successors, calibrated best-first drafts), with a
+    retrieval corpus (`_noisy_corpus`) unless `seed` is None."""
+
+    def factory(ref: list[list[int]]) -> Drafter:
+        corpus = None if seed is None else _noisy_corpus(ref, vocab_size, seed)
+        return PromptLookupDrafter(n, tree=tree, corpus=corpus, recycle=k)
+
+    return f"recycling(n={n}, tree={tree}, k={k}, corpus seed={seed})", factory
 
 
 def _rasd(family: str, vocab_size: int, seed: int) -> tuple[str, DrafterFactory]:
@@ -214,6 +228,9 @@ def _chain_drafters(vocab_size: int, seeds) -> st.SearchStrategy[tuple[str, Draf
         st.integers(1, 3).map(lambda n: (f"prompt_lookup(n={n}, tree=False)", lambda ref: PromptLookupDrafter(n))),
         st.tuples(st.integers(1, 3), seeds).map(lambda a: _retrieval(vocab_size, a[0], False, a[1])),
         st.tuples(st.integers(1, 3), seeds, st.integers(1, 4)).map(lambda a: _ahead(vocab_size, a[0], False, *a[1:])),
+        st.tuples(st.integers(1, 3), st.integers(1, 8), st.sampled_from([None, 0])).map(
+            lambda a: _recycling(vocab_size, a[0], False, *a[1:])
+        ),
         st.tuples(st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.sampled_from([0, vocab_size // 2])).map(
             lambda a: _draft_model(a[0], vocab_size, trim=a[1])
         ),
