@@ -32,7 +32,9 @@ class SpecConfig:
             log-probability, as RSD's stochastic beam search; siblings are always drawn without replacement).
         adaptive: choose each step's depth and node budget (0: plain decoding) for the best expected tokens
             per unit of step cost, from each row's acceptance so far and the model's verify-cost curve, which is
-            measured once per model on first use (SmartSpec style). Output is unchanged; only speed.
+            measured once per model on first use (SmartSpec style). With `recycle`, each tree is sized instead from
+            its nodes' calibrated acceptance estimates: the prefix of the best-first draft with the most expected
+            tokens per unit of step cost. Output is unchanged; only speed.
         static_shapes: pad trees to power-of-two node counts (at most to the largest tree the drafter can
             make) and commit fixed-length paths, so that a compiled verify step (and CUDA graphs) never
             recompile; None: on when the model was compiled (`model.compile(...)`), off in eager mode.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from torch import nn
 from ssmspec.errors import UnsupportedModelError, VocabMismatchError
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.decoding import Decoding
-from ssmspec.speculate.recycling import Calibration, SuccessorTable, Trie, best_first
+from ssmspec.speculate.recycling import Calibration, SuccessorTable, Trie, best_first, goodput_size
 from ssmspec.speculate.retrieval import ContextIndex, SuffixIndex
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
@@ -66,6 +66,13 @@ class Drafter:
     def finish(self, stats) -> None:
         """Called once after the last step (also when generation fails): release what the drafter holds and add
         its counters to `stats` (the call's SpecStats). Default: nothing."""
+
+    def size_by_goodput(self, cost: Callable[[int], float]) -> bool:
+        """Adaptive speculation (SpecConfig.adaptive): a drafter that estimates each node's chance of acceptance
+        may size its trees itself, for the most expected tokens per unit of step cost (`cost(n)`: verifying n
+        nodes, relative to a decode step); it returns True and the engine stops choosing depths. Default: False
+        (the engine chooses depth and budget from the rows' acceptance rates)."""
+        return False
 
     # the target's top-k successors the engine reports after every token it processes (`observe_prompt`,
     # `observe`); 0: none (the engine then computes nothing for the drafter)
@@ -144,6 +151,14 @@ class PromptLookupDrafter(Drafter):
         self.successors = SuccessorTable(self.recycle) if self.recycle else None
         self.calibration = Calibration()
         self._evidence: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}  # row -> {token path: bucket}
+        # adaptive: the step cost of n nodes, set after `start` for this generate call (size_by_goodput)
+        self._cost: Callable[[int], float] | None = None
+
+    def size_by_goodput(self, cost):
+        if not self.recycle:
+            return False
+        self._cost = cost
+        return True
 
     def continuations(
         self, ctx: Sequence[int], depth: int, index: ContextIndex | None = None
@@ -188,9 +203,12 @@ class PromptLookupDrafter(Drafter):
         prev = int(ctx[-2]) if len(ctx) > 1 else None
         trie = Trie(int(ctx[-1]), conts)
         depth = max_depth if max_nodes > 0 else 0
-        tokens, parents, paths, evidence = best_first(
+        tokens, parents, paths, evidence, logp = best_first(
             prev, trie, self.successors, self.calibration, max_nodes, depth, chain=not self.tree
         )
+        if self._cost is not None:  # nodes come in best-first order: keep the prefix with the best goodput
+            n = goodput_size(logp, self._cost)
+            tokens, parents, paths = tokens[:n], parents[:n], paths[:n]
         return tokens, parents, dict(zip(paths, evidence))
 
     def observe_prompt(self, row, tokens, tops):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ssmspec.speculate.adaptive import Acceptance, choose_depth, measure_cost
+from ssmspec.speculate.adaptive import Acceptance, choose_depth, measure_cost, step_cost
 from ssmspec.speculate.decoding import ColumnStreamer, Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.runner import ModelRunner
@@ -146,6 +146,10 @@ def speculative_generate(
         acceptance = Acceptance(b)
         cost = cost_curve(model, runner)
         per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))
+        # a drafter with calibrated per-node estimates sizes each tree itself (the step cost of n nodes: the
+        # measured curve at the bucket n is padded to); the engine then leaves depth and budget at their maximum
+        sized = drafter.size_by_goodput(lambda n: step_cost(cost, runner.padded_size(n)))
+        adaptive = not sized
     shadow = None
     try:
         while not all(done):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # bucket edges of the two pieces of evidence a candidate has: its share of the n-gram votes at its branch and
 # the target's probability for it after its parent's token (recycled); 0 = no such evidence
@@ -123,12 +123,13 @@ class Trie:
 def best_first(
     prev: int | None, trie: Trie, table: SuccessorTable | None, calibration: Calibration, max_nodes: int,
     max_depth: int, chain: bool,
-) -> tuple[list[int], list[int], list[tuple[int, ...]], list[tuple[int, int]]]:  # fmt: skip
+) -> tuple[list[int], list[int], list[tuple[int, ...]], list[tuple[int, int]], list[float]]:  # fmt: skip
     """The draft of at most `max_nodes` nodes, `max_depth` deep, whose nodes have the highest estimated path
     probabilities; candidates after a node are the trie's children (with their vote shares) and the target's
     recycled successors of the node's token (with their probabilities), merged by token. `prev`: the token
     before the root (the context's second to last). Returns (tokens, parents, each node's token path from
-    the root, each node's evidence bucket); node 0 is the root."""
+    the root, each node's evidence bucket, each node's estimated log path probability); node 0 is the root,
+    the others come in the order they were chosen (so every prefix is a tree)."""
     root = trie.tokens[0]
     tokens, parents, logp, depth = [root], [-1], [0.0], [0]
     paths: list[tuple[int, ...]] = [()]
@@ -173,4 +174,17 @@ def best_first(
         prev_of.append(tokens[parent])
         trie_node.append(k)
         expand(len(tokens) - 1)
-    return tokens, parents, paths, features
+    return tokens, parents, paths, features, logp
+
+
+def goodput_size(logp: Sequence[float], cost: Callable[[int], float]) -> int:
+    """How many nodes of a best-first draft (root included; `logp`: each node's log path probability, root
+    first) maximise the expected tokens of the step (1 + the drafted nodes' path probabilities) per unit of
+    its cost (`cost(n)`: verifying n nodes, relative to a decode step). 1: no drafts, plain decoding."""
+    best, size, expected = 1.0 / cost(1), 1, 1.0
+    for n in range(1, len(logp)):
+        expected += math.exp(logp[n])
+        goodput = expected / cost(n + 1)
+        if goodput > best * 1.0001:  # ties go to the smaller tree
+            best, size = goodput, n + 1
+    return size

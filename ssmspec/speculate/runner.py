@@ -122,14 +122,18 @@ class ModelRunner:
         """Tokens processed per row (padding excluded)."""
         return self.cache.n_real
 
+    def padded_size(self, nodes: int) -> int:
+        """The node count a tree of `nodes` nodes is verified with (its bucket, with static shapes)."""
+        return bucket(nodes, self.max_nodes) if self.static_shapes and nodes > 1 else nodes
+
     def prepare(self, tree: TokenTree) -> TokenTree:
         """The tree to verify for `tree`, on the model's device: level-aligned for models that read positions
         from cache slots; with static shapes, padded (never-acceptable nodes) to its bucket's node count
         (`bucket`). A tree built on the host is prepared there and moved in one transfer."""
         if self.level_aligned and tree.batch_size > 1 and not tree.depth_is_index:
             tree = tree.level_aligned()
-        if self.static_shapes and tree.num_nodes > 1:
-            tree = tree.padded(bucket(tree.num_nodes, self.max_nodes))
+        if self.padded_size(tree.num_nodes) != tree.num_nodes:
+            tree = tree.padded(self.padded_size(tree.num_nodes))
         return tree.to(self.device)
 
     def masks(self, tree: TokenTree):

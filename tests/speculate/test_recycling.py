@@ -71,7 +71,7 @@ def test_best_first_takes_the_likeliest_paths(conts, learned, max_nodes, max_dep
         table.learn(None, tok, succ, [0.9 / (i + 1) for i in range(len(succ))])
     cal = Calibration()
     trie = Trie(0, conts)
-    tokens, parents, paths, features = best_first(None, trie, table, cal, max_nodes, max_depth, chain)
+    tokens, parents, paths, features, logps = best_first(None, trie, table, cal, max_nodes, max_depth, chain)
     assert len(tokens) <= max_nodes + 1 and parents[0] == -1 and all(0 <= p < t for t, p in enumerate(parents) if t)
     assert len(set(paths)) == len(paths)  # siblings differ
     depth = [0] * len(tokens)
@@ -97,6 +97,7 @@ def test_best_first_takes_the_likeliest_paths(conts, learned, max_nodes, max_dep
     for t in range(1, len(tokens)):
         lp[t] = lp[parents[t]] + math.log(cal.estimate(features[t]))
         got.append(lp[t])
+    assert logps == pytest.approx(lp)
     if chain:
         assert all(parents[t] == t - 1 for t in range(1, len(tokens)))
         return
@@ -215,3 +216,33 @@ def test_refused_settings_name_themselves():
         ssmspec.SpecConfig(recycle=2.5)
     with pytest.raises(ValueError, match="recycle must be >= 0"):
         PromptLookupDrafter(2, recycle=-2)
+
+
+def test_goodput_size_keeps_the_best_prefix():
+    """Expected tokens (1 + the kept nodes' path probabilities) per unit of cost, over every prefix."""
+    from ssmspec.speculate.recycling import goodput_size
+
+    logp = [0.0] + [math.log(p) for p in (0.9, 0.8, 0.5, 0.1, 0.05)]
+    flat = lambda n: 1.0  # noqa: E731 - nodes are free: keep them all
+    assert goodput_size(logp, flat) == 6
+    steep = lambda n: 1.0 + 0.5 * (n - 1)  # noqa: E731 - each node costs half a decode step
+    # goodputs: 1, 1.9/1.5, 2.7/2, 3.2/2.5, 3.3/3, 3.35/3.5 -> the best is 2 drafted nodes (1.35)
+    assert goodput_size(logp, steep) == 3
+    assert goodput_size(logp, lambda n: 1.0 if n == 1 else 10.0) == 1  # drafting never pays: plain decoding
+
+
+def test_adaptive_recycling_sizes_its_trees_by_cost():
+    """With SpecConfig(adaptive=True) the recycling drafter sizes each tree from its calibrated estimates and
+    the model's measured cost curve; a steep curve makes the trees smaller; the output stays HF greedy."""
+    ref = cached_tiny_model("mamba2")
+    ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    want = ref.generate(ids, max_new_tokens=30, do_sample=False)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    nodes = {}
+    for name, curve in {"flat": {1: 1.0, 32: 1.0}, "steep": {1: 1.0, 2: 3.0, 32: 40.0}}.items():
+        model.__dict__["_ssmspec_cost_curves"] = {(1, "cpu"): curve}  # the measured curve, replaced
+        spec = ssmspec.SpecConfig(tree=True, tree_budget=8, num_draft_tokens=4, recycle=4, adaptive=True)
+        out = model.generate(ids, max_new_tokens=30, speculation=spec, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, want)
+        nodes[name] = out.spec_stats["tree_nodes_per_step"]
+    assert max(nodes["flat"]) == 9 and max(nodes["steep"]) < max(nodes["flat"])
