@@ -1,6 +1,7 @@
-"""Saguaro (speculative speculative decoding) for context drafters: while the target verifies step T, a background
-thread drafts step T+1 for the verification outcomes it expects most (accepted path x bonus token), so that on a
-hit the next tree is ready and the step spends no time drafting.
+"""Saguaro (speculative speculative decoding): while the target verifies step T, a background thread drafts step T+1
+for the verification outcomes it expects most (accepted path x bonus token), so that on a hit the next tree is ready
+and the step spends no time drafting. `AheadDrafter` does it for context drafters (below); `DraftAheadDrafter` for
+draft models, whose state it saves before and after each prepared proposal.
 
 An outcome's chance is estimated from the drafter's own votes: a drafted node is reached with its parent's chance
 times the measured per-token acceptance times the node's share of its parent's votes; the target stops there
@@ -20,7 +21,9 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ssmspec.speculate.drafters import Drafter, PromptLookupDrafter
+from ssmspec.errors import UnsupportedSettingError
+from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, PromptLookupDrafter
+from ssmspec.speculate.recycling import Calibration
 
 
 class AheadDrafter(Drafter):
@@ -36,8 +39,7 @@ class AheadDrafter(Drafter):
         fanout: outcomes prepared per row and step.
 
     Raises:
-        TypeError: a base drafter other than PromptLookupDrafter (a draft model's state cannot be forked in
-            a background thread).
+        TypeError: a base drafter other than PromptLookupDrafter (a draft model: DraftAheadDrafter).
         ValueError: fanout < 1.
     """
 
@@ -185,6 +187,248 @@ class AheadDrafter(Drafter):
             prepared=c["prepared"], saved_s=c["hits"] * c["miss_s"] / max(misses, 1), waited_s=c["waited_s"],
             thread_s=c["thread_s"],
         )  # fmt: skip
+
+
+class DraftAheadDrafter(Drafter):
+    """Saguaro around a draft model's drafter (chains, DySpec dynamic trees, VocabTrim, RASD fusion; greedy
+    decoding): while the target verifies step T, a background thread prepares step T+1 for the `fanout`
+    likeliest outcomes, each a full proposal of the draft from the state that outcome would leave.
+
+    An outcome is the accepted path to a node n and the bonus token x after it. Its chance is estimated from
+    the draft's own distributions q (one draft forward over the verified tree gives q after every node): a
+    drafted child is accepted with the rate measured online for its bucket of q (ssmspec.speculate.recycling's
+    Calibration: a greedy target accepts the draft's top token far more often than q says), n is reached with
+    the product of those rates along its path, the target stops there with what is left after n's children,
+    and x ~ q after n without those children. Hypothesis i takes every row's i-th likeliest outcome;
+    the thread saves the draft's state before it (the state the main thread left) and after each prepared
+    proposal. A hit (every active row's context is that of hypothesis i) loads the state after proposal i and
+    returns its drafts: exactly what the draft would have proposed, so drafts and outputs are unchanged; a miss
+    returns to the state before and proposes as usual. The thread owns the draft (and reads the retrieval
+    indexes, frozen) until the main thread joins it, at the next proposal.
+
+    On a GPU the thread's launches overlap the verifying thread's (the draft's kernels share the device's
+    stream); on a CPU both threads share the cores and Python's lock.
+
+    The thread prepares only as many hypotheses as fit in the target's verification (measured as it runs: the
+    time from `ahead` to the next proposal, against the thread's time per step and per hypothesis), so that the
+    next proposal does not wait for it; where not even one fits, it rests (every 16th step it tries one, to
+    measure again): a draft that costs more than the target's verification gains nothing from drafting ahead.
+
+    Counters (SpecStats.drafter): `proposals`, `hits`, `hit_rate` (steps whose drafts were ready), `prepared`
+    (proposals made ahead), `skipped` (steps it rested), `saved_s` (hits x the main thread's mean drafting time
+    on a miss), `waited_s` (blocked on an unfinished thread), `thread_s` (the thread's busy time).
+
+    Args:
+        base: the draft model's drafter (DraftModelDrafter, or FusedDrafter for RASD).
+        fanout: hypotheses prepared per step (at most).
+        fit: prepare only what fits in the target's verification (see above); False: always `fanout`.
+
+    Raises:
+        TypeError: another kind of drafter.
+        ValueError: fanout < 1.
+    """
+
+    def __init__(self, base: DraftModelDrafter | FusedDrafter, fanout: int = 2, fit: bool = True) -> None:
+        if not isinstance(base, DraftModelDrafter | FusedDrafter):
+            raise TypeError(f"draft-model ahead drafting wraps a draft model's drafter; got {type(base).__name__}")
+        if fanout < 1:
+            raise ValueError(f"ahead drafting needs fanout >= 1, got {fanout}")
+        self.base = base
+        self.fanout = int(fanout)
+        self.fit = fit
+        self._pool: ThreadPoolExecutor | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._job: Future | None = None
+        self._ready: tuple | None = None  # (params, state before, [(tails per row, drafts, state after)])
+        self.calibration = Calibration()  # acceptance of drafted nodes per bucket of the draft's q
+        self._verified: tuple | None = None  # (contexts' lengths, drafts, {row: {node: q}}) of the last step
+        # what fits: the main thread's time from `ahead` to the next proposal (the target's verification), the
+        # thread's fixed time per step (the draft's distributions) and per hypothesis; moving averages
+        self._times = {"verify": None, "fixed": None, "hypothesis": None}
+        self._ahead_at: float | None = None
+        self._steps = 0
+        self.counters = {"proposals": 0, "hits": 0, "prepared": 0, "miss_s": 0.0, "waited_s": 0.0, "thread_s": 0.0,
+                         "skipped": 0}  # fmt: skip
+
+    def _time(self, key: str, seconds: float) -> None:
+        old = self._times[key]
+        self._times[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def _fit(self) -> int:
+        """Hypotheses the thread can prepare while the target verifies (it must not make the next proposal wait):
+        at most `fanout`, 0 when not even one fits (then every 16th step tries one, to measure again)."""
+        t = self._times
+        if not self.fit:
+            return self.fanout
+        if None in t.values():
+            return 1
+        fits = int((t["verify"] - t["fixed"]) / max(t["hypothesis"], 1e-9))
+        return max(0, min(self.fanout, fits)) or int(self._steps % 16 == 0)
+
+    def set_decoding(self, decoding) -> None:
+        if decoding.do_sample:
+            raise UnsupportedSettingError(
+                "ahead", "drafting ahead with a draft model is for greedy decoding (do_sample=False)"
+            )
+        super().set_decoding(decoding)
+        self.base.set_decoding(decoding)
+
+    def start(self, input_ids, attention_mask):
+        self._join()
+        self._reset()
+        self.base.start(input_ids, attention_mask)
+
+    def _join(self) -> None:
+        """Wait for the step's thread and let it end: a live thread that ran torch ops keeps its own OpenMP team,
+        which slowed the verifying thread's ops by a quarter on a 2-core CPU; a thread per step costs ~0.1 ms."""
+        job, self._job = self._job, None
+        if job is not None:
+            t0 = time.perf_counter()
+            try:
+                job.result()
+            finally:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+                self.counters["waited_s"] += time.perf_counter() - t0
+
+    def propose(self, contexts, max_nodes, max_depth):
+        if self._ahead_at is not None:
+            self._time("verify", time.perf_counter() - self._ahead_at)
+            self._ahead_at = None
+        self._join()
+        self._learn(contexts)
+        ready, self._ready = self._ready, None
+        active = [self._verified is None or self._verified[1][r] is not None for r in range(len(contexts))]
+        self.counters["proposals"] += 1
+        if ready is not None:
+            params, before, prepared = ready
+            for tails, drafts, after in prepared if params == (max_nodes, max_depth) else ():
+                if all(not a or list(ctx[len(ctx) - len(t) :]) == t and len(ctx) == n + len(t)
+                       for ctx, t, n, a in zip(contexts, tails, self._verified[0], active)):  # fmt: skip
+                    self.base.load_state(after)
+                    self.counters["hits"] += 1
+                    return drafts
+            self.base.load_state(before)  # the thread moved the draft: back to where the main thread left it
+        t0 = time.perf_counter()
+        out = self.base.propose(contexts, max_nodes, max_depth)
+        self.counters["miss_s"] += time.perf_counter() - t0
+        return out
+
+    def _learn(self, contexts) -> None:
+        """Calibrate: which of the last verified draft's tested nodes (children of accepted nodes; walked along
+        the emitted tokens) the target accepted, per bucket of the draft's q for them."""
+        if self._verified is None:
+            return
+        lengths, drafts, qs = self._verified
+        for r, d in enumerate(drafts):
+            if d is None or r not in qs:
+                continue
+            tokens, parents = d[0], d[1]
+            node = 0
+            for tok in contexts[r][lengths[r] :]:
+                kids = [c for c in range(node + 1, len(tokens)) if parents[c] == node]
+                if node in qs[r]:
+                    for c in kids:
+                        feature = Calibration.feature(0.0, float(qs[r][node][tokens[c]]))
+                        self.calibration.update(feature, tokens[c] == tok)
+                child = next((c for c in kids if tokens[c] == tok), None)
+                if child is None:
+                    break
+                node = child
+
+    def ahead(self, contexts, drafts, max_nodes, max_depth):
+        self._steps += 1
+        self._verified = ([len(c) for c in contexts], list(drafts), {})
+        fanout = self._fit()
+        self._ahead_at = time.perf_counter()
+        if not fanout:
+            self.counters["skipped"] += 1
+            return
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ssmspec-draft-ahead")  # one per step (`_join`)
+        snapshot = [list(c) for c in contexts]  # the engine appends to its lists while the target verifies
+        before = self.base.save_state()
+        self._job = self._pool.submit(self._prepare, snapshot, list(drafts), max_nodes, max_depth, before, fanout)
+        self._ahead_at = time.perf_counter()
+
+    def _prepare(self, contexts, drafts, max_nodes: int, max_depth: int, before: tuple, fanout: int) -> None:
+        """In the thread: the draft's distributions over the verified trees, the likeliest outcomes per row, and
+        one proposal per hypothesis (at most `fanout`), each from the state before it."""
+        t0 = time.perf_counter()
+        try:
+            logits = self.base.node_logits(contexts, drafts)
+            qs = {r: {n: x.float().softmax(-1) for n, x in per.items()} for r, per in enumerate(logits) if per}
+            self._verified[2].update(qs)
+            outcomes = [
+                _likeliest(d, qs[r], self.calibration, fanout) if d is not None and r in qs else [()]
+                for r, d in enumerate(drafts)
+            ]  # fmt: skip
+            self._time("fixed", time.perf_counter() - t0)
+            prepared = []
+            for i in range(fanout):
+                if any(len(o) <= i and d is not None for o, d in zip(outcomes, drafts)):
+                    break  # a row has no i-th outcome: hypothesis i cannot be a hit
+                tails = [list(o[i]) if d is not None else [] for o, d in zip(outcomes, drafts)]
+                t1 = time.perf_counter()
+                self.base.load_state(before)
+                with self.base.frozen():
+                    proposal = self.base.propose([c + t for c, t in zip(contexts, tails)], max_nodes, max_depth)
+                prepared.append((tails, proposal, self.base.save_state()))
+                self.counters["prepared"] += 1
+                self._time("hypothesis", time.perf_counter() - t1)
+            self._ready = ((max_nodes, max_depth), before, prepared)
+        finally:
+            self.counters["thread_s"] += time.perf_counter() - t0
+
+    def finish(self, stats) -> None:
+        try:
+            self._join()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            self.base.finish(stats)
+        c = self.counters
+        misses = c["proposals"] - c["hits"]
+        stats.drafter.update(
+            proposals=c["proposals"], hits=c["hits"], hit_rate=c["hits"] / max(c["proposals"], 1),
+            prepared=c["prepared"], skipped=c["skipped"], saved_s=c["hits"] * c["miss_s"] / max(misses, 1),
+            waited_s=c["waited_s"], thread_s=c["thread_s"],
+        )  # fmt: skip
+
+
+def _likeliest(draft, qs: dict, calibration: Calibration, count: int) -> list[tuple[int, ...]]:
+    """The `count` likeliest (accepted path, bonus token) outcomes of verifying `draft`, as the emitted tokens,
+    from the draft's distributions `qs` after its nodes and the acceptance rates per bucket of q (see
+    DraftAheadDrafter)."""
+    tokens, parents = draft[0], draft[1]
+    paths = _paths(tokens, parents)
+    kids: dict[int, list[int]] = {}
+    for c in range(1, len(tokens)):
+        kids.setdefault(parents[c], []).append(c)
+    reach = [1.0] * len(tokens)
+    scored = []
+    for n in range(len(tokens)):
+        q = qs.get(n)
+        if q is None:
+            continue
+        children = kids.get(n, [])
+        taken = [float(q[tokens[c]]) for c in children]
+        passes = [calibration.estimate(Calibration.feature(0.0, p)) for p in taken]
+        for c, a in zip(children, passes):
+            reach[c] = reach[n] * a
+        rest = 1.0 - sum(taken)
+        stop = reach[n] * max(0.0, 1.0 - sum(passes))
+        if stop <= 0 or rest <= 0:
+            continue
+        excluded = q.clone()
+        if children:
+            excluded[[tokens[c] for c in children]] = 0
+        top_p, top_x = excluded.topk(min(count, excluded.shape[-1]))
+        scored += [(stop * p / rest, paths[n] + (x,)) for p, x in zip(top_p.tolist(), top_x.tolist()) if p > 0]
+    scored.sort(key=lambda o: -o[0])
+    return [o[1] for o in scored[:count]]
 
 
 def _paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:

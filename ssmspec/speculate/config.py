@@ -49,10 +49,13 @@ class SpecConfig:
             `ssmspec.speculate.retrieval.frequent_tokens(index, 512).tolist()`: no corpus, so no fusion), plus
             the prompt's tokens, EOS and pad; mapped back to the target's ids; lossless (drafts only change
             speed). None: the full vocabulary.
-        ahead: Saguaro (speculative speculative decoding) for the "prompt_lookup" drafter: while the target
-            verifies a step, a background thread drafts the next step for the `ahead` likeliest verification
-            outcomes per row (accepted path x bonus token); on a hit the next draft is ready. Drafts and output
-            are unchanged; `spec_stats["drafter"]` reports the hit rate and the drafting time saved. 0: off.
+        ahead: Saguaro (speculative speculative decoding): while the target verifies a step, a background thread
+            drafts the next step for the `ahead` likeliest verification outcomes (accepted path x bonus token):
+            per row for the "prompt_lookup" drafter (ssmspec.speculate.ahead.AheadDrafter); for a draft model
+            (chains, dynamic trees, VocabTrim, RASD; greedy decoding only) each outcome is a full proposal from
+            the draft state it would leave (DraftAheadDrafter). On a hit the next draft is ready. Drafts and
+            output are unchanged; `spec_stats["drafter"]` reports the hit rate and the drafting time saved.
+            0: off.
         recycle: token recycling for the "prompt_lookup" drafter: the target's `recycle` most likely next tokens
             after every token it verified (its logits are computed anyway) are proposed besides the n-gram and
             corpus votes, and drafts grow best-first by acceptance estimates calibrated online on which drafted
@@ -121,11 +124,8 @@ class SpecConfig:
             )
         if self.ahead < 0:
             raise ValueError(f"SpecConfig.ahead must be >= 0 (outcomes drafted ahead per row), got {self.ahead}")
-        if self.ahead and self.drafter != "prompt_lookup":
-            raise ValueError(
-                f"SpecConfig.ahead (Saguaro) drafts ahead for the 'prompt_lookup' drafter; drafter is {self.drafter!r} "
-                "(a draft model's state cannot be forked in a background thread)"
-            )
+        if self.ahead and self.drafter == "none":
+            raise ValueError("SpecConfig.ahead (Saguaro) drafts ahead for a drafter; drafter is 'none'")
         if self.recycle < 0:
             raise ValueError(f"SpecConfig.recycle must be >= 0 (successors kept per token), got {self.recycle}")
         if self.recycle and self.drafter != "prompt_lookup":

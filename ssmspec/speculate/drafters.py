@@ -7,10 +7,11 @@ keeps exactly the target's greedy tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -144,6 +145,7 @@ class PromptLookupDrafter(Drafter):
         self.recycle = int(recycle)
         self.target_topk = self.recycle
         self._indices: list[ContextIndex] = []  # per row, over its context (reset by `start`)
+        self._frozen = False
         self._start_recycling()
 
     def _start_recycling(self) -> None:
@@ -241,12 +243,24 @@ class PromptLookupDrafter(Drafter):
                 self.calibration.update(evidence[paths[t]], t in on_path)
 
     def row_index(self, row: int, ctx: Sequence[int]) -> ContextIndex:
-        """The row's incremental index, synced to `ctx` (kept across the steps of one generate call)."""
+        """The row's incremental index, synced to `ctx` (kept across the steps of one generate call); while
+        `frozen`, as it is (`ctx` then continues what it indexed: lookups scan the rest)."""
         while len(self._indices) <= row:
             self._indices.append(ContextIndex(self.max_ngram))
         index = self._indices[row]
-        index.sync(ctx)
+        if not self._frozen:
+            index.sync(ctx)
         return index
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Propose without extending the rows' indexes (a background thread drafting for hypothetical contexts
+        reads them while the main thread owns them)."""
+        self._frozen = True
+        try:
+            yield
+        finally:
+            self._frozen = False
 
     def propose(self, contexts, max_nodes, max_depth):
         if not self.recycle:
@@ -388,6 +402,7 @@ class DraftModelDrafter(Drafter):
         # per row, the draft's logits [V] at the nodes of its last dynamic tree whose children it scored (empty
         # after a proposal of another kind)
         self.scored: list[dict[int, torch.Tensor]] = []
+        self._root_logits: torch.Tensor | None = None  # a chain's: the draft's logits at the roots [B, V]
 
     def start(self, input_ids, attention_mask):
         self.runner.prefill(input_ids, attention_mask)
@@ -412,7 +427,8 @@ class DraftModelDrafter(Drafter):
         last = torch.tensor([len(p) - 1 for p in pending], device=dev)
         self.runner.commit(last)
         self.processed = [len(ctx) for ctx in contexts]
-        nxt = logits[torch.arange(len(pending), device=dev), last].argmax(-1)
+        self._root_logits = logits[torch.arange(len(pending), device=dev), last]
+        nxt = self._root_logits.argmax(-1)
         drafts = [[int(t)] for t in nxt]
         # 2. draft greedily, then roll back
         confident = self._confident(logits[torch.arange(len(pending), device=dev), last])
@@ -429,6 +445,50 @@ class DraftModelDrafter(Drafter):
             confident = [c and k for c, k in zip(confident, self._confident(logits[:, 0]))]
         self.runner.restore(snap)
         return [([int(ctx[-1])] + d, list(range(-1, len(d)))) for ctx, d in zip(contexts, drafts)]
+
+    # ------------------------------------------------------------------ Saguaro (ssmspec.speculate.ahead)
+    def frozen(self):
+        """Nothing to freeze: a draft model keeps no index (see FusedDrafter.frozen)."""
+        return contextlib.nullcontext()
+
+    def save_state(self) -> tuple:
+        """Everything a proposal changes (the draft's cache, what it has processed, its scores), to return to."""
+        return self.runner.snapshot(), list(self.processed), [dict(s) for s in self.scored], self._root_logits
+
+    def load_state(self, state: tuple) -> None:
+        """Return to a state saved by `save_state` (the cache's tensors keep their addresses)."""
+        snap, processed, scored, root = state
+        self.runner.restore(snap)
+        self.processed, self.scored, self._root_logits = list(processed), [dict(s) for s in scored], root
+
+    def node_logits(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Draft | None]) -> list[dict]:
+        """The draft's logits [V] after every node of its last greedy proposal for `contexts` (`drafts`: those
+        proposals as verified, possibly trimmed; None for a finished row, which gets none), per row; the
+        draft's state is unchanged. A dynamic tree is verified from the state before its roots; a chain from
+        the state after them (its roots' logits are kept from the proposal)."""
+        dev, runner = self._device, self.runner
+        rows = [d if d is not None else ([int(c[-1])], [-1]) for c, d in zip(contexts, drafts)]
+        out: list[dict] = [{} for _ in rows]
+        if self.tree:
+            tree = TokenTree.from_lists([d[0] for d in rows], [d[1] for d in rows], device=dev)
+        else:  # the drafted tokens (a row without any: a stand-in)
+            chains = [d[0][1:] or d[0][:1] for d in rows]
+            tree = TokenTree.from_lists(chains, [list(range(-1, len(c) - 1)) for c in chains], device=dev)
+        tree = runner.prepare(tree)
+        runner.decode_single_nodes = False  # the tree path even for one node: discarded, nothing changes
+        try:
+            logits = runner.verify(tree)
+            runner.discard()
+        finally:
+            runner.decode_single_nodes = True
+        for r, d in enumerate(rows):
+            if drafts[r] is None:
+                continue
+            if self.tree:
+                out[r] = {n: logits[r, tree.index_of(r, n)] for n in range(len(d[0]))}
+            elif self._root_logits is not None:
+                out[r] = {0: self._root_logits[r], **{n: logits[r, n - 1] for n in range(1, len(d[0]))}}
+        return out
 
     def _distributions(self, seqs: list[list[int]], logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The draft's sampling distributions [M, V] at M positions of rows `rows` with ids `seqs`: its logits
@@ -651,6 +711,24 @@ class FusedDrafter(Drafter):
             _merge(d, e, max_nodes, self._pruner(self.draft.scored[r]) if prune else None)
             for r, (d, e) in enumerate(zip(drafted, retrieved))
         ]
+
+    # ------------------------------------------------------------------ Saguaro (ssmspec.speculate.ahead)
+    def save_state(self) -> tuple:
+        """The draft model's state (`DraftModelDrafter.save_state`) and the pruning count; retrieval keeps no
+        state of its own (its indexes follow the contexts)."""
+        return self.draft.save_state(), self.pruned
+
+    def load_state(self, state: tuple) -> None:
+        self.draft.load_state(state[0])
+        self.pruned = state[1]
+
+    def node_logits(self, contexts, drafts) -> list[dict]:
+        """The draft model's logits after every node of the fused drafts (see DraftModelDrafter.node_logits)."""
+        return self.draft.node_logits(contexts, drafts)
+
+    def frozen(self):
+        """Propose without extending the retrieval's context indexes (PromptLookupDrafter.frozen)."""
+        return self.retrieval.frozen()
 
     def _pruner(self, scored: dict[int, torch.Tensor]):
         """keep(node, token) for `_merge`: False where the draft scored `node`'s children and gives `token` a

@@ -13,7 +13,7 @@ from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedSettingError
 from ssmspec.hf.generation import resolve
-from ssmspec.speculate.ahead import AheadDrafter
+from ssmspec.speculate.ahead import AheadDrafter, DraftAheadDrafter
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, NoDrafter, PromptLookupDrafter
@@ -81,6 +81,10 @@ def generate(
         num_draft_tokens=int(lookup if lookup is not None and draft is None else config.num_assistant_tokens or 5),
         max_matching_ngram_size=int(config.max_matching_ngram_size or 2),
     )
+    if spec.ahead and spec.drafter == "draft_model" and decoding.do_sample:
+        raise UnsupportedSettingError(
+            "ahead", "SpecConfig.ahead with a draft model drafts ahead for greedy decoding only (do_sample=False)"
+        )
     if spec.drafter == "draft_model" and draft is None:
         raise ValueError("SpecConfig(drafter='draft_model') needs assistant_model=")
     if spec.drafter != "draft_model" and draft is not None:
@@ -106,6 +110,8 @@ def generate(
         if index is not None and spec.tree:  # RASD: the retrieval tree fused into the draft's
             retrieval = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index)
             drafter = FusedDrafter(drafter, retrieval)
+        if spec.ahead:
+            drafter = DraftAheadDrafter(drafter, fanout=spec.ahead)
     elif spec.drafter == "prompt_lookup":
         drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index, recycle=spec.recycle)
         if spec.ahead:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from ssmspec.speculate.ahead import AheadDrafter
+from ssmspec.speculate.ahead import AheadDrafter, DraftAheadDrafter
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, NoDrafter, PromptLookupDrafter
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
@@ -115,7 +115,7 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
     tokens, an oracle that is always right, one right for a prefix then wrong, correct branches that are
     not the first child, prompt lookup chains and trees (with and without a retrieval corpus, with Saguaro's
     background drafting, with token recycling), draft models (SSM, hybrid, short-conv; chains, dynamic trees, trimmed
-    vocabularies) and RASD (a draft's dynamic tree fused with a pruned retrieval tree).
+    vocabularies), RASD (a draft's dynamic tree fused with a pruned retrieval tree) and Saguaro with a draft model.
 
     Args:
         vocab_size: the target's vocabulary size.
@@ -152,6 +152,9 @@ def drafter_factories(vocab_size: int, trees: bool = True) -> st.SearchStrategy[
             st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.booleans(), st.sampled_from([0, vocab_size // 2])
         ).map(draft_model),  # fmt: skip
         st.tuples(st.sampled_from(["mamba2", "lfm2"]), seeds).map(lambda a: _rasd(a[0], vocab_size, a[1])),
+        st.tuples(st.sampled_from(["chain", "tree", "rasd"]), st.integers(1, 3), seeds).map(
+            lambda a: _draft_ahead(vocab_size, *a)
+        ),
     )
 
 
@@ -204,6 +207,19 @@ def _rasd(family: str, vocab_size: int, seed: int) -> tuple[str, DrafterFactory]
     return f"rasd({family}, seed={seed})", factory
 
 
+def _draft_ahead(vocab_size: int, kind: str, fanout: int, seed: int) -> tuple[str, DrafterFactory]:
+    """Saguaro with a tiny mamba2 draft: a chain, a dynamic tree or RASD (`_noisy_corpus`), `fanout` hypotheses."""
+    draft = cached_tiny_model("mamba2", 0, torch.float64, 5)
+
+    def factory(ref: list[list[int]]) -> Drafter:
+        base = DraftModelDrafter(prepare_draft(draft), vocab_size, tree=kind != "chain")
+        if kind == "rasd":
+            base = FusedDrafter(base, PromptLookupDrafter(2, tree=True, corpus=_noisy_corpus(ref, vocab_size, seed)))
+        return DraftAheadDrafter(base, fanout)
+
+    return f"draft_ahead({kind}, fanout={fanout}, seed={seed})", factory
+
+
 def _draft_model(family: str, vocab_size: int, tree: bool = False, trim: int = 0) -> tuple[str, DrafterFactory]:
     """A tiny draft of `family`: a greedy chain, or a dynamic tree (DySpec); with `trim`, VocabTrim to that
     many ids (the smallest ones: an arbitrary subset, the target's choices need not be in it)."""
@@ -234,4 +250,5 @@ def _chain_drafters(vocab_size: int, seeds) -> st.SearchStrategy[tuple[str, Draf
         st.tuples(st.sampled_from(["mamba2", "lfm2", "qwen3_next"]), st.sampled_from([0, vocab_size // 2])).map(
             lambda a: _draft_model(a[0], vocab_size, trim=a[1])
         ),
+        st.tuples(st.integers(1, 3), seeds).map(lambda a: _draft_ahead(vocab_size, "chain", *a)),
     )

@@ -93,7 +93,7 @@ def test_sampling_with_ahead_draws_what_sampling_without_it_draws():
 
 def test_ahead_is_refused_where_it_cannot_work():
     with pytest.raises(ValueError, match="ahead"):
-        ssmspec.SpecConfig(drafter="draft_model", ahead=2)
+        ssmspec.SpecConfig(drafter="none", ahead=2)
     with pytest.raises(ValueError, match="ahead"):
         ssmspec.SpecConfig(ahead=-1)
     with pytest.raises(TypeError, match="ahead"):
