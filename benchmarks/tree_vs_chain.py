@@ -4,7 +4,8 @@ For each budget B: chain n-gram with B drafted nodes vs tree n-gram with at most
 to B), plus ssmspec autoregressive decoding as the baseline; every output asserted identical to HF greedy.
 Prints tokens/s, speed-up over autoregressive and accepted tokens per step, side by side in one run.
 
-    python benchmarks/tree_vs_chain.py --budgets 2 4 8 16 32 --json tvc.json --plot docs/images/tree_vs_chain.png
+    python benchmarks/tree_vs_chain.py --budgets 2 4 8 16 32 --recycle 4 --json tvc.json \
+        --plot docs/images/tree_vs_chain.png
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def measure(args: argparse.Namespace) -> dict:
     for b in args.budgets:
         configs[("chain", b)] = ssmspec.SpecConfig(num_draft_tokens=b)
         configs[("tree", b)] = ssmspec.SpecConfig(num_draft_tokens=b, tree=True, tree_budget=b)
+        if args.recycle:  # token recycling: the target's own top-k successors beside the n-gram votes
+            configs[("chain + recycling", b)] = ssmspec.SpecConfig(num_draft_tokens=b, recycle=args.recycle)
+            configs[("tree + recycling", b)] = ssmspec.SpecConfig(
+                num_draft_tokens=b, tree=True, tree_budget=b, recycle=args.recycle
+            )
     for spec in configs.values():  # warm-up: one-time costs must not land on the first method timed
         target.generate(prompts[0], max_new_tokens=8, speculation=spec)
     secs = dict.fromkeys(configs, 0.0)
@@ -66,20 +72,26 @@ def report(result: dict) -> None:
     print(f"{'budget':>6} {'chain tok/s':>12} {'x AR':>5} {'acc/step':>8}   {'tree tok/s':>11} {'x AR':>5} "
           f"{'acc/step':>8}  {'tree/chain':>10}")  # fmt: skip
     by = {(r["shape"], r["budget"]): r for r in result["rows"]}
-    for b in sorted({r["budget"] for r in result["rows"] if r["budget"]}):
-        c, t = by[("chain", b)], by[("tree", b)]
-        print(f"{b:>6} {c['tokens_per_s']:>12.1f} {c['speedup_vs_ar']:>5.2f} {c['mean_accepted_per_step']:>8.2f}   "
-              f"{t['tokens_per_s']:>11.1f} {t['speedup_vs_ar']:>5.2f} {t['mean_accepted_per_step']:>8.2f}  "
-              f"{t['tokens_per_s'] / c['tokens_per_s']:>10.2f}")  # fmt: skip
+    for suffix in ("", " + recycling"):
+        if not any(r["shape"] == "chain" + suffix for r in result["rows"]):
+            continue
+        if suffix:
+            print("with token recycling:")
+        for b in sorted({r["budget"] for r in result["rows"] if r["budget"]}):
+            c, t = by[("chain" + suffix, b)], by[("tree" + suffix, b)]
+            print(f"{b:>6} {c['tokens_per_s']:>12.1f} {c['speedup_vs_ar']:>5.2f} {c['mean_accepted_per_step']:>8.2f}   "
+                  f"{t['tokens_per_s']:>11.1f} {t['speedup_vs_ar']:>5.2f} {t['mean_accepted_per_step']:>8.2f}  "
+                  f"{t['tokens_per_s'] / c['tokens_per_s']:>10.2f}")  # fmt: skip
 
 
 def plot(result: dict, path: str) -> None:
     from _plot import line_plot
 
     series = {}
-    for shape in ("chain", "tree"):
+    for shape in ("chain", "tree", "chain + recycling", "tree + recycling"):
         rows = [r for r in result["rows"] if r["shape"] == shape]
-        series[f"{shape} n-gram"] = ([r["budget"] for r in rows], [r["speedup_vs_ar"] for r in rows])
+        if rows:
+            series[f"{shape} (n-gram)"] = ([r["budget"] for r in rows], [r["speedup_vs_ar"] for r in rows])
     line_plot(
         path,
         series,
@@ -101,6 +113,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--recycle", type=int, default=0, help="also chains and trees with token recycling (top-k kept)")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args()

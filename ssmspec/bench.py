@@ -86,6 +86,12 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
             num_draft_tokens=k, tree=True, tree_budget=k, corpus=corpus, ahead=2)),
         "tree n-gram + corpus adaptive": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
                                                                corpus=corpus, adaptive=True)),
+        "tree n-gram + recycling": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
+                                                         recycle=4)),
+        f"tree n-gram + corpus ({k} nodes) + recycling": dict(speculation=spec(
+            num_draft_tokens=k, tree=True, tree_budget=k, corpus=corpus, recycle=4)),
+        "tree n-gram + corpus + recycling": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
+                                                                  corpus=corpus, recycle=4)),
         "chain draft model": dict(assistant_model=draft, num_assistant_tokens=min(k, 4)),
         "dynamic tree draft model": dict(assistant_model=draft, speculation=spec(
             drafter="draft_model", num_draft_tokens=min(k, 4), tree=True, tree_budget=12)),
@@ -97,6 +103,12 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
         "RASD + VocabTrim": dict(assistant_model=draft, speculation=spec(
             drafter="draft_model", num_draft_tokens=min(k, 4), tree=True, tree_budget=12, corpus=corpus,
             draft_vocab=512)),
+        "dynamic tree draft model + VocabTrim + Saguaro": dict(assistant_model=draft, speculation=spec(
+            drafter="draft_model", num_draft_tokens=min(k, 4), tree=True, tree_budget=12,
+            draft_vocab=frequent_tokens(corpus, 512).tolist(), ahead=2)),
+        "RASD + VocabTrim + Saguaro": dict(assistant_model=draft, speculation=spec(
+            drafter="draft_model", num_draft_tokens=min(k, 4), tree=True, tree_budget=12, corpus=corpus,
+            draft_vocab=512, ahead=2)),
     }  # fmt: skip
 
 
@@ -107,9 +119,9 @@ def compiled_methods(greedy: dict[str, dict], k: int) -> dict[str, dict]:
     names = {"ssmspec autoregressive": "ssmspec autoregressive (compiled)",
              "chain n-gram + corpus": "chain n-gram + corpus (compiled)",
              f"tree n-gram + corpus ({k} nodes)": f"tree n-gram + corpus ({k} nodes, compiled)",
-             f"tree n-gram + corpus ({k} nodes) + Saguaro": f"tree n-gram + corpus ({k} nodes) + Saguaro (compiled)",
+             f"tree n-gram + corpus ({k} nodes) + Saguaro": None, f"tree n-gram + corpus ({k} nodes) + recycling": None,
              "tree n-gram + corpus": "tree n-gram + corpus (compiled)"}  # fmt: skip
-    return {compiled: greedy[name] for name, compiled in names.items()}
+    return {compiled or f"{name} (compiled)": greedy[name] for name, compiled in names.items()}
 
 
 # the plain decoders (no speculation) a user could run instead; "vs best" divides by the fastest of them

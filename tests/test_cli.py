@@ -47,6 +47,8 @@ def test_bench_writes_json(tmp_path, capsys):
         "tree n-gram adaptive", "chain n-gram + corpus", "tree n-gram + corpus (8 nodes)", "tree n-gram + corpus",
         "tree n-gram + corpus adaptive", "dynamic tree draft model", "dynamic tree draft model + VocabTrim",
         "dynamic tree draft model + corpus (RASD)", "RASD + VocabTrim", "tree n-gram + corpus (8 nodes) + Saguaro",
+        "tree n-gram + recycling", "tree n-gram + corpus (8 nodes) + recycling", "tree n-gram + corpus + recycling",
+        "dynamic tree draft model + VocabTrim + Saguaro", "RASD + VocabTrim + Saguaro",
     }  # fmt: skip
     row = result["methods"]["tree n-gram + corpus"]
     assert row["tokens_per_s"] > 0 and row["mean_accepted_per_step"] >= 1 and row["worst_prompt_speedup_vs_hf"] > 0
@@ -78,7 +80,8 @@ def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
     assert compiled == {"HF greedy (compiled)", "HF greedy (compiled, C++ wrapper)",
                         "ssmspec autoregressive (compiled)", "chain n-gram + corpus (compiled)",
                         "tree n-gram + corpus (8 nodes, compiled)", "tree n-gram + corpus (compiled)",
-                        "tree n-gram + corpus (8 nodes) + Saguaro (compiled)"}  # fmt: skip
+                        "tree n-gram + corpus (8 nodes) + Saguaro (compiled)",
+                        "tree n-gram + corpus (8 nodes) + recycling (compiled)"}  # fmt: skip
     best = result["best_baseline"]
     times = {name: 1 / row["tokens_per_s"] for name, row in result["methods"].items()}
     baselines = ["HF greedy", "HF greedy (compiled)", "HF greedy (compiled, C++ wrapper)", "ssmspec autoregressive",

@@ -138,8 +138,8 @@ def test_static_shapes_keep_every_buffer_in_place(family, monkeypatch):
     after_prefill = []
     prefill = ModelRunner.prefill
 
-    def spy(runner, *args):
-        out = prefill(runner, *args)
+    def spy(runner, *args, **kwargs):
+        out = prefill(runner, *args, **kwargs)
         after_prefill.append(_buffers(runner.cache))
         return out
 
