@@ -25,8 +25,84 @@ from ssmspec.errors import UnsupportedSettingError
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, PromptLookupDrafter
 from ssmspec.speculate.recycling import Calibration
 
+# the counters every Saguaro drafter keeps (`finish` reports them, derived ones included, and any others as they are)
+_REPORTED = ("proposals", "hits", "prepared", "miss_s", "waited_s", "thread_s")
 
-class AheadDrafter(Drafter):
+
+class _Background(Drafter):
+    """What both Saguaro drafters share: the drafter they wrap, one background job per step (joined at the next
+    proposal), and the counters `finish` reports.
+
+    Args:
+        base: the wrapped drafter.
+        fanout: outcomes prepared per step (at most).
+        thread_name: the background thread's name prefix.
+        thread_per_step: end the thread after each step's job (a thread that ran torch ops keeps an OpenMP
+            team of its own while it lives, which slows the verifying thread's ops).
+    """
+
+    def __init__(self, base: Drafter, fanout: int, thread_name: str, thread_per_step: bool = False) -> None:
+        if fanout < 1:
+            raise ValueError(f"ahead drafting needs fanout >= 1, got {fanout}")
+        self.base = base
+        self.fanout = int(fanout)
+        self._thread_name = thread_name
+        self._thread_per_step = thread_per_step
+        self._pool: ThreadPoolExecutor | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._job: Future | None = None
+        self.counters = {"proposals": 0, "hits": 0, "prepared": 0, "miss_s": 0.0, "waited_s": 0.0, "thread_s": 0.0}
+
+    def set_decoding(self, decoding) -> None:
+        super().set_decoding(decoding)
+        self.base.set_decoding(decoding)
+
+    def start(self, input_ids, attention_mask):
+        self._join()
+        self._reset()
+        self.base.start(input_ids, attention_mask)
+
+    def _submit(self, fn, *args) -> None:
+        """Run this step's background job."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
+        self._job = self._pool.submit(fn, *args)
+
+    def _join(self) -> None:
+        """Wait for the step's job (counted as `waited_s`); with `thread_per_step`, let its thread end."""
+        job, self._job = self._job, None
+        if job is not None:
+            t0 = time.perf_counter()
+            try:
+                job.result()
+            finally:
+                if self._thread_per_step:
+                    self._close()
+                self.counters["waited_s"] += time.perf_counter() - t0
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def finish(self, stats) -> None:
+        try:
+            self._join()
+        finally:
+            self._close()
+            self.base.finish(stats)
+        c = self.counters
+        misses = c["proposals"] - c["hits"]
+        stats.drafter.update(
+            proposals=c["proposals"], hits=c["hits"], hit_rate=c["hits"] / max(c["proposals"], 1),
+            prepared=c["prepared"], saved_s=c["hits"] * c["miss_s"] / max(misses, 1), waited_s=c["waited_s"],
+            thread_s=c["thread_s"], **{k: v for k, v in c.items() if k not in _REPORTED},
+        )  # fmt: skip
+
+
+class AheadDrafter(_Background):
     """Saguaro around a PromptLookupDrafter (n-gram and retrieval drafts; see the module docstring).
 
     Counters (added to SpecStats.drafter by `finish`): `proposals` (row drafts asked for), `hits` (ready from
@@ -49,38 +125,14 @@ class AheadDrafter(Drafter):
                 "ahead drafting (Saguaro) prepares context drafts (prompt lookup, retrieval); got "
                 f"{type(base).__name__}"
             )
-        if fanout < 1:
-            raise ValueError(f"ahead drafting needs fanout >= 1, got {fanout}")
-        self.base = base
-        self.fanout = int(fanout)
-        self._pool: ThreadPoolExecutor | None = None
-        self._reset()
+        super().__init__(base, fanout, "ssmspec-ahead")
 
     def _reset(self) -> None:
-        self._job: Future | None = None
+        super()._reset()
         self._ready: dict[int, tuple] = {}  # row -> (context, its length, params, {emitted tokens: weighted draft})
         self._weighted: dict[int, tuple] = {}  # row -> the weighted draft proposed last
         self._verified: dict[int, tuple] = {}  # row -> (tokens, parents, context length) verified last
         self._accepted, self._rejected = 1.0, 1.0  # per-token acceptance, Beta(1, 1) prior
-        self.counters = {"proposals": 0, "hits": 0, "prepared": 0, "miss_s": 0.0, "waited_s": 0.0, "thread_s": 0.0}
-
-    def set_decoding(self, decoding) -> None:
-        super().set_decoding(decoding)
-        self.base.set_decoding(decoding)
-
-    def start(self, input_ids, attention_mask):
-        self._join()
-        self._reset()
-        self.base.start(input_ids, attention_mask)
-
-    def _join(self) -> None:
-        job, self._job = self._job, None
-        if job is not None:
-            t0 = time.perf_counter()
-            try:
-                job.result()
-            finally:
-                self.counters["waited_s"] += time.perf_counter() - t0
 
     def propose(self, contexts, max_nodes, max_depth):
         self._join()
@@ -121,8 +173,6 @@ class AheadDrafter(Drafter):
             self._rejected += 1
 
     def ahead(self, contexts, drafts, max_nodes, max_depth):
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ssmspec-ahead")
         rows = []
         for r, (ctx, d) in enumerate(zip(contexts, drafts)):
             if d is None:  # a finished row
@@ -131,7 +181,7 @@ class AheadDrafter(Drafter):
             index = self.base.row_index(r, ctx)  # synced here; the thread only reads it
             rows.append((r, ctx, len(ctx), index, d[0], d[1], self._weighted.get(r)))
         alpha = self._accepted / (self._accepted + self._rejected)
-        self._job = self._pool.submit(self._prepare, rows, max_nodes, max_depth, alpha)
+        self._submit(self._prepare, rows, max_nodes, max_depth, alpha)
 
     def _prepare(self, rows, max_nodes: int, max_depth: int, alpha: float) -> None:
         """In the thread: the likeliest outcomes' drafts per row, stored for the next `propose`."""
@@ -173,23 +223,8 @@ class AheadDrafter(Drafter):
             self.counters["prepared"] += len(prepared)
         self.counters["thread_s"] += time.perf_counter() - t0
 
-    def finish(self, stats) -> None:
-        try:
-            self._join()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-        c = self.counters
-        misses = c["proposals"] - c["hits"]
-        stats.drafter.update(
-            proposals=c["proposals"], hits=c["hits"], hit_rate=c["hits"] / max(c["proposals"], 1),
-            prepared=c["prepared"], saved_s=c["hits"] * c["miss_s"] / max(misses, 1), waited_s=c["waited_s"],
-            thread_s=c["thread_s"],
-        )  # fmt: skip
 
-
-class DraftAheadDrafter(Drafter):
+class DraftAheadDrafter(_Background):
     """Saguaro around a draft model's drafter (chains, DySpec dynamic trees, VocabTrim, RASD fusion; greedy
     decoding): while the target verifies step T, a background thread prepares step T+1 for the `fanout`
     likeliest outcomes, each a full proposal of the draft from the state that outcome would leave.
@@ -231,16 +266,11 @@ class DraftAheadDrafter(Drafter):
     def __init__(self, base: DraftModelDrafter | FusedDrafter, fanout: int = 2, fit: bool = True) -> None:
         if not isinstance(base, DraftModelDrafter | FusedDrafter):
             raise TypeError(f"draft-model ahead drafting wraps a draft model's drafter; got {type(base).__name__}")
-        if fanout < 1:
-            raise ValueError(f"ahead drafting needs fanout >= 1, got {fanout}")
-        self.base = base
-        self.fanout = int(fanout)
         self.fit = fit
-        self._pool: ThreadPoolExecutor | None = None
-        self._reset()
+        super().__init__(base, fanout, "ssmspec-draft-ahead", thread_per_step=True)
 
     def _reset(self) -> None:
-        self._job: Future | None = None
+        super()._reset()
         self._ready: tuple | None = None  # (params, state before, [(tails per row, drafts, state after)])
         self.calibration = Calibration()  # acceptance of drafted nodes per bucket of the draft's q
         self._verified: tuple | None = None  # (contexts' lengths, drafts, {row: {node: q}}) of the last step
@@ -249,8 +279,7 @@ class DraftAheadDrafter(Drafter):
         self._times = {"verify": None, "fixed": None, "hypothesis": None}
         self._ahead_at: float | None = None
         self._steps = 0
-        self.counters = {"proposals": 0, "hits": 0, "prepared": 0, "miss_s": 0.0, "waited_s": 0.0, "thread_s": 0.0,
-                         "skipped": 0}  # fmt: skip
+        self.counters["skipped"] = 0
 
     def _time(self, key: str, seconds: float) -> None:
         old = self._times[key]
@@ -273,25 +302,6 @@ class DraftAheadDrafter(Drafter):
                 "ahead", "drafting ahead with a draft model is for greedy decoding (do_sample=False)"
             )
         super().set_decoding(decoding)
-        self.base.set_decoding(decoding)
-
-    def start(self, input_ids, attention_mask):
-        self._join()
-        self._reset()
-        self.base.start(input_ids, attention_mask)
-
-    def _join(self) -> None:
-        """Wait for the step's thread and let it end: a live thread that ran torch ops keeps its own OpenMP team,
-        which slowed the verifying thread's ops by a quarter on a 2-core CPU; a thread per step costs ~0.1 ms."""
-        job, self._job = self._job, None
-        if job is not None:
-            t0 = time.perf_counter()
-            try:
-                job.result()
-            finally:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-                self.counters["waited_s"] += time.perf_counter() - t0
 
     def propose(self, contexts, max_nodes, max_depth):
         if self._ahead_at is not None:
@@ -346,10 +356,11 @@ class DraftAheadDrafter(Drafter):
         if not fanout:
             self.counters["skipped"] += 1
             return
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ssmspec-draft-ahead")  # one per step (`_join`)
         snapshot = [list(c) for c in contexts]  # the engine appends to its lists while the target verifies
         before = self.base.save_state()
-        self._job = self._pool.submit(self._prepare, snapshot, list(drafts), max_nodes, max_depth, before, fanout)
+        # a thread per step (`thread_per_step`): a live thread that ran torch ops keeps its own OpenMP team, which
+        # slowed the verifying thread's ops by a quarter on a 2-core CPU; starting one costs ~0.1 ms
+        self._submit(self._prepare, snapshot, list(drafts), max_nodes, max_depth, before, fanout)
         self._ahead_at = time.perf_counter()
 
     def _prepare(self, contexts, drafts, max_nodes: int, max_depth: int, before: tuple, fanout: int) -> None:
@@ -380,22 +391,6 @@ class DraftAheadDrafter(Drafter):
             self._ready = ((max_nodes, max_depth), before, prepared)
         finally:
             self.counters["thread_s"] += time.perf_counter() - t0
-
-    def finish(self, stats) -> None:
-        try:
-            self._join()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-            self.base.finish(stats)
-        c = self.counters
-        misses = c["proposals"] - c["hits"]
-        stats.drafter.update(
-            proposals=c["proposals"], hits=c["hits"], hit_rate=c["hits"] / max(c["proposals"], 1),
-            prepared=c["prepared"], skipped=c["skipped"], saved_s=c["hits"] * c["miss_s"] / max(misses, 1),
-            waited_s=c["waited_s"], thread_s=c["thread_s"],
-        )  # fmt: skip
 
 
 def _likeliest(draft, qs: dict, calibration: Calibration, count: int) -> list[tuple[int, ...]]:
