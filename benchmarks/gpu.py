@@ -265,6 +265,11 @@ def e2e_section(
                 graphed, {"speculation": spec(drafter="none")})  # fmt: skip
             methods["tree n-gram + corpus, 8 nodes (compiled, reduce-overhead)"] = (graphed, {"speculation": spec(
                 tree=True, num_draft_tokens=8, tree_budget=8, corpus=corpus)})  # fmt: skip
+            # token recycling: wide trees, where the verification's cost is nearly flat in the node count
+            recycled = spec(tree=True, num_draft_tokens=8, tree_budget=16, corpus=corpus, recycle=4)
+            methods["tree n-gram + corpus + recycling, 16 nodes (compiled)"] = (compiled, {"speculation": recycled})
+            methods["tree n-gram + corpus + recycling, 16 nodes (compiled, reduce-overhead)"] = (
+                graphed, {"speculation": recycled})  # fmt: skip
         want = [ref.generate(p, max_new_tokens=new_tokens, do_sample=False) for p in batch]
         rows = out[name] = {}
         for method, (model, kwargs) in methods.items():
