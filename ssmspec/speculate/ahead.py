@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ssmspec.errors import UnsupportedSettingError
-from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, PromptLookupDrafter
+from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, PromptLookupDrafter, accepted_path
 from ssmspec.speculate.recycling import Calibration
 
 # the counters every Saguaro drafter keeps (`finish` reports them, derived ones included, and any others as they are)
@@ -162,14 +162,9 @@ class AheadDrafter(_Background):
         if last is None:
             return
         tokens, parents, n = last
-        node = 0
-        for tok in ctx[n:]:
-            child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == tok), None)
-            if child is None:
-                break
-            node = child
-            self._accepted += 1
-        if any(p == node for p in parents):  # it stopped before a drafted child: a rejection
+        path, kids = accepted_path(tokens, parents, ctx[n:])
+        self._accepted += len(path) - 1
+        if path[-1] in kids:  # it stopped before a drafted child: a rejection
             self._rejected += 1
 
     def ahead(self, contexts, drafts, max_nodes, max_depth):
@@ -335,18 +330,12 @@ class DraftAheadDrafter(_Background):
         for r, d in enumerate(drafts):
             if d is None or r not in qs:
                 continue
-            tokens, parents = d[0], d[1]
-            node = 0
-            for tok in contexts[r][lengths[r] :]:
-                kids = [c for c in range(node + 1, len(tokens)) if parents[c] == node]
-                if node in qs[r]:
-                    for c in kids:
-                        feature = Calibration.feature(0.0, float(qs[r][node][tokens[c]]))
-                        self.calibration.update(feature, tokens[c] == tok)
-                child = next((c for c in kids if tokens[c] == tok), None)
-                if child is None:
-                    break
-                node = child
+            tokens = d[0]
+            path, kids = accepted_path(tokens, d[1], contexts[r][lengths[r] :])
+            for i, node in enumerate(path):  # the children of every accepted node were tested
+                for c in kids.get(node, ()) if node in qs[r] else ():
+                    feature = Calibration.feature(0.0, float(qs[r][node][tokens[c]]))
+                    self.calibration.update(feature, i + 1 < len(path) and c == path[i + 1])
 
     def ahead(self, contexts, drafts, max_nodes, max_depth):
         self._steps += 1
@@ -399,9 +388,7 @@ def _likeliest(draft, qs: dict, calibration: Calibration, count: int) -> list[tu
     DraftAheadDrafter)."""
     tokens, parents = draft[0], draft[1]
     paths = _paths(tokens, parents)
-    kids: dict[int, list[int]] = {}
-    for c in range(1, len(tokens)):
-        kids.setdefault(parents[c], []).append(c)
+    _, kids = accepted_path(tokens, parents, ())
     reach = [1.0] * len(tokens)
     scored = []
     for n in range(len(tokens)):

@@ -92,6 +92,21 @@ class Drafter:
         emitted (the accepted drafts, then the bonus token). Default: nothing."""
 
 
+def accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> tuple[list[int], dict]:
+    """Walk a verified draft along the tokens its step emitted: (the accepted nodes, root first; each node's
+    children in node order). The walk stops at the first emitted token no child has (the bonus token)."""
+    kids: dict[int, list[int]] = {}
+    for t in range(1, len(tokens)):
+        kids.setdefault(parents[t], []).append(t)
+    path = [0]
+    for tok in emitted:
+        child = next((c for c in kids.get(path[-1], ()) if tokens[c] == tok), None)
+        if child is None:
+            break
+        path.append(child)
+    return path, kids
+
+
 class NoDrafter(Drafter):
     """Proposes nothing: plain greedy decoding through the tree path (ssmspec's own autoregressive decode)."""
 
@@ -219,12 +234,7 @@ class PromptLookupDrafter(Drafter):
 
     def observe(self, row, context, draft, tops, emitted):
         tokens, parents = draft[0], draft[1]
-        kids: dict[int, list[int]] = {}
-        for t in range(1, len(tokens)):
-            kids.setdefault(parents[t], []).append(t)
-        path = [0]  # the accepted nodes: what the target saw in the real context
-        for tok in emitted[:-1]:
-            path.append(next(k for k in kids[path[-1]] if tokens[k] == tok))
+        path, _ = accepted_path(tokens, parents, emitted)  # the accepted nodes: what the target saw for real
         on_path = set(path)
         # the target's successors of every verified token; a rejected node's (its context was not the real one)
         # only where nothing is known yet, an accepted node's always. Measured on the embedded model, 16-node
