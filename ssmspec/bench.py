@@ -112,16 +112,21 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
     }  # fmt: skip
 
 
-def compiled_methods(greedy: dict[str, dict], k: int) -> dict[str, dict]:
+def compiled_methods(greedy: dict[str, dict], k: int, draft: torch.nn.Module | None = None) -> dict[str, dict]:
     """The configurations of `greedy_methods` also timed on the compiled target
     (`model.compile(backend="ssmspec", options=COMPILE_OPTIONS)`: static shapes, reference tree ops fused by
-    Inductor, its C++ wrapper), under their compiled row names."""
+    Inductor, its C++ wrapper), under their compiled row names; with `draft` (the draft compiled alike), the
+    draft-model configurations too, drafting with it."""
     names = {"ssmspec autoregressive": "ssmspec autoregressive (compiled)",
              "chain n-gram + corpus": "chain n-gram + corpus (compiled)",
              f"tree n-gram + corpus ({k} nodes)": f"tree n-gram + corpus ({k} nodes, compiled)",
              f"tree n-gram + corpus ({k} nodes) + Saguaro": None, f"tree n-gram + corpus ({k} nodes) + recycling": None,
              "tree n-gram + corpus": "tree n-gram + corpus (compiled)"}  # fmt: skip
-    return {compiled or f"{name} (compiled)": greedy[name] for name, compiled in names.items()}
+    out = {compiled or f"{name} (compiled)": greedy[name] for name, compiled in names.items()}
+    if draft is not None:
+        for name in ("chain draft model", "dynamic tree draft model + corpus (RASD)", "RASD + VocabTrim"):
+            out[f"{name} (compiled, compiled draft)"] = {**greedy[name], "assistant_model": draft}
+    return out
 
 
 # the plain decoders (no speculation) a user could run instead; "vs best" divides by the fastest of them
@@ -157,9 +162,11 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
         compiled_ref_cpp.compile(options=COMPILE_OPTIONS)
         compiled = ssmspec.transform(copy.deepcopy(ref))
         compiled.compile(backend="ssmspec", options=COMPILE_OPTIONS)
+        compiled_draft = ssmspec.transform(copy.deepcopy(draft))
+        compiled_draft.compile(backend="ssmspec", options=COMPILE_OPTIONS)
         baselines["HF greedy (compiled)"] = compiled_ref
         baselines["HF greedy (compiled, C++ wrapper)"] = compiled_ref_cpp
-        extra = compiled_methods(greedy, args.draft_tokens)
+        extra = compiled_methods(greedy, args.draft_tokens, compiled_draft)
         methods.update({name: (compiled, kw) for name, kw in extra.items()})
         warm += [(m, kw, p, args.max_new_tokens) for p in prompts[:2]
                  for m, kw in [(compiled_ref, plain), (compiled_ref_cpp, plain),

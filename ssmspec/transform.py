@@ -20,6 +20,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 from transformers.utils import ModelOutput
 
+from ssmspec.compile.backend import region_options
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import layers as hf_layers
 from ssmspec.hf import seams as hf_seams
@@ -163,15 +164,21 @@ class SpecGenerationMixin:
         (for its compiled graphs and its commits), not the process's. A compiled model speculates with static
         shapes (SpecConfig.static_shapes): one graph per tree-size bucket instead of one per tree size; its
         commits are compiled with the same backend, mode and options."""
-        self.ssmspec_static_shapes = True
-        # the commit between two verifications is compiled the same way (ssmspec.speculate.runner.compiled_fold)
-        self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options") if k in kwargs}
-        self.__dict__.pop("_ssmspec_compiled_commit", None)
-        if kwargs.get("backend") == "ssmspec":
+        policy = None
+        if kwargs.get("backend") == "ssmspec":  # checked first: a refused compile changes nothing
             option = (kwargs.get("options") or {}).get("kernels")
             if option not in _KERNEL_POLICIES:
                 raise ValueError(f"ssmspec backend: kernels must be one of {list(_KERNEL_POLICIES)}, got {option!r}")
-            self.ssmspec_kernel_policy = _KERNEL_POLICIES[option]
+            policy = _KERNEL_POLICIES[option]
+        self.ssmspec_static_shapes = True
+        self.ssmspec_compile_call = (args, dict(kwargs))  # to compile a copy alike (VocabTrim's trimmed draft)
+        kwargs = region_options(kwargs)  # this model's own recompilation budget (not shared with its draft's)
+        # the commit between two verifications is compiled the same way (ssmspec.speculate.runner.compiled_fold)
+        self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options", "isolate_recompiles",
+                                                               "recompile_limit") if k in kwargs}  # fmt: skip
+        self.__dict__.pop("_ssmspec_compiled_commit", None)
+        if policy is not None:
+            self.ssmspec_kernel_policy = policy
         return super().compile(*args, **kwargs)
 
     def __reduce_ex__(self, protocol):

@@ -81,7 +81,10 @@ def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
                         "ssmspec autoregressive (compiled)", "chain n-gram + corpus (compiled)",
                         "tree n-gram + corpus (8 nodes, compiled)", "tree n-gram + corpus (compiled)",
                         "tree n-gram + corpus (8 nodes) + Saguaro (compiled)",
-                        "tree n-gram + corpus (8 nodes) + recycling (compiled)"}  # fmt: skip
+                        "tree n-gram + corpus (8 nodes) + recycling (compiled)",
+                        "chain draft model (compiled, compiled draft)",
+                        "dynamic tree draft model + corpus (RASD) (compiled, compiled draft)",
+                        "RASD + VocabTrim (compiled, compiled draft)"}  # fmt: skip
     best = result["best_baseline"]
     times = {name: 1 / row["tokens_per_s"] for name, row in result["methods"].items()}
     baselines = ["HF greedy", "HF greedy (compiled)", "HF greedy (compiled, C++ wrapper)", "ssmspec autoregressive",

@@ -27,6 +27,30 @@ from ssmspec.compile.passes import fold_conv_padding, inline_tree_ops, is_tree_o
 from ssmspec.ops import using_kernel_policy
 
 _OPTION_NAMES = ("kernels", "fuse", "inductor")
+# graphs one compiled model may hold: its prefill lengths, one per tree-size bucket and decode, one commit per
+# path width (Dynamo's default of 8 per code object is shared by every model of the same class)
+RECOMPILE_LIMIT = 64
+
+
+def region_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile keyword arguments giving one model's compiled region its own recompilation budget
+    (torch >= 2.12: `isolate_recompiles`, `recompile_limit`; torch internals, named here). Without it a target
+    and its draft of the same class, whose forwards are one code object, share Dynamo's 8 entries and the
+    later graphs silently run eager. The caller's own values win; on older torch nothing is added."""
+    params = _compile_parameters()
+    out = dict(kwargs)
+    if "isolate_recompiles" in params:
+        out.setdefault("isolate_recompiles", True)
+    if "recompile_limit" in params:
+        out.setdefault("recompile_limit", RECOMPILE_LIMIT)
+    return out
+
+
+def _compile_parameters() -> frozenset[str]:
+    """The keyword arguments this torch's `torch.compile` takes."""
+    import inspect
+
+    return frozenset(inspect.signature(torch.compile).parameters)
 _KERNEL_OPTION = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
                   "reference": "reference"}  # fmt: skip
 

@@ -341,13 +341,22 @@ def trim_vocab(draft: nn.Module, keep: torch.Tensor) -> nn.Module:
         raise UnsupportedModelError(
             type(draft).__name__, "VocabTrim needs the output embedding to be a top-level nn.Linear"
         )
-    keep = torch.as_tensor(keep, dtype=torch.long).unique()
-    if keep.numel() == 0 or int(keep.min()) < 0 or int(keep.max()) >= head.out_features:
-        raise ValueError(f"VocabTrim ids must be a non-empty subset of range({head.out_features})")
+    keep = check_keep(keep, head.out_features)
     clone = copy.copy(draft)
     clone._modules = dict(draft._modules)
     clone._modules[name] = TrimmedHead(head, keep)
+    call = getattr(draft, "ssmspec_compile_call", None)
+    if call is not None:  # a compiled draft's compiled forward is bound to the draft (its full head): compile the copy
+        clone.compile(*call[0], **call[1])
     return clone
+
+
+def check_keep(keep, vocab_size: int) -> torch.Tensor:
+    """VocabTrim's kept ids, sorted and unique (ValueError unless a non-empty subset of range(vocab_size))."""
+    keep = torch.as_tensor(keep, dtype=torch.long).unique()
+    if keep.numel() == 0 or int(keep.min()) < 0 or int(keep.max()) >= vocab_size:
+        raise ValueError(f"VocabTrim ids must be a non-empty subset of range({vocab_size})")
+    return keep
 
 
 def check_vocab(draft_model: nn.Module, target_vocab_size: int) -> None:
@@ -384,6 +393,12 @@ class DraftModelDrafter(Drafter):
         min_path_prob: a dynamic tree never holds a node whose path probability under the draft is below this.
         vocab: VocabTrim: the token ids the draft may propose (its LM head computes only those; see
             `trim_vocab`); None: all.
+        static_shapes: run the draft with static shapes (trees padded to buckets, fixed-length commits, static
+            K/V), as a compiled target runs; None: when the draft was compiled (`draft.compile(...)`), so a
+            compiled draft compiles once per bucket instead of once per tree size.
+        max_nodes: the largest tree the draft verifies (its largest bucket with static shapes).
+        max_depth: the longest path it commits at once (with static shapes, the fixed commit length - 1; a
+            longer catch-up widens it).
 
     Raises:
         VocabMismatchError: the draft's vocabulary differs from the target's.
@@ -394,13 +409,25 @@ class DraftModelDrafter(Drafter):
         self, draft_model: nn.Module, target_vocab_size: int, commit: str = "replay",
         confidence_threshold: float = 0.0, branches: int = 1, sampling_tree: str = "gumbel_top_k",
         tree: bool = False, min_path_prob: float = 0.02, vocab: torch.Tensor | None = None,
+        static_shapes: bool | None = None, max_nodes: int | None = None, max_depth: int = 8,
     ) -> None:  # fmt: skip
         check_vocab(draft_model, target_vocab_size)
         if getattr(draft_model, "ssmspec_info", None) is None:
             raise TypeError("DraftModelDrafter needs a transformed draft: pass ssmspec.transform(copy of the draft)")
+        compiled = getattr(draft_model, "ssmspec_compile_call", None) is not None
+        if static_shapes is None:
+            static_shapes = compiled
+        masked = None
         if vocab is not None:
-            draft_model = trim_vocab(draft_model, vocab)
-        self.runner = ModelRunner(draft_model, commit=commit)
+            if compiled:  # the same proposals from masked logits: a trimmed copy would compile anew per call
+                check_keep(vocab, draft_model.config.get_text_config().vocab_size)
+                masked = vocab
+            else:
+                draft_model = trim_vocab(draft_model, vocab)
+        self.runner = ModelRunner(
+            draft_model, commit=commit, static_shapes=static_shapes, max_depth=max_depth, max_nodes=max_nodes,
+            vocab=masked,
+        )  # fmt: skip
         self.confidence_threshold = confidence_threshold
         self.branches = max(1, int(branches))
         if sampling_tree not in SAMPLING_TREES:
@@ -433,7 +460,8 @@ class DraftModelDrafter(Drafter):
         # a finished row stops growing; re-feeding its last token only disturbs that row's (unused) draft state
         pending = [list(ctx[self.processed[b] :]) or [ctx[-1]] for b, ctx in enumerate(contexts)]
         tree = TokenTree.from_lists(pending, [list(range(-1, len(p) - 1)) for p in pending], device=dev)
-        logits = self.runner.verify(tree)
+        self._fits(max(map(len, pending)))
+        logits = self.runner.verify(self.runner.prepare(tree))
         last = torch.tensor([len(p) - 1 for p in pending], device=dev)
         self.runner.commit(last)
         self.processed = [len(ctx) for ctx in contexts]
@@ -558,6 +586,7 @@ class DraftModelDrafter(Drafter):
             # draft state no longer matters)
             pending = [p if len(p) > 1 else [p[-1], p[-1]] for p in pending]
             tree = TokenTree.from_lists(pending, [list(range(-1, len(p) - 1)) for p in pending], device=dev)
+            self._fits(max(map(len, pending)) - 1)
             tip = torch.tensor([len(p) - 1 for p in pending], device=dev)
             logits = runner.verify(runner.prepare(tree))
             logits = logits[torch.arange(b, device=dev), tip]
@@ -659,6 +688,12 @@ class DraftModelDrafter(Drafter):
                 new.append((len(tokens) - 1, phi_x, key))
             out.append(new)
         return out
+
+    def _fits(self, length: int) -> None:
+        """Widen a static-shape draft's fixed commit length to a `length`-node path (a catch-up after a long
+        accepted path, e.g. under the heuristic schedule; one more compiled shape), so no path is cut short."""
+        if self.runner.static_shapes and length > self.runner.max_depth + 1:
+            self.runner.max_depth = length - 1
 
     def _confident(self, logits: torch.Tensor) -> list[bool]:
         """Per row, whether the draft's top probability reaches the threshold (always, without one)."""

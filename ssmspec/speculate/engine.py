@@ -155,7 +155,9 @@ def speculative_generate(
         while not all(done):
             remaining = [max_new_tokens - len(g) for g in generated]
             depth = min(depth_limit, max(remaining) - 1)
-            budget = tree_budget
+            # the heuristic schedule may go deeper than num_draft_tokens (as HF's): the budget grows with it, so a
+            # chain's nodes follow its depth
+            budget = tree_budget + max(0, depth - num_draft_tokens)
             if adaptive:
                 rates = [acceptance.rate(r) for r in range(b) if not done[r]]
                 chosen = choose_depth(rates, cost, max(depth, 0), per_depth)

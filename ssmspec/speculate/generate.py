@@ -106,6 +106,7 @@ def generate(
             confidence_threshold=threshold if threshold != _DEFAULT_CONFIDENCE else 0.0,
             branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
             sampling_tree=spec.sampling_tree, tree=spec.tree, vocab=keep,
+            max_nodes=max(spec.tree_budget, spec.num_draft_tokens) + 2, max_depth=spec.num_draft_tokens,
         )  # fmt: skip
         if index is not None and spec.tree:  # RASD: the retrieval tree fused into the draft's
             retrieval = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index)

@@ -64,6 +64,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True,
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
+        vocab: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -86,6 +87,11 @@ class ModelRunner:
         # from cache slots (the probe saw them do it), which keep HF's layout
         self.capacity = (capacity or 256) if static_shapes and not self.level_aligned else None
         self.fold = compiled_fold(model)  # None: the eager commit
+        # logits of ids outside `vocab` read -inf (VocabTrim on a compiled draft, whose head is not swapped)
+        self.vocab_mask: torch.Tensor | None = None
+        if vocab is not None:
+            mask = torch.zeros(model.config.get_text_config().vocab_size, dtype=torch.bool, device=self.device)
+            self.vocab_mask = mask.index_fill_(0, torch.as_tensor(vocab, dtype=torch.long, device=self.device), True)
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -95,7 +101,10 @@ class ModelRunner:
             kwargs["attention_mask"] = attention_mask
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
-        return self.model(input_ids=input_ids, **kwargs).logits
+        logits = self.model(input_ids=input_ids, **kwargs).logits
+        if self.vocab_mask is not None:
+            logits = logits.masked_fill(~self.vocab_mask[: logits.shape[-1]], -float("inf"))
+        return logits
 
     @torch.no_grad()
     def prefill(
