@@ -127,8 +127,12 @@ def test_kernel_policy_belongs_to_the_compiled_model(monkeypatch):
     other.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
     assert seen == ["reference", "kernels", "reference"]
     assert kernel_policy() == "reference"
+    refused = copy.deepcopy(other)
     with pytest.raises(ValueError, match="kernels must be one of"):
-        copy.deepcopy(other).compile(backend="ssmspec", options={"kernels": "fastest"})
+        refused.compile(backend="ssmspec", options={"kernels": "fastest"})
+    # a refused compile leaves the model as it was: not compiled, no static shapes, no compile settings
+    assert refused._compiled_call_impl is None
+    assert not {"ssmspec_static_shapes", "ssmspec_compile_options", "ssmspec_kernel_policy"} & set(vars(refused))
 
 
 @pytest.mark.parametrize("when", ["compile", "first run"])
