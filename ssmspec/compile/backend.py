@@ -34,9 +34,9 @@ RECOMPILE_LIMIT = 64
 
 def region_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """torch.compile keyword arguments giving one model's compiled region its own recompilation budget
-    (torch >= 2.12: `isolate_recompiles`, `recompile_limit`; torch internals, named here). Without it a target
-    and its draft of the same class, whose forwards are one code object, share Dynamo's 8 entries and the
-    later graphs silently run eager. The caller's own values win; on older torch nothing is added."""
+    (`isolate_recompiles`, `recompile_limit`, where this torch has them; torch internals, named here). Without
+    it a target and its draft of the same class, whose forwards are one code object, share Dynamo's 8 entries
+    and the later graphs silently run eager. The caller's own values win; an older torch gets nothing added."""
     params = _compile_parameters()
     out = dict(kwargs)
     if "isolate_recompiles" in params:

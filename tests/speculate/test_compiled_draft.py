@@ -39,7 +39,7 @@ def _generate_all(target, draft, want):
         assert torch.equal(out, want)
 
 
-@pytest.mark.skipif(not ISOLATES, reason="this torch's torch.compile has no isolate_recompiles (torch < 2.12)")
+@pytest.mark.skipif(not ISOLATES, reason="this torch's torch.compile has no isolate_recompiles")
 def test_target_and_draft_of_one_class_keep_their_own_graphs():
     """fullgraph=True turns Dynamo's recompile limit into an error: with both models on one code object's 8
     entries (what the user's own isolate_recompiles=False asks for) the run fails; by default each compiled
