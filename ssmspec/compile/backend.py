@@ -15,6 +15,7 @@ False runs the rewritten FX graph as is, for debugging). Registered on `import s
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from ssmspec.compile.passes import fold_conv_padding, inline_tree_ops, is_tree_o
 from ssmspec.ops import using_kernel_policy
 
 _OPTION_NAMES = ("kernels", "fuse", "inductor")
+_KERNEL_OPTION = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
+                  "reference": "reference"}  # fmt: skip
 # graphs one compiled model may hold: its prefill lengths, one per tree-size bucket and decode, one commit per
 # path width (Dynamo's default of 8 per code object is shared by every model of the same class)
 RECOMPILE_LIMIT = 64
@@ -48,11 +51,7 @@ def region_options(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _compile_parameters() -> frozenset[str]:
     """The keyword arguments this torch's `torch.compile` takes."""
-    import inspect
-
     return frozenset(inspect.signature(torch.compile).parameters)
-_KERNEL_OPTION = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
-                  "reference": "reference"}  # fmt: skip
 
 
 @dataclass

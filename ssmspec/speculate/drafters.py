@@ -420,8 +420,7 @@ class DraftModelDrafter(Drafter):
         masked = None
         if vocab is not None:
             if compiled:  # the same proposals from masked logits: a trimmed copy would compile anew per call
-                check_keep(vocab, draft_model.config.get_text_config().vocab_size)
-                masked = vocab
+                masked = check_keep(vocab, draft_model.config.get_text_config().vocab_size)
             else:
                 draft_model = trim_vocab(draft_model, vocab)
         self.runner = ModelRunner(

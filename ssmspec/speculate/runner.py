@@ -88,10 +88,11 @@ class ModelRunner:
         self.capacity = (capacity or 256) if static_shapes and not self.level_aligned else None
         self.fold = compiled_fold(model)  # None: the eager commit
         # logits of ids outside `vocab` read -inf (VocabTrim on a compiled draft, whose head is not swapped)
-        self.vocab_mask: torch.Tensor | None = None
+        self.dropped_ids: torch.Tensor | None = None
         if vocab is not None:
-            mask = torch.zeros(model.config.get_text_config().vocab_size, dtype=torch.bool, device=self.device)
-            self.vocab_mask = mask.index_fill_(0, torch.as_tensor(vocab, dtype=torch.long, device=self.device), True)
+            kept = torch.as_tensor(vocab, dtype=torch.long, device=self.device)
+            dropped = torch.ones(model.config.get_text_config().vocab_size, dtype=torch.bool, device=self.device)
+            self.dropped_ids = dropped.index_fill_(0, kept, False)
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -102,8 +103,8 @@ class ModelRunner:
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
         logits = self.model(input_ids=input_ids, **kwargs).logits
-        if self.vocab_mask is not None:
-            logits = logits.masked_fill(~self.vocab_mask[: logits.shape[-1]], -float("inf"))
+        if self.dropped_ids is not None:
+            logits = logits.masked_fill(self.dropped_ids[: logits.shape[-1]], -float("inf"))
         return logits
 
     @torch.no_grad()
