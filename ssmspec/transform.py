@@ -20,6 +20,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 from transformers.utils import ModelOutput
 
+from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import region_options
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import layers as hf_layers
@@ -210,7 +211,7 @@ def _new_transformed(base: type) -> nn.Module:
     return object.__new__(transformed_class(base))
 
 
-def transform(hf_model: nn.Module, config: SpecConfig | None = None) -> nn.Module:
+def transform(hf_model: nn.Module, config: SpecConfig | None = None, *, prepack: bool = True) -> nn.Module:
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
 
     Plain forward logits stay HF's own, and so does `generate` without speculation arguments, unless
@@ -221,6 +222,10 @@ def transform(hf_model: nn.Module, config: SpecConfig | None = None) -> nn.Modul
         hf_model: a Hugging Face causal LM (`PreTrainedModel` with `generate`): an SSM, a hybrid, or a plain
             transformer (e.g. to use as a draft).
         config: default speculation settings for `generate`; None keeps HF's plain `generate` by default.
+        prepack: on a CPU, ssmspec's own forwards (prefill, decode, verify) run every float32 / bfloat16
+            `nn.Linear` on a oneDNN copy of its weight packed once (ssmspec.linear): a verify step of 2-16
+            tokens then reads each weight once, as a decode step does. It holds as much memory again as the
+            linear weights; False keeps `F.linear` (no copy). Plain forwards are HF's either way.
 
     Returns:
         The same model object, its class extended with `SpecGenerationMixin` (same class name).
@@ -236,11 +241,14 @@ def transform(hf_model: nn.Module, config: SpecConfig | None = None) -> nn.Modul
         raise TypeError(f"ssmspec.transform(model, config): config must be an ssmspec.SpecConfig, got {config!r}")
     if isinstance(hf_model, SpecGenerationMixin):
         hf_model.ssmspec_config = config
+        _set_prepack(hf_model, prepack)
         return hf_model
     original_class = hf_model.__class__
     changed: list[nn.Module] = []
+    linears: list[nn.Module] = []
     try:
         mixers, changed = hf_seams.install(hf_model)
+        linears = packed_linear.install(hf_model) if prepack else []
         info = _check(hf_model, mixers)
         hf_model.__class__ = transformed_class(original_class)
         hf_model.ssmspec_info = info
@@ -252,11 +260,20 @@ def transform(hf_model: nn.Module, config: SpecConfig | None = None) -> nn.Modul
         hf_model.ssmspec_config = config
     except BaseException:
         hf_seams.uninstall(changed)
+        packed_linear.uninstall(linears)
         hf_model.__class__ = original_class
         for name in ("ssmspec_info", "ssmspec_config"):
             hf_model.__dict__.pop(name, None)
         raise
     return hf_model
+
+
+def _set_prepack(model: nn.Module, prepack: bool) -> None:
+    """Turn the prepacked linears of an already transformed model on or off."""
+    if prepack:
+        packed_linear.install(model)
+    else:
+        packed_linear.uninstall([m for m in model.modules() if isinstance(m, packed_linear.PackedLinear)])
 
 
 _DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

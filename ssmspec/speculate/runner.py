@@ -12,6 +12,7 @@ import inspect
 import torch
 from torch import nn
 
+from ssmspec import linear as packed_linear
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import masks as hf_masks
 from ssmspec.hf.cache import SpecCache
@@ -93,6 +94,8 @@ class ModelRunner:
             kept = torch.as_tensor(vocab, dtype=torch.long, device=self.device)
             dropped = torch.ones(model.config.get_text_config().vocab_size, dtype=torch.bool, device=self.device)
             self.dropped_ids = dropped.index_fill_(0, kept, False)
+        # every forward of this runner runs the model's prepacked linears (ssmspec.linear), where it has them
+        self.prepack = packed_linear.is_packed(model)
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -102,7 +105,8 @@ class ModelRunner:
             kwargs["attention_mask"] = attention_mask
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
-        logits = self.model(input_ids=input_ids, **kwargs).logits
+        with packed_linear.prepacked(self.prepack):
+            logits = self.model(input_ids=input_ids, **kwargs).logits
         if self.dropped_ids is not None:
             logits = logits.masked_fill(self.dropped_ids[: logits.shape[-1]], -float("inf"))
         return logits

@@ -1,0 +1,131 @@
+"""Prepacked linears for CPU: every nn.Linear of a transformed model reads its weight once per call, whatever
+the number of rows, while ssmspec drives the model.
+
+Why: on a CPU a decode step and a verify step are bound by reading the weights. PyTorch's `F.linear` (MKL
+sgemm) reads them at about half the speed for 2-16 rows than for one (a 32000 x 768 head: 8.5 ms for 1 row,
+17-19 ms for 2-16 on the 2-core CI machine), so verifying two tokens cost 1.6x one. oneDNN's linear on a
+weight packed once for a large batch (`_reorder_linear_weight(w, 128)`) costs 4-6 ms for 1-16 rows and
+also gives every row the same result whatever the row count (measured in docs/how-it-works.md).
+
+What: `install(model)` gives each plain `nn.Linear` the class `PackedLinear` (same parameters, same state
+dict, same pickling). Its forward is `F.linear` unless the calling thread is inside `prepacked(True)`, which
+ssmspec's runner enters around its own forwards (prefill, decode, verify): there, on a CPU tensor of a
+dtype oneDNN packs (float32, bfloat16) and without autograd, it runs oneDNN on a packed copy of the weight
+(made on first use, remade when the weight changes: its version, address, dtype or device). Plain forwards
+and HF's own `generate` therefore stay bit-identical to HF's; float64 and CUDA always take `F.linear`.
+The packed copy costs as much memory again as the linear weights (`transform(..., prepack=False)` opts out).
+
+This is the one place coupled to torch internals for linears: `torch.ops.mkldnn._reorder_linear_weight` and
+`torch.ops.mkldnn._linear_pointwise` (private ops that Inductor's own weight prepacking emits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the batch size the weights are packed for: oneDNN picks its blocked layout from it; with 32 or more the
+# packed linear is as fast for 1 row as for 16, and gives each row the same bits whatever the row count (with
+# a hint of 1, 2-16 rows cost 1.5x one row)
+PACK_BATCH = 128
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _Active(threading.local):
+    on: bool = False
+
+
+_ACTIVE = _Active()
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's packed linear (a CPU build with mkldnn)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@contextlib.contextmanager
+def prepacked(enabled: bool) -> Iterator[None]:
+    """Run a block with this thread's PackedLinears on their packed weights (`enabled`) or on F.linear."""
+    outer, _ACTIVE.on = _ACTIVE.on, bool(enabled)
+    try:
+        yield
+    finally:
+        _ACTIVE.on = outer
+
+
+class _Packed:
+    """A packed weight and what it was packed from; not copied by deepcopy or pickling (remade on use)."""
+
+    __slots__ = ("key", "weight")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.weight: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> _Packed:
+        return _Packed()
+
+    def __reduce__(self):
+        return (_Packed, ())
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear whose forward runs oneDNN on a packed copy of its weight inside `prepacked(True)` (see the
+    module docstring); otherwise exactly nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and _ACTIVE.on:
+            packed = self._packed_for(x)
+            if packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def _packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed weight for input x, or None where F.linear must run (device, dtype, autograd)."""
+        w = self.weight
+        if x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in PACKED_DTYPES:
+            return None
+        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
+            return None
+        if self.bias is not None and self.bias.dtype != w.dtype:
+            return None
+        cache = self.__dict__.get("_ssmspec_packed")
+        if cache is None:
+            cache = self.__dict__["_ssmspec_packed"] = _Packed()
+        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+        if cache.key != key:
+            with torch.no_grad():
+                cache.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH)
+            cache.key = key
+        return cache.weight
+
+
+def install(model: nn.Module) -> list[nn.Module]:
+    """Give every plain nn.Linear of the model (not subclasses: quantized or hooked linears keep theirs) the
+    class PackedLinear; returns the modules changed (for `uninstall`). No-op where oneDNN is missing."""
+    if not available():
+        return []
+    changed = []
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            module.__class__ = PackedLinear
+            changed.append(module)
+    return changed
+
+
+def uninstall(modules: list[nn.Module]) -> None:
+    """Give the modules back the class nn.Linear and drop their packed weights."""
+    for module in modules:
+        if type(module) is PackedLinear:
+            module.__class__ = nn.Linear
+            module.__dict__.pop("_ssmspec_packed", None)
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether any linear of the model has the class PackedLinear."""
+    return any(type(m) is PackedLinear for m in model.modules())
