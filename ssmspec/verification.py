@@ -74,6 +74,7 @@ class Verification:
         self.commit_strategy = commit
         self.records: dict[tuple[int, int, bool], Record] = {}
         self.kv_start = cache.kv_widths()  # attention slots per layer before the tree's K/V were appended
+        self.buffers: dict[tuple, torch.Tensor] = {}  # records of all layers stacked (the cache's to fill)
         self.done = False
 
     def record(self, module: str, seam: str, rec: Record) -> None:

@@ -113,6 +113,7 @@ class SpecCache(DynamicCache):
         self.valid = mask[:, mask.shape[1] - self._needed_width(mask.shape[1]) :]
         self.n_real = mask.sum(-1)
         self.block = torch.full_like(self.n_real, mask.shape[1])
+        hf_layers.stack_states(self.layers, self.recurrent)
         if self.capacity is not None and self.attention:
             self.static_kv = True
             self._bound = mask.shape[1]
@@ -233,9 +234,27 @@ class SpecCache(DynamicCache):
         committed = hf_layers.conv_state(self.layers[layer_idx], state_idx)
         if committed is None:
             raise RuntimeError(f"layer {layer_idx}: tree verification needs a prefilled conv state")
-        rec = Record("conv", layer_idx, state_idx, replay={"nodes": conv_states})
+        ext = self._conv_ext(committed.to(conv_states.dtype), conv_states)
+        rec = Record("conv", layer_idx, state_idx, replay={"nodes": conv_states, "ext": ext})
         self.verification.record(f"layer {layer_idx}", "update_conv_state", rec)
-        return torch.cat([committed.to(conv_states.dtype), conv_states], dim=-1)
+        return ext
+
+    def _conv_ext(self, committed: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """[committed | node inputs] along time, [B, C, S+N], in time-major memory ([B, S+N, C] transposed: the tree
+        conv reads rows of contiguous channels). Where the committed state is one of a stack (`stack_states`), it
+        is written into the verification's matching stack, so that the commit gathers every layer's new window
+        with one op."""
+        parts = (committed.transpose(1, 2), nodes.transpose(1, 2))
+        stack = committed._base
+        if stack is None or torch.compiler.is_compiling() or stack.dim() != committed.dim() + 1:
+            return torch.cat(parts, 1).transpose(1, 2)
+        b, c, s = committed.shape
+        buffers = self.verification.buffers
+        key = (id(stack), nodes.dtype)
+        if key not in buffers:
+            buffers[key] = nodes.new_empty(stack.shape[0], b, s + nodes.shape[-1], c)
+        out = buffers[key][(committed.storage_offset() - stack.storage_offset()) // stack.stride(0)]
+        return torch.cat(parts, 1, out=out).transpose(1, 2)
 
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs

@@ -103,3 +103,27 @@ def state_dicts(layer) -> dict[str, dict[int, torch.Tensor | None]]:
     if not isinstance(layer, LinearAttentionCacheLayerMixin):
         return {}
     return {"conv_states": layer.conv_states, "recurrent_states": layer.recurrent_states}
+
+
+def stack_states(layers: list, indices: list[int]) -> int:
+    """Put the conv / recurrent states of equal shape, dtype and device of the given layers into one tensor each
+    (in layer order), every layer's state becoming a view of it: a commit then updates all layers with one op
+    per tensor instead of one per layer. HF updates these states in place (`copy_`, static addresses), so the
+    views stay the states; marked static as HF marks its own (CUDA graphs). Returns the number of stacks."""
+    groups: dict[tuple, list] = {}
+    for i in indices:
+        for name, states in state_dicts(layers[i]).items():
+            for k, t in states.items():
+                if t is not None:
+                    groups.setdefault((name, tuple(t.shape), t.dtype, t.device), []).append((states, k, t))
+    count = 0
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        stack = torch.stack([t for _, _, t in members])
+        for j, (states, k, _) in enumerate(members):
+            states[k] = stack[j]
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(states[k])
+        count += 1
+    return count

@@ -49,7 +49,7 @@ def tree_causal_conv1d(
     s = total - n
     if s < k - 1:
         raise ValueError(f"tree_causal_conv1d: committed state has {s} columns, width {k} needs {k - 1}")
-    out = x_ext.new_empty(b, c, n)
+    out = x_ext.new_empty(b, n, c).transpose(1, 2)  # time-major, as the reference
     bc = min(triton.next_power_of_2(c), 128)
     grid = (b, n, triton.cdiv(c, bc))
     wrap_triton(_tree_conv_kernel)[grid](

@@ -72,11 +72,9 @@ def eager_fast_path(op: Callable) -> Callable:
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """At least float32, float64 when any input is float64: recurrences never run in half precision."""
-    dt = torch.float32
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            dt = torch.promote_types(dt, t.dtype)
-    return dt
+    # float32 promoted with any floating dtype but float64 stays float32 (a Python check: torch.promote_types is a
+    # dispatched op, called for every tree op of every layer)
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def chain_structure(batch: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +223,15 @@ def commit_materialized(items: list[tuple[torch.Tensor, Record]], last: torch.Te
     return rest
 
 
+def in_place_commit(target: torch.Tensor) -> bool:
+    """Whether a commit may write a committed state in place with plain PyTorch ops (eager, and no Triton
+    kernel asked for: CPU, or the "reference" policy): fewer passes over the state and no copies. Compiled
+    commits and kernel policies other than "reference" on CUDA go through the families' commit ops."""
+    if torch.compiler.is_compiling():
+        return False
+    return target.device.type == "cpu" or kernel_policy() == "reference"
+
+
 # ------------------------------------------------------------------------------------------ kernel policy
 KERNEL_POLICIES = ("auto", "kernels", "reference")
 
@@ -256,3 +263,21 @@ def using_kernel_policy(policy: str | None) -> Iterator[None]:
         yield
     finally:
         _POLICY.value = outer
+
+
+def stacked(targets: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive leading slices `targets` are, in order (`T[i], T[i + 1], ...` of one T:
+    the cache keeps each family's states stacked, ssmspec.hf.layers.stack_states), else None. A commit updates
+    it with one op instead of one per layer."""
+    base = targets[0]._base
+    if base is None or len(targets) < 2 or base.dim() != targets[0].dim() + 1:
+        return None
+    step, first = base.stride(0), targets[0].storage_offset() - base.storage_offset()
+    if step == 0 or first % step:
+        return None
+    for j, t in enumerate(targets):
+        if t._base is not base or t.storage_offset() != targets[0].storage_offset() + j * step:
+            return None
+        if t.shape != base.shape[1:] or t.stride() != base.stride()[1:]:
+            return None
+    return base[first // step : first // step + len(targets)]

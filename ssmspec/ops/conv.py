@@ -19,8 +19,10 @@ from ssmspec.ops._common import (
     commits,
     compute_dtype,
     eager_fast_path,
+    in_place_commit,
     reference_op,
     seam_adapter,
+    stacked,
 )
 
 _ACTIVATIONS = {None: None, "": None, "identity": None, "silu": F.silu, "swish": F.silu}
@@ -36,8 +38,10 @@ def tree_causal_conv1d(
     x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ancestors: torch.Tensor, activation: str
 ) -> torch.Tensor:
     """x_ext: [B, C, S+N] committed state (S columns) then the N node inputs; weight: [C, K];
-    ancestors: [B, N, K] from TokenTree.ancestors(K). Returns [B, C, N] in x_ext's dtype; computed in at least
-    float32 (half-precision inputs accumulate in float32, as a GPU conv does)."""
+    ancestors: [B, N, K] from TokenTree.ancestors(K). Returns [B, C, N] in x_ext's dtype, laid out time-major (a
+    transposed view of [B, N, C] memory, as the mixer's own projections are: its later slices stay rows of
+    contiguous channels); computed in at least float32 (half-precision inputs accumulate in float32, as a GPU
+    conv does)."""
     act = activation or None
     _check_activation(act)
     b, c, total = x_ext.shape
@@ -48,20 +52,35 @@ def tree_causal_conv1d(
     if s < k - 1:
         raise ValueError(f"tree_causal_conv1d: committed state has {s} columns, width {k} needs {k - 1}")
     cd = compute_dtype(x_ext, weight)
-    idx = (ancestors + s).reshape(b, 1, n * k).expand(b, c, n * k)
-    taps = torch.gather(x_ext.to(cd), 2, idx).view(b, c, n, k)  # tap j = j-th ancestor
-    out = (taps * weight.to(cd).flip(-1)[None, :, None, :]).sum(-1)
+    # time-major [B, S+N, C]: each tap is a row of C contiguous channels (x_ext is usually a transposed view of
+    # such rows already: the mixer's projection output), so the gather copies rows and the weighted sum runs
+    # over contiguous channels; tap j of node t reads its (K-1-j)-th ancestor, as weight column j expects
+    rows = x_ext.transpose(1, 2).to(cd)
+    idx = ancestors.flip(-1) + s  # [B, N, K]
+    if b == 1:
+        taps = rows[0].index_select(0, idx.view(-1)).view(1, n, k, c)
+    else:
+        taps = torch.gather(rows, 1, idx.view(b, n * k, 1).expand(b, n * k, c)).view(b, n, k, c)
+    out = (taps * weight.to(cd).t()).sum(2)  # [B, N, C]
     if bias is not None:
-        out = out + bias.to(cd)[None, :, None]
+        out = out.add_(bias.to(cd))
     fn = _ACTIVATIONS[act]
     if fn is not None:
-        out = fn(out)
-    return out.to(x_ext.dtype)
+        out = fn(out, inplace=True)
+    return out.to(x_ext.dtype).transpose(1, 2)
 
 
 @tree_causal_conv1d.register_fake
 def _(x_ext, weight, bias, ancestors, activation):
-    return x_ext.new_empty(x_ext.shape[0], x_ext.shape[1], ancestors.shape[1])
+    return x_ext.new_empty(x_ext.shape[0], ancestors.shape[1], x_ext.shape[1]).transpose(1, 2)
+
+
+def window_index(s: int, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, S] column indices into [committed (S columns) | node inputs] of the new conv state after the
+    accepted path [B, M] (padded) of `lengths` [B] nodes: its last S inputs, committed columns filling in."""
+    pos = torch.arange(s, device=path.device)[None, :] - s + lengths[:, None]  # index into the path
+    from_path = torch.gather(path, 1, pos.clamp(min=0)) + s
+    return torch.where(pos >= 0, from_path, s + pos)  # pos < 0: column s + pos of the committed state
 
 
 @reference_op("conv_window")
@@ -72,12 +91,7 @@ def conv_window(
     lengths [B] path lengths. Returns the new committed state [B,C,S]."""
     b, c, s = committed.shape
     ext = torch.cat([committed, nodes.to(committed.dtype)], dim=-1)  # [B, C, S+N]
-    pos = torch.arange(s, device=committed.device)[None, :] - s + lengths[:, None]  # index into the path
-    rows = torch.arange(b, device=committed.device)[:, None]
-    from_path = path[rows, pos.clamp(min=0)] + s
-    from_committed = s + pos  # pos < 0: column s + pos of the committed state
-    idx = torch.where(pos >= 0, from_path, from_committed)
-    return torch.gather(ext, 2, idx[:, None, :].expand(b, c, s))
+    return torch.gather(ext, 2, window_index(s, path, lengths)[:, None, :].expand(b, c, s))
 
 
 @conv_window.register_fake
@@ -96,22 +110,56 @@ def verify_conv(call: SeamCall, a: dict[str, Any]) -> torch.Tensor:
     x_ext, weight = a["hidden_states"], a["weight"]
     tree = call.tree
     out = _tree_conv(x_ext, weight, a.get("bias"), tree.ancestors(weight.shape[-1]), a.get("activation") or "")
-    s = x_ext.shape[-1] - tree.num_nodes
-    return torch.cat([out.new_zeros(out.shape[0], out.shape[1], s), out], dim=-1)
+    b, c, n = out.shape
+    s = x_ext.shape[-1] - n
+    if torch.compiler.is_compiling():  # the pattern the backend's fold_conv_padding pass removes from a graph
+        return torch.cat([out.new_zeros(b, c, s), out], dim=-1)
+    padded = out.new_zeros(b, s + n, c)  # time-major, as the tree op's output
+    padded[:, s:] = out.transpose(1, 2)
+    return padded.transpose(1, 2)
+
+
+def _window_in_place(group: list, path: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Each layer's new window gathered from the [committed | nodes] its verification recorded, straight into
+    its committed state: one gather for all layers where the cache keeps both stacked, else one per layer."""
+    target = group[0][0]
+    b, c, s = target.shape
+    idx = window_index(s, path, lengths)  # [B, S], shared by every layer
+    stack = stacked([t for t, _, _ in group])
+    exts = stacked([e.transpose(1, 2) for _, _, e in group])  # [layers, B, S+N, C]
+    if stack is not None and exts is not None:
+        if b == 1:
+            new = exts.index_select(2, idx[0])
+        else:
+            new = torch.gather(exts, 2, idx[None, :, :, None].expand(len(group), b, s, c))
+        stack.copy_(new.transpose(2, 3))
+        return
+    for target, _, ext in group:
+        if b == 1:
+            torch.index_select(ext, 2, idx[0], out=target)
+        else:
+            torch.gather(ext, 2, idx[:, None, :].expand(b, c, s), out=target)
 
 
 @commits("conv")
 def commit_conv(items: list[tuple[torch.Tensor, Record]], path: torch.Tensor, lengths: torch.Tensor, last) -> None:
-    """New conv windows: one conv_window call per group of states of equal shape (all layers at once)."""
+    """New conv windows. Eager: each layer's window gathered from the [committed | nodes] its verification
+    recorded straight into its committed state (one op per layer, the column indices shared). Compiled or with
+    kernels: one conv_window call per group of states of equal shape (all layers at once)."""
     groups: dict[tuple, list] = {}
     for target, rec in items:
         nodes = rec.replay["nodes"]
         key = (tuple(target.shape), target.dtype, tuple(nodes.shape), nodes.dtype)
-        groups.setdefault(key, []).append((target, nodes))
+        groups.setdefault(key, []).append((target, nodes, rec.replay.get("ext")))
     for group in groups.values():
+        target, _, ext = group[0]
+        if ext is not None and ext.dtype == target.dtype and in_place_commit(target):
+            _window_in_place(group, path, lengths)
+            continue
         k = len(group)
         new = _conv_window(
-            torch.cat([t for t, _ in group]), torch.cat([n for _, n in group]), path.repeat(k, 1), lengths.repeat(k)
-        )
-        for (target, _), part in zip(group, new.split(group[0][0].shape[0])):
+            torch.cat([t for t, _, _ in group]), torch.cat([n for _, n, _ in group]), path.repeat(k, 1),
+            lengths.repeat(k),
+        )  # fmt: skip
+        for (target, _, _), part in zip(group, new.split(group[0][0].shape[0])):
             target.copy_(part)

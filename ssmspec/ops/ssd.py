@@ -23,24 +23,41 @@ from ssmspec.ops._common import (
     commits,
     compute_dtype,
     eager_fast_path,
+    in_place_commit,
     reference_op,
     seam_adapter,
+    stacked,
 )
+
+
+def _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd):
+    """dt in the compute dtype with its bias, softplus and limits; dt_bias [H], or [B, H] (one row per (layer,
+    row) when commit batches several layers). The clamp is skipped where it cannot change a value (softplus is
+    >= 0; no upper limit)."""
+    dt = dt.to(cd)
+    if dt_bias is not None:
+        dt = dt + (dt_bias.to(cd)[:, None] if dt_bias.ndim == 2 else dt_bias.to(cd))
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if not (dt_softplus and dt_min <= 0.0 and dt_max == float("inf")):
+        dt = dt.clamp(min=dt_min, max=dt_max)
+    return dt
 
 
 def _prepare(x, dt, A, Bm, Cm, dt_bias, dt_softplus, dt_min, dt_max):
     cd = compute_dtype(x, dt, Bm, Cm)
     h, g = x.shape[2], Bm.shape[2]
-    dt = dt.to(cd)
-    if dt_bias is not None:  # [H], or [B, H] when commit batches several layers
-        dt = dt + (dt_bias.to(cd)[:, None] if dt_bias.ndim == 2 else dt_bias.to(cd))
-    if dt_softplus:
-        dt = F.softplus(dt)
-    dt = dt.clamp(min=dt_min, max=dt_max)
+    dt = _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd)
     Bh = repeat(Bm.to(cd), "b n g s -> b n (g r) s", r=h // g)
     Ch = repeat(Cm.to(cd), "b n g s -> b n (g r) s", r=h // g)
     dA = dt * (A.to(cd)[:, None] if A.ndim == 2 else A.to(cd))  # [B, N, H]
     return cd, x.to(cd), dt, Bh, Ch, dA
+
+
+def _by_group(t: torch.Tensor) -> torch.Tensor:
+    """[B, N, G, S] -> [B * G, N, S] (a view where G == 1)."""
+    b, n, g, s = t.shape
+    return t.view(b, n, s) if g == 1 else t.transpose(1, 2).reshape(b * g, n, s)
 
 
 @reference_op("tree_ssd")
@@ -60,31 +77,49 @@ def tree_ssd(
     return_states: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B,N,H,P], dt [B,N,H], A [H], Bm/Cm [B,N,G,S], D [H] or [H,P], dt_bias [H], h0 [B,H,P,S],
-    ancestor_mask [B,N,N]. Returns y [B,N,H,P] (compute dtype) and node states [B,N,H,P,S] (or empty)."""
-    cd, xc, dtc, Bh, Ch, dA = _prepare(x, dt, A, Bm, Cm, dt_bias, dt_softplus, dt_min, dt_max)
-    # head-major layout so that every contraction is a plain batched matmul over (batch, head)
-    xh, Chh, Bhh = (t.transpose(1, 2) for t in (xc, Ch, Bh))  # [B, H, N, P|S]
-    dAh, dth = dA.transpose(1, 2), dtc.transpose(1, 2)  # [B, H, N]
-    anc = ancestor_mask[:, None]  # [B, 1, t, s]
-    L = (dAh[:, :, None, :] * anc.to(cd)).sum(-1)  # [B, H, t]: decay summed over t's ancestors
-    # decay from s to t (exclusive of s), only where s is an ancestor of t
-    seg = (L[..., :, None] - L[..., None, :]).masked_fill(~anc, float("-inf"))  # [B, H, t, s]
-    w = torch.exp(seg) * torch.matmul(Chh, Bhh.transpose(-1, -2)) * dth[:, :, None, :]
-    yh = torch.matmul(w, xh)  # [B, H, t, P]
-    if h0 is not None:
-        yh = yh + torch.exp(L)[..., None] * torch.matmul(Chh, h0.to(cd).transpose(-1, -2))
-    y = yh.transpose(1, 2)
-    if D is not None:
+    ancestor_mask [B,N,N]. Returns y [B,N,H,P] (compute dtype) and node states [B,N,H,P,S] (or empty).
+
+    Few, large ops (each eager op costs microseconds, a visible share of a small tree's step): C.B and C.h0
+    once per group (the heads of a group share them), the decay of every head in one [B,H,t,s] tensor, and the
+    outputs accumulated head-major as [B,H,P,t] by one batched matmul onto the h0 term."""
+    b, n, h, p = x.shape
+    g, s = Bm.shape[2], Bm.shape[3]
+    r = h // g
+    cd = compute_dtype(x, dt, Bm, Cm)
+    xc = x.to(cd)
+    dtc = _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd)  # [B, N, H]
+    dA = dtc * A.to(cd)
+    anc = ancestor_mask
+    L = torch.bmm(dA.transpose(1, 2), anc.to(cd).transpose(1, 2))  # [B, H, t]: sum over t's ancestors, t included
+    # decay from s to t (exclusive of s) where s is an ancestor of t, else exp(-inf) = 0
+    seg = torch.where(anc[:, None], L[..., :, None] - L[..., None, :], float("-inf")).exp_()  # [B, H, t, s]
+    dts = dtc.transpose(1, 2).reshape(b, g, r, 1, n)  # dt_s
+    Cg, Bg = _by_group(Cm.to(cd)), _by_group(Bm.to(cd))  # [B*G, N, S]
+    cb = torch.bmm(Cg, Bg.transpose(1, 2)).view(b, g, 1, n, n)  # C_t . B_s, shared by the heads of a group
+    decay = seg.view(b, g, r, n, n)
+    w = decay * cb * dts if return_states else decay.mul_(cb).mul_(dts)  # [B, G, R, t, s]
+    xt = xc.permute(0, 2, 3, 1).reshape(b * h, p, n)  # [B*H, P, s]
+    wt = w.view(b * h, n, n).transpose(1, 2)
+    if h0 is not None:  # exp(L_t) C_t . h0, for every head of a group from one matmul
+        h0c = h0.to(cd)
+        yt = torch.bmm(h0c.reshape(b * g, r * p, s), Cg.transpose(1, 2)).view(b, h, p, n)
+        yt = yt.mul_(L.exp().unsqueeze(2)).view(b * h, p, n).baddbmm_(xt, wt)
+    else:
+        yt = torch.bmm(xt, wt)
+    yt = yt.view(b, h, p, n).permute(0, 3, 1, 2)  # [B, N, H, P] (strided)
+    if D is not None:  # contiguous output: callers .view() it (FalconH1Mixer does)
         Dc = D.to(cd)
-        y = y + (Dc[:, None] if Dc.ndim == 1 else Dc) * xc
-    y = y.contiguous()  # callers .view() the output (FalconH1Mixer does)
+        y = (xc * (Dc[:, None] if Dc.ndim == 1 else Dc)).add_(yt)
+    else:
+        y = yt.contiguous()
     if not return_states:
         return y, x.new_empty(0, dtype=cd)
-    decay = torch.exp(seg) * dth[:, :, None, :]  # [B, H, t, s]
-    xB = (xh[..., :, None] * Bhh[..., None, :]).flatten(-2)  # [B, H, s, P*S]
-    states = torch.matmul(decay, xB).unflatten(-1, (xh.shape[-1], Bhh.shape[-1]))  # [B, H, t, P, S]
+    # every node's state (materialize): sum over ancestors s of exp(L_t - L_s) dt_s x_s B_s^T, plus exp(L_t) h0
+    xB = xc[..., None] * Bm.to(cd).repeat_interleave(r, dim=2)[:, :, :, None, :]  # [B, s, H, P, S]
+    states = torch.matmul((decay * dts).view(b, h, n, n), xB.transpose(1, 2).flatten(-2))  # [B, H, t, P*S]
+    states = states.unflatten(-1, (p, s))
     if h0 is not None:
-        states = states + torch.exp(L)[..., None, None] * h0.to(cd)[:, :, None]
+        states = states + L.exp()[..., None, None] * h0c[:, :, None]
     return y, states.transpose(1, 2).contiguous()
 
 
@@ -113,15 +148,28 @@ def ssd_state_at(
     """Replay commit for SSD: the state after the nodes marked in path_mask [B, N] (one root-to-node path
     per row), h = exp(L) h0 + sum_{s on path} exp(L - L_s) dt_s x_s B_s^T. Returns [B, H, P, S].
     A and dt_bias may be [B, H] (one row per (layer, row) when commit batches all layers in one call)."""
-    cd, xc, dtc, Bh, _, dA = _prepare(x, dt, A, Bm, Bm, dt_bias, dt_softplus, dt_min, dt_max)
+    b, h, p, s = x.shape[0], x.shape[2], x.shape[3], Bm.shape[-1]
+    decay, xw, Bg = replay_terms(x, dt, A, Bm, dt_bias, path_mask, dt_softplus, dt_min, dt_max)
+    if h0 is None:
+        return torch.bmm(xw, Bg).view(b, h, p, s)
+    start = h0.to(decay.dtype) * decay[..., None, None]
+    return torch.baddbmm(start.view(xw.shape[0], -1, s), xw, Bg).view(b, h, p, s)
+
+
+def replay_terms(x, dt, A, Bm, dt_bias, path_mask, dt_softplus, dt_min, dt_max):
+    """The replay commit as (decay [B, H], xw [B*G, R*P, N], Bg [B*G, N, S]) with state = decay * h0 + xw @ Bg
+    per group of R heads: what `ssd_state_at` computes, in factors that an in-place commit applies to the
+    committed state directly (two passes over it, no copy)."""
+    b, n, h, p = x.shape
+    g = Bm.shape[2]
+    cd = compute_dtype(x, dt, Bm)
+    dtc = _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd)  # [B, N, H]
     m = path_mask.to(cd)[..., None]  # [B, N, 1]
-    L_s = torch.cumsum(dA * m, dim=1)  # decay accumulated along the path up to and including s
+    L_s = torch.cumsum(dtc * (A.to(cd)[:, None] if A.ndim == 2 else A.to(cd)) * m, dim=1)  # up to and incl. s
     L = L_s[:, -1]  # [B, H]
-    w = torch.exp(L[:, None] - L_s) * dtc * m  # [B, N, H]
-    state = torch.matmul((xc * w[..., None]).permute(0, 2, 3, 1), Bh.transpose(1, 2))  # [B, H, P, S]
-    if h0 is not None:
-        state = state + torch.exp(L)[..., None, None] * h0.to(cd)
-    return state
+    w = (L[:, None] - L_s).exp_().mul_(dtc).mul_(m)  # [B, N, H]
+    xw = (x.to(cd) * w[..., None]).permute(0, 2, 3, 1).reshape(b * g, (h // g) * p, n)
+    return L.exp(), xw, _by_group(Bm.to(cd))
 
 
 @ssd_state_at.register_fake
@@ -194,33 +242,77 @@ def verify_ssd(call: SeamCall, a: dict[str, Any]):
 
 @commits("ssd")
 def commit_ssd(items: list[tuple[torch.Tensor, Record]], path, lengths, last: torch.Tensor) -> None:
-    """Materialized states are gathered; replayed layers of equal shapes share one ssd_state_at call."""
+    """Materialized states are gathered; replayed layers of equal shapes share one replay computation."""
     groups: dict[tuple, list] = {}
     for target, rec in commit_materialized(items, last):
         key = tuple(
             (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, v) for n, v in rec.replay.items()
         )
-        if target.numel() > BATCH_REPLAY_MAX_STATE:  # big states: concatenating them costs more than it saves
-            key = (rec.layer, rec.state_idx)
         groups.setdefault(key, []).append((target, rec.replay))
     rows = torch.arange(last.shape[0], device=last.device)
     for group in groups.values():
-        _replay(group, rows, last)
+        first = group[0][1]
+        cd = compute_dtype(first["x"], first["dt"], first["Bm"])
+        if all(t.dtype == cd and t.is_contiguous() and in_place_commit(t) for t, _ in group):
+            _replay_in_place(group, path, lengths)
+        elif group[0][0].numel() > BATCH_REPLAY_MAX_STATE:  # big states: concatenating them costs more than it saves
+            for item in group:
+                _replay([item], rows, last)
+        else:
+            _replay(group, rows, last)
+
+
+def _stack(items: list, name: str, b: int, h: int):
+    """One replay input of several layers stacked along the batch ([H] parameters: one row per (layer, row))."""
+    vals = [a[name] for _, a in items]
+    if vals[0] is None:
+        return None
+    if len(vals) == 1:
+        return vals[0]
+    if vals[0].ndim == 1:
+        stack = torch.stack(vals)  # [layers, H]
+        return stack if b == 1 else stack.repeat_interleave(b, dim=0)
+    return torch.cat(vals)
+
+
+def _replay_in_place(items: list, path: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Replay the accepted paths of several SSD layers (same shapes): the factors of all layers in one
+    computation over the path's nodes only, then `state *= decay; state += xw @ B` in place, on all layers'
+    states at once where the cache keeps them stacked (else layer by layer)."""
+    first = items[0][1]
+    k, (b, h) = len(items), (first["x"].shape[0], first["x"].shape[2])
+    # the path's nodes of every layer (padded paths: entries past a row's length are masked)
+    mask = torch.arange(path.shape[1], device=path.device) < lengths[:, None]  # [B, M]
+    if b == 1:
+        on_path = lambda t: t.index_select(1, path[0])  # noqa: E731
+        mask = mask.expand(k, -1)
+    else:
+        rows, paths = torch.arange(k * b, device=path.device)[:, None], path.repeat(k, 1)
+        on_path = lambda t: t[rows, paths]  # noqa: E731
+        mask = mask.repeat(k, 1)
+    cat = lambda name: _stack(items, name, b, h)  # noqa: E731
+    decay, xw, Bg = replay_terms(
+        on_path(cat("x")), on_path(cat("dt")), cat("A"), on_path(cat("Bm")), cat("dt_bias"), mask,
+        first["dt_softplus"], first["dt_min"], first["dt_max"],
+    )  # fmt: skip
+    targets = [t for t, _ in items]
+    s = targets[0].shape[-1]
+    stack = stacked(targets)
+    if stack is not None and stack.is_contiguous():
+        stack.mul_(decay.view(k, b, h, 1, 1))
+        stack.view(xw.shape[0], -1, s).baddbmm_(xw, Bg)
+        return
+    per = xw.shape[0] // k  # batched matrices per layer (rows x groups)
+    for i, target in enumerate(targets):
+        target.mul_(decay[i * b : (i + 1) * b, :, None, None])
+        target.view(per, -1, s).baddbmm_(xw[i * per : (i + 1) * per], Bg[i * per : (i + 1) * per])
 
 
 def _replay(items: list, rows: torch.Tensor, last: torch.Tensor) -> None:
     """Replay the accepted paths of several SSD layers (same shapes) in one ssd_state_at call."""
     first = items[0][1]
     b, h = first["x"].shape[0], first["x"].shape[2]
-
-    def cat(name):
-        vals = [a[name] for _, a in items]
-        if vals[0] is None:
-            return None
-        if vals[0].ndim == 1:  # per-layer parameters -> one row per (layer, batch row)
-            return torch.cat([v.expand(b, h) for v in vals])
-        return torch.cat(vals)
-
+    cat = lambda name: _stack(items, name, b, h)  # noqa: E731
     mask = first["ancestor_mask"][rows, last].repeat(len(items), 1)
     new = _ssd_state_at(
         cat("x"), cat("dt"), cat("A"), cat("Bm"), cat("dt_bias"), cat("h0"), mask,

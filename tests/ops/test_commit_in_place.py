@@ -1,0 +1,95 @@
+"""The eager commits that write committed states in place (all layers at once where the cache keeps them stacked,
+else layer by layer) equal the commit ops they replace (ssd_state_at, conv_window), for chains, trees, padded
+(static-shape) paths and batches; `stacked` finds a stack only where the states really are its consecutive rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssmspec.ops import COMMITS, Record, conv_window, ssd_state_at
+from ssmspec.ops._common import stacked
+from ssmspec.tree import TokenTree
+
+D64 = torch.float64
+
+
+def _trees(b: int) -> TokenTree:
+    rows = [[-1, 0, 0, 1, 1, 2, 5], [-1, 0, 1, 0, 3, 4, 5], [-1, 0, 1, 2, 3, 4, 5]]
+    return TokenTree.from_lists([[0] * 7] * b, rows[:b])
+
+
+def _targets(states: list[torch.Tensor], stack: bool) -> list[torch.Tensor]:
+    """The committed states as the cache holds them: rows of one stacked tensor, or separate tensors."""
+    if not stack:
+        return [s.clone() for s in states]
+    base = torch.stack(states)
+    return [base[i] for i in range(len(states))]
+
+
+def _path(tree: TokenTree, last: list[int], width: int | None):
+    return tree.paths(torch.tensor(last), width)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+@pytest.mark.parametrize(("b", "last", "width"), [(1, [6], None), (1, [3], 7), (2, [6, 4], None), (3, [5, 2, 6], 7)])
+def test_ssd_in_place_commit_equals_replay_op(stack, b, last, width):
+    g = torch.Generator().manual_seed(b + len(last) + (width or 0))
+    tree = _trees(b)
+    n, layers, h, p, grp, s = tree.num_nodes, 3, 4, 3, 2, 5
+    records, h0s = [], []
+    for _ in range(layers):
+        rec = {
+            "x": torch.randn(b, n, h, p, generator=g, dtype=D64), "dt": torch.randn(b, n, h, generator=g, dtype=D64),
+            "A": -torch.rand(h, generator=g, dtype=D64) - 0.5, "Bm": torch.randn(b, n, grp, s, generator=g, dtype=D64),
+            "dt_bias": torch.randn(h, generator=g, dtype=D64), "ancestor_mask": tree.ancestor_mask,
+            "dt_softplus": True, "dt_min": 0.0, "dt_max": float("inf"),
+        }  # fmt: skip
+        h0 = torch.randn(b, h, p, s, generator=g, dtype=D64)
+        records.append(rec)
+        h0s.append(h0)
+    targets = _targets(h0s, stack)
+    assert (stacked(targets) is not None) == stack
+    items = [(t, Record("ssd", i, 0, replay={**rec, "h0": t})) for i, (t, rec) in enumerate(zip(targets, records))]
+    path, lengths = _path(tree, last, width)
+    rows = torch.arange(b)
+    want = [
+        ssd_state_at(r["x"], r["dt"], r["A"], r["Bm"], r["dt_bias"], h0, tree.ancestor_mask[rows, torch.tensor(last)],
+                     True, 0.0, float("inf"))
+        for r, h0 in zip(records, h0s)
+    ]  # fmt: skip
+    COMMITS["ssd"](items, path, lengths, torch.tensor(last))
+    for got, expected in zip(targets, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+@pytest.mark.parametrize(("b", "last", "width"), [(1, [6], None), (1, [1], 7), (2, [6, 0], None), (3, [5, 2, 6], 7)])
+def test_conv_in_place_commit_equals_window_op(stack, b, last, width):
+    g = torch.Generator().manual_seed(7 * b + len(last))
+    tree = _trees(b)
+    n, layers, c, s = tree.num_nodes, 3, 5, 4
+    committed = [torch.randn(b, c, s, generator=g, dtype=D64) for _ in range(layers)]
+    nodes = [torch.randn(b, c, n, generator=g, dtype=D64) for _ in range(layers)]
+    targets = _targets(committed, stack)
+    # [committed | nodes] as the cache records it: time-major memory, in one stacked buffer when the states are
+    exts = torch.stack([torch.cat([cm, nd], -1).transpose(1, 2) for cm, nd in zip(committed, nodes)])
+    ext = [exts[i].transpose(1, 2) if stack else exts[i].transpose(1, 2).clone() for i in range(layers)]
+    items = [(t, Record("conv", i, 0, replay={"nodes": nd, "ext": e}))
+             for i, (t, nd, e) in enumerate(zip(targets, nodes, ext))]  # fmt: skip
+    path, lengths = _path(tree, last, width)
+    want = [conv_window(cm, nd, path, lengths) for cm, nd in zip(committed, nodes)]
+    COMMITS["conv"](items, path, lengths, torch.tensor(last))
+    for got, expected in zip(targets, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_stacked_needs_consecutive_rows_of_one_tensor():
+    base = torch.zeros(4, 2, 3)
+    assert stacked([base[1], base[2], base[3]]).data_ptr() == base[1].data_ptr()
+    assert stacked([base[1], base[2], base[3]]).shape == (3, 2, 3)
+    assert stacked([base[0], base[2]]) is None  # a gap
+    assert stacked([base[2], base[1]]) is None  # out of order
+    assert stacked([base[0], torch.zeros(2, 3)]) is None  # another tensor
+    assert stacked([base[0]]) is None  # nothing to gain from one
+    assert stacked([base[0, :, :2], base[1, :, :2]]) is None  # slices of rows, not rows
