@@ -1,11 +1,23 @@
 """Verification cost curve: time(verify an N-node tree + commit) / time(one HF decode step), side by side.
 
-`--model random`: a random-init Mamba2 of `--layers`/`--hidden` (the ratio depends on shapes, not weights);
+`--model random`: a random-init model of `--layers` / `--hidden` (the ratio depends on shapes, not weights): a
+Mamba2 (`--family mamba2`) or a Bamba-style hybrid with one attention layer in six (`--family bamba`);
 `--model mamba2-target` or `bamba-hybrid`: an embedded trained model. Chains and random trees of N nodes
 (N = 1 uses HF's own decode path, as ssmspec does); the commit keeps a path of about half the tree's depth.
-HF decode and verify + commit are timed alternately; medians. Prints one line per (N, shape).
+Per repeat, HF's decode step on the untransformed model, ssmspec's own decode step (the transformed model's
+one-node step, as plain decoding through ssmspec runs it), the verify and the commit are timed one after the
+other; medians. `ratio` = (verify + commit) / HF decode, `ratio_own` = the same over ssmspec's decode step.
+
+`--mode compiled`: HF's side is `model.compile()` and ssmspec's `model.compile(backend="ssmspec")`, both with
+Inductor's C++ wrapper (the fastest compiled configuration on CPU, ssmspec.bench.COMPILE_OPTIONS); ssmspec
+verifies with static shapes, as a compiled model does in `generate`. Compiling takes minutes on 2 cores.
+`--profile`: where a step goes (torch.profiler): for HF's decode, ssmspec's decode, verify(2) and verify(8)
+(+ commit), the top operations by self time and the share of the step outside them (Python and dispatch).
 
     python benchmarks/verify_cost.py --model random --layers 24 --hidden 768
+    python benchmarks/verify_cost.py --family bamba --nodes 1 2 8 16
+    python benchmarks/verify_cost.py --mode compiled --nodes 1 2 8 16
+    python benchmarks/verify_cost.py --profile --json profile.json
     python benchmarks/verify_cost.py --model mamba2-target --json cost.json --plot docs/images/verify_cost_embedded.png
 """
 
@@ -14,19 +26,21 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 
 import torch
 from _plot import write_outputs
-from _timing import median_time
-from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
+from transformers import BambaConfig, BambaForCausalLM, DynamicCache, Mamba2Config, Mamba2ForCausalLM
 
 import ssmspec
 from ssmspec import models
+from ssmspec.bench import COMPILE_OPTIONS
 from ssmspec.speculate.runner import ModelRunner, cache_kwarg
 from ssmspec.tree import TokenTree
 
 NODES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 SNAKES_AND_LADDERS = (6, 1.47)  # 6 tokens verified for 1.47x one step (GPU), ANCHORS.md
+PROFILED = (("HF decode", 0), ("ssmspec decode", 1), ("verify(2) + commit", 2), ("verify(8) + commit", 8))
 
 
 def mamba2(layers: int, hidden: int, dtype: torch.dtype) -> Mamba2ForCausalLM:
@@ -44,6 +58,29 @@ def mamba2(layers: int, hidden: int, dtype: torch.dtype) -> Mamba2ForCausalLM:
         chunk_size=256,
     )
     return Mamba2ForCausalLM(cfg).to(dtype).eval()
+
+
+def bamba(layers: int, hidden: int, dtype: torch.dtype) -> BambaForCausalLM:
+    """A random-init Bamba-style hybrid: Mamba2 mixers as `mamba2` above, every sixth layer attention (GQA,
+    head dim 64), a SwiGLU MLP of 8/3 x hidden in every layer."""
+    torch.manual_seed(0)
+    cfg = BambaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=8 * hidden // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        attn_layer_indices=list(range(5, layers, 6)),
+        mamba_n_heads=2 * hidden // 64,
+        mamba_d_head=64,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        attn_implementation="sdpa",
+    )
+    return BambaForCausalLM(cfg).to(dtype).eval()
 
 
 def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
@@ -66,54 +103,134 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     """(untransformed model, description)."""
     if args.model == "random":
         dtype = getattr(torch, args.dtype)
-        return mamba2(args.layers, args.hidden, dtype), (
-            f"random-init Mamba2, {args.layers} layers, d_model {args.hidden}, {args.dtype}"
+        build = {"mamba2": mamba2, "bamba": bamba}[args.family]
+        what = "Mamba2" if args.family == "mamba2" else "Bamba hybrid (attention every 6th layer)"
+        return build(args.layers, args.hidden, dtype), (
+            f"random-init {what}, {args.layers} layers, d_model {args.hidden}, {args.dtype}"
         )
     model, _ = models.load(args.model)
     n = sum(p.numel() for p in model.parameters())
     return model.float(), f"embedded {args.model} ({n / 1e6:.1f}M parameters), float32"
 
 
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Bench:
+    """The two models side by side: HF's decode step, and ssmspec's runner (decode, verify, commit)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.set_num_threads(args.threads)
+        self.ref, desc = load(args)
+        self.model = ssmspec.transform(copy.deepcopy(self.ref))
+        self.compiled = args.mode == "compiled"
+        if self.compiled:
+            self.ref.compile(options=COMPILE_OPTIONS)
+            self.model.compile(backend="ssmspec", options=COMPILE_OPTIONS)
+        self.vocab = self.ref.config.get_text_config().vocab_size
+        self.g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, self.vocab, (1, args.prompt), generator=self.g)
+        self.decode = hf_decode_step(self.ref, ids)
+        depth = max(args.nodes)
+        self.runner = ModelRunner(self.model, commit=args.commit, static_shapes=self.compiled, max_depth=depth,
+                                  max_nodes=depth + 1)  # fmt: skip
+        self.runner.prefill(ids, torch.ones_like(ids))
+        self.root = TokenTree.chain(ids[:, -1:])
+        self.desc = desc + f", CPU {torch.get_num_threads()} threads, commit={args.commit}, {args.mode}"
+
+    def tree(self, n: int, shape: str) -> tuple[TokenTree, torch.Tensor]:
+        """A chain or random tree of n nodes and the node whose path the commit keeps."""
+        if shape == "chain":
+            tree = TokenTree.chain(torch.randint(3, self.vocab, (1, n), generator=self.g))
+        else:
+            tree = random_tree(n, n, self.vocab)
+        return tree, torch.tensor([int(tree.depth[0].argmax()) // 2 if n > 1 else 0])
+
+    def own_decode(self) -> None:
+        """ssmspec's decode step: a one-node tree (HF's decode path on the transformed model, nothing to commit)."""
+        self.runner.verify(self.root)
+        self.runner.commit(torch.tensor([0]))
+
+    def step(self, tree: TokenTree, last: torch.Tensor) -> tuple[float, float]:
+        """(verify seconds, commit seconds); the committed state drifts from step to step, costs do not."""
+        t_verify = _timed(lambda: self.runner.verify(tree))
+        return t_verify, _timed(lambda: self.runner.commit(last))
+
+
 @torch.no_grad()
-def measure(args: argparse.Namespace) -> dict:
-    """Run the curve; returns {"model", "rows": [{nodes, shape, decode_ms, verify_ms, ratio}]}."""
-    torch.set_num_threads(args.threads)
-    ref, desc = load(args)
-    model = ssmspec.transform(copy.deepcopy(ref))
-    vocab = ref.config.get_text_config().vocab_size
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (1, args.prompt), generator=g)
-    decode = hf_decode_step(ref, ids)
-    runner = ModelRunner(model, commit=args.commit)
-    runner.prefill(ids, torch.ones_like(ids))
-    desc += f", CPU {torch.get_num_threads()} threads, commit={args.commit}"
-    print(desc + f"; medians of {args.repeats}, decode and verify + commit timed alternately")
-    print(f"{'nodes':>5} {'shape':>6} {'HF decode ms':>13} {'verify+commit ms':>17} {'ratio':>6}")
-    decode()
+def measure(args: argparse.Namespace, bench: Bench) -> dict:
+    """Run the curve; returns {"model", "mode", "rows": [{nodes, shape, decode_ms, verify_ms, commit_ms, ratio,
+    own_decode_ms, ratio_own}]}."""
+    print(bench.desc + f"; medians of {args.repeats}, each repeat times every side once")
+    print(f"{'nodes':>5} {'shape':>6} {'HF decode':>10} {'own decode':>10} {'verify':>8} {'commit':>8} {'ratio':>6} "
+          f"{'vs own':>6}   (ms)")  # fmt: skip
     rows = []
     for n in args.nodes:
         for shape in ("chain", "tree"):
             if shape == "tree" and n < 3:
                 continue
-            if shape == "chain":
-                tree = TokenTree.chain(torch.randint(3, vocab, (1, n), generator=g))
-            else:
-                tree = random_tree(n, n, vocab)
-            last = torch.tensor([int(tree.depth[0].argmax()) // 2 if n > 1 else 0])
-
-            def verify() -> None:  # the committed state drifts from step to step; costs do not depend on it
-                runner.verify(tree)
-                runner.commit(last)
-
-            verify()
-            t_dec, t_ver = [], []
+            tree, last = bench.tree(n, shape)
+            t0 = time.perf_counter()
+            for _ in range(2):  # warm-up (compiles this bucket in compiled mode)
+                bench.decode(), bench.own_decode(), bench.step(tree, last)
+            warm = time.perf_counter() - t0
+            dec, own, ver, com = [], [], [], []
             for _ in range(args.repeats):
-                t_dec.append(median_time(decode, 1))
-                t_ver.append(median_time(verify, 1))
-            d, v = statistics.median(t_dec), statistics.median(t_ver)
-            rows.append({"nodes": n, "shape": shape, "decode_ms": d * 1e3, "verify_ms": v * 1e3, "ratio": v / d})
-            print(f"{n:>5} {shape:>6} {d * 1e3:>13.2f} {v * 1e3:>17.2f} {v / d:>6.2f}")
-    return {"model": desc, "rows": rows}
+                dec.append(_timed(bench.decode))
+                own.append(_timed(bench.own_decode))
+                v, c = bench.step(tree, last)
+                ver.append(v)
+                com.append(c)
+            d, o, v, c = (statistics.median(t) * 1e3 for t in (dec, own, ver, com))
+            row = {"nodes": n, "shape": shape, "decode_ms": d, "verify_ms": v, "commit_ms": c, "ratio": (v + c) / d,
+                   "own_decode_ms": o, "ratio_own": (v + c) / o}  # fmt: skip
+            rows.append(row)
+            note = f"   (warm-up {warm:.0f} s)" if warm > 5 else ""
+            print(f"{n:>5} {shape:>6} {d:>10.2f} {o:>10.2f} {v:>8.2f} {c:>8.2f} {row['ratio']:>6.2f} "
+                  f"{row['ratio_own']:>6.2f}{note}", flush=True)  # fmt: skip
+    return {"model": bench.desc, "mode": args.mode, "rows": rows}
+
+
+@torch.no_grad()
+def profile(args: argparse.Namespace, bench: Bench, steps: int = 10, top: int = 12) -> dict:
+    """Where a step goes: per profiled step kind, wall time, the operations' self time (top `top`), and the share
+    of the step outside any operation (Python, dispatch and waiting)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out = {}
+    for name, n in PROFILED:
+        if n == 0:
+            fn = bench.decode
+        elif n == 1:
+            fn = bench.own_decode
+        else:
+            tree, last = bench.tree(n, "chain")
+            fn = lambda tree=tree, last=last: bench.step(tree, last)  # noqa: E731
+        for _ in range(3):
+            fn()
+        wall = statistics.median(_timed(fn) for _ in range(steps)) * 1e3
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            profiled = (time.perf_counter() - t0) / steps * 1e3
+        ops = [k for k in prof.key_averages() if k.self_cpu_time_total > 0]
+        op_ms = sum(k.self_cpu_time_total for k in ops) / steps / 1e3
+        ops.sort(key=lambda k: -k.self_cpu_time_total)
+        rows = [{"op": k.key, "ms": k.self_cpu_time_total / steps / 1e3, "calls": k.count // steps} for k in ops[:top]]
+        share = max(0.0, 1 - op_ms / profiled)
+        out[name] = {"wall_ms": wall, "profiled_ms": profiled, "ops_ms": op_ms, "outside_ops_share": share,
+                     "op_calls": sum(k.count for k in ops) // steps, "top": rows}  # fmt: skip
+        print(f"\n== {name}: {wall:.2f} ms per step ({profiled:.2f} ms under the profiler), operations {op_ms:.2f} ms "
+              f"in {out[name]['op_calls']} calls, outside them (Python, dispatch) {share:.0%}")  # fmt: skip
+        print(f"   {'operation (self time)':<34} {'ms/step':>8} {'calls':>6}")
+        for r in rows:
+            print(f"   {r['op'][:34]:<34} {r['ms']:>8.2f} {r['calls']:>6}")
+    return out
 
 
 def plot(result: dict, path: str) -> None:
@@ -123,11 +240,13 @@ def plot(result: dict, path: str) -> None:
     series = {}
     for shape in ("chain", "tree"):
         rows = [r for r in result["rows"] if r["shape"] == shape]
-        series[f"{shape} (verify + commit)"] = ([r["nodes"] for r in rows], [r["ratio"] for r in rows])
+        series[f"{shape} (verify + commit) / HF decode"] = ([r["nodes"] for r in rows], [r["ratio"] for r in rows])
+    rows = [r for r in result["rows"] if r["shape"] == "chain"]
+    series["chain / ssmspec decode"] = ([r["nodes"] for r in rows], [r["ratio_own"] for r in rows])
     line_plot(
         path,
         series,
-        title=f"Verification cost / one HF decode step\n{result['model']}",
+        title=f"Verification cost / one decode step\n{result['model']}",
         xlabel="nodes verified (N)",
         ylabel="time ratio",
         logx=True,
@@ -139,6 +258,7 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random", choices=["random", *models.available()])
+    p.add_argument("--family", default="mamba2", choices=["mamba2", "bamba"], help="the random model's family")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--nodes", type=int, nargs="+", default=NODES)
@@ -147,10 +267,19 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--commit", default="replay", choices=["replay", "materialize"])
-    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--mode", default="eager", choices=["eager", "compiled"])
+    p.add_argument("--profile", action="store_true", help="profile decode, verify(2) and verify(8) instead")
+    p.add_argument("--json", help="write the rows (or the profile) to this file")
     p.add_argument("--plot", help="write a PNG of the curve (needs matplotlib)")
     args = p.parse_args()
-    result = measure(args)
+    if args.profile:
+        args.nodes = [8]
+    bench = Bench(args)
+    if args.profile:
+        result = {"model": bench.desc, "mode": args.mode, "profile": profile(args, bench)}
+        write_outputs(result, args.json, None, plot)
+        return
+    result = measure(args, bench)
     write_outputs(result, args.json, args.plot, plot)
 
 
