@@ -331,7 +331,8 @@ class TokenTree:
         return path, lengths
 
     def paths(self, last: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Root-to-node paths for one node per row.
+        """Root-to-node paths for one node per row: walked on the host where `last` is there (a few ints, one
+        transfer), computed on the device otherwise (a fixed width, no host read: CUDA graphs).
 
         Args:
             last: [B] the last node of each row's path.
@@ -341,10 +342,10 @@ class TokenTree:
         Returns:
             ([B, M] node indices of each path, padded with its last node, [B] path lengths).
         """
-        if width is not None:
+        if width is not None and (last.device.type != "cpu" or torch.compiler.is_compiling()):
             return self._static_paths(upload(last, self.tokens.device), min(int(width), self.num_nodes))
         paths = [self.path_nodes(r, node) for r, node in enumerate(last.tolist())]
-        m = max(map(len, paths))
+        m = max(map(len, paths)) if width is None else min(int(width), self.num_nodes)
         rows = [(p + [p[-1]] * (m - len(p)))[:m] for p in paths]
         b = len(rows)
         flat = upload(torch.tensor([x for row in rows for x in row] + [len(p) for p in paths], dtype=torch.long),

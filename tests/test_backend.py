@@ -13,6 +13,7 @@ import torch
 
 import ssmspec
 from ssmspec.compile.backend import STATS
+from ssmspec.hf import layers as hf_layers
 from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.testing import OracleDrafter
 from ssmspec.testing.configs import SUPPORTED_FAMILIES
@@ -257,10 +258,12 @@ def test_selective_scan_output_has_its_fakes_layout():
     assert y.shape == x.shape and y.is_contiguous()
 
 
-def test_a_compiled_model_commits_through_its_compiled_fold():
+def test_a_compiled_model_commits_through_its_compiled_fold_on_cuda_only():
     """The commit between verifications (every layer's state replay) runs as one compiled function per
-    compiled model, made with the model's own backend and options; an eager model commits eagerly."""
-    from ssmspec.speculate.runner import compiled_fold
+    compiled model on CUDA, made with the model's own backend and options; it leaves the same committed states
+    as the eager commit. On a CPU, and for an eager model, the eager commit runs (cheaper there)."""
+    from ssmspec.speculate.runner import ModelRunner, compiled_fold
+    from ssmspec.tree import TokenTree
 
     torch._dynamo.reset()
     ref = cached_tiny_model("mamba2")
@@ -275,15 +278,31 @@ def test_a_compiled_model_commits_through_its_compiled_fold():
         calls.append(len(args[0]))
         return fold(*args)
 
-    model.__dict__["_ssmspec_compiled_commit"] = spy
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    runners = [ModelRunner(model, static_shapes=True, max_depth=3, max_nodes=7) for _ in range(2)]
+    assert all(r.fold is None for r in runners)  # a CPU model
+    runners[0].fold = spy
+    tree = TokenTree.from_lists([[5, 6, 7, 8, 9, 10]], [[-1, 0, 0, 1, 3, 2]])
+    with torch.no_grad():
+        for runner in runners:
+            runner.prefill(ids, torch.ones_like(ids))
+            for last in (4, 2, 5):
+                runner.verify(tree)
+                runner.commit(torch.tensor([last]))
+    assert calls == [2, 2, 2]  # ssd and conv records, folded together
+    states = [[t for d in hf_layers.state_dicts(layer).values() for t in d.values() if t is not None]
+              for layer in (r.cache.layers[i] for r in runners for i in r.cache.recurrent)]  # fmt: skip
+    half = len(states) // 2
+    for a, b in zip(states[:half], states[half:]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     want = ref.generate(ids, max_new_tokens=12, do_sample=False)
     eos, pad = eos_and_pad(ref.generation_config)
     drafter = OracleDrafter([want[0].tolist()], vocab_size=96, right_prefix=2, distractors=1)
+    model.__dict__["_ssmspec_compiled_commit"] = spy
+    calls.clear()
     got, stats, _ = speculative_generate(
         model, ids, torch.ones_like(ids), max_new_tokens=12, eos_token_ids=eos, pad_token_id=pad, drafter=drafter,
         tree_budget=6, num_draft_tokens=3,
     )  # fmt: skip
-    assert torch.equal(got, want)
-    assert len(calls) == sum(n > 1 for n in stats.tree_nodes_per_step) > 0  # every multi-node step
-    assert all(n == 2 for n in calls)  # ssd and conv records, folded together
+    assert torch.equal(got, want) and calls == [] and sum(n > 1 for n in stats.tree_nodes_per_step) > 0

@@ -77,7 +77,17 @@ def _(x_ext, weight, bias, ancestors, activation):
 
 def window_index(s: int, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B, S] column indices into [committed (S columns) | node inputs] of the new conv state after the
-    accepted path [B, M] (padded) of `lengths` [B] nodes: its last S inputs, committed columns filling in."""
+    accepted path [B, M] (padded) of `lengths` [B] nodes: its last S inputs, committed columns filling in.
+    On the host (CPU tensors, eager) a few Python ints and one tensor; elsewhere tensor ops."""
+    if path.device.type == "cpu" and not torch.compiler.is_compiling():
+        host = zip(path.tolist(), lengths.tolist())
+        rows = [[p[i] + s if i >= 0 else s + i for i in range(n - s, n)] for p, n in host]
+        return torch.tensor(rows, dtype=torch.long)
+    return _window_index_tensors(s, path, lengths)
+
+
+def _window_index_tensors(s: int, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`window_index` with tensor ops (no host read: compiled graphs, CUDA graphs)."""
     pos = torch.arange(s, device=path.device)[None, :] - s + lengths[:, None]  # index into the path
     from_path = torch.gather(path, 1, pos.clamp(min=0)) + s
     return torch.where(pos >= 0, from_path, s + pos)  # pos < 0: column s + pos of the committed state

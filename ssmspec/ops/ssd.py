@@ -34,9 +34,9 @@ def _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd):
     """dt in the compute dtype with its bias, softplus and limits; dt_bias [H], or [B, H] (one row per (layer,
     row) when commit batches several layers). The clamp is skipped where it cannot change a value (softplus is
     >= 0; no upper limit)."""
-    dt = dt.to(cd)
+    dt = _as(dt, cd)
     if dt_bias is not None:
-        dt = dt + (dt_bias.to(cd)[:, None] if dt_bias.ndim == 2 else dt_bias.to(cd))
+        dt = dt + (_as(dt_bias, cd)[:, None] if dt_bias.ndim == 2 else _as(dt_bias, cd))
     if dt_softplus:
         dt = F.softplus(dt)
     if not (dt_softplus and dt_min <= 0.0 and dt_max == float("inf")):
@@ -159,17 +159,26 @@ def ssd_state_at(
 def replay_terms(x, dt, A, Bm, dt_bias, path_mask, dt_softplus, dt_min, dt_max):
     """The replay commit as (decay [B, H], xw [B*G, R*P, N], Bg [B*G, N, S]) with state = decay * h0 + xw @ Bg
     per group of R heads: what `ssd_state_at` computes, in factors that an in-place commit applies to the
-    committed state directly (two passes over it, no copy)."""
+    committed state directly (two passes over it, no copy). `path_mask` None: every node is on the path (the
+    inputs were gathered along it)."""
     b, n, h, p = x.shape
     g = Bm.shape[2]
     cd = compute_dtype(x, dt, Bm)
     dtc = _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd)  # [B, N, H]
-    m = path_mask.to(cd)[..., None]  # [B, N, 1]
-    L_s = torch.cumsum(dtc * (A.to(cd)[:, None] if A.ndim == 2 else A.to(cd)) * m, dim=1)  # up to and incl. s
+    dA = dtc * _as(A, cd)[:, None] if A.ndim == 2 else dtc * _as(A, cd)
+    m = None if path_mask is None else path_mask.to(cd)[..., None]  # [B, N, 1]
+    L_s = torch.cumsum(dA if m is None else dA.mul_(m), dim=1)  # decay up to and including s
     L = L_s[:, -1]  # [B, H]
-    w = (L[:, None] - L_s).exp_().mul_(dtc).mul_(m)  # [B, N, H]
-    xw = (x.to(cd) * w[..., None]).permute(0, 2, 3, 1).reshape(b * g, (h // g) * p, n)
-    return L.exp(), xw, _by_group(Bm.to(cd))
+    w = (L[:, None] - L_s).exp_().mul_(dtc)  # [B, N, H]
+    if m is not None:
+        w = w.mul_(m)
+    xw = (_as(x, cd) * w[..., None]).permute(0, 2, 3, 1).reshape(b * g, (h // g) * p, n)
+    return L.exp(), xw, _by_group(_as(Bm, cd))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype (no dispatched call where it already is: these run per layer and per step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 @ssd_state_at.register_fake
@@ -245,10 +254,10 @@ def commit_ssd(items: list[tuple[torch.Tensor, Record]], path, lengths, last: to
     """Materialized states are gathered; replayed layers of equal shapes share one replay computation."""
     groups: dict[tuple, list] = {}
     for target, rec in commit_materialized(items, last):
-        key = tuple(
-            (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, v) for n, v in rec.replay.items()
-        )
-        groups.setdefault(key, []).append((target, rec.replay))
+        a = rec.replay
+        key = (a["x"].shape, a["dt"].shape, a["Bm"].shape, a["x"].dtype, a["dt"].dtype, a["Bm"].dtype, target.shape,
+               target.dtype, a["dt_bias"] is None, a["dt_softplus"], a["dt_min"], a["dt_max"])  # fmt: skip
+        groups.setdefault(key, []).append((target, a))
     rows = torch.arange(last.shape[0], device=last.device)
     for group in groups.values():
         first = group[0][1]
@@ -282,14 +291,15 @@ def _replay_in_place(items: list, path: torch.Tensor, lengths: torch.Tensor) -> 
     first = items[0][1]
     k, (b, h) = len(items), (first["x"].shape[0], first["x"].shape[2])
     # the path's nodes of every layer (padded paths: entries past a row's length are masked)
-    mask = torch.arange(path.shape[1], device=path.device) < lengths[:, None]  # [B, M]
+    full = lengths.device.type == "cpu" and bool((lengths == path.shape[1]).all())
+    mask = None if full else torch.arange(path.shape[1], device=path.device) < lengths[:, None]  # [B, M]
     if b == 1:
         on_path = lambda t: t.index_select(1, path[0])  # noqa: E731
-        mask = mask.expand(k, -1)
+        mask = None if mask is None else mask.expand(k, -1)
     else:
         rows, paths = torch.arange(k * b, device=path.device)[:, None], path.repeat(k, 1)
         on_path = lambda t: t[rows, paths]  # noqa: E731
-        mask = mask.repeat(k, 1)
+        mask = None if mask is None else mask.repeat(k, 1)
     cat = lambda name: _stack(items, name, b, h)  # noqa: E731
     decay, xw, Bg = replay_terms(
         on_path(cat("x")), on_path(cat("dt")), cat("A"), on_path(cat("Bm")), cat("dt_bias"), mask,

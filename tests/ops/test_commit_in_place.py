@@ -93,3 +93,13 @@ def test_stacked_needs_consecutive_rows_of_one_tensor():
     assert stacked([base[0], torch.zeros(2, 3)]) is None  # another tensor
     assert stacked([base[0]]) is None  # nothing to gain from one
     assert stacked([base[0, :, :2], base[1, :, :2]]) is None  # slices of rows, not rows
+
+
+def test_window_index_on_the_host_equals_the_tensor_version():
+    from ssmspec.ops.conv import _window_index_tensors, window_index
+
+    tree = _trees(3)
+    for last, width in (([6, 4, 0], None), ([1, 2, 6], 7), ([0, 0, 0], None)):
+        path, lengths = _path(tree, last, width)
+        for s in (1, 3, 4, 6):
+            assert torch.equal(window_index(s, path, lengths), _window_index_tensors(s, path, lengths))
