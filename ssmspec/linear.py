@@ -15,6 +15,10 @@ dtype oneDNN packs (float32, bfloat16) and without autograd, it runs oneDNN on a
 and HF's own `generate` therefore stay bit-identical to HF's; float64 and CUDA always take `F.linear`.
 The packed copy costs as much memory again as the linear weights (`transform(..., prepack=False)` opts out).
 
+Compiled with the ssmspec backend, a CPU graph's float32 / bfloat16 linears call the op `ssmspec::packed_linear`
+instead (ssmspec.compile.passes.prepack_linears): Inductor's own extern matmul is MKL's, with the same
+row-count penalty. The packed copy lives on the weight tensor, where the graph finds it.
+
 This is the one place coupled to torch internals for linears: `torch.ops.mkldnn._reorder_linear_weight` and
 `torch.ops.mkldnn._linear_pointwise` (private ops that Inductor's own weight prepacking emits).
 """
@@ -34,6 +38,11 @@ from torch import nn
 # a hint of 1, 2-16 rows cost 1.5x one row)
 PACK_BATCH = 128
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN's call costs ~18 us where F.linear's costs ~7: small weights stay on F.linear. Measured on the 2-core CI
+# machine (float32, docs/how-it-works.md): packed wins from about 2 MiB of weight at one row, from about 0.75 MiB
+# at 2+ rows (where MKL reads the weight at half speed)
+PACK_MIN_BYTES = 2 << 20
+PACK_MIN_BYTES_ROWS = 3 << 18
 
 
 class _Active(threading.local):
@@ -59,7 +68,8 @@ def prepacked(enabled: bool) -> Iterator[None]:
 
 
 class _Packed:
-    """A packed weight and what it was packed from; not copied by deepcopy or pickling (remade on use)."""
+    """A packed weight and what it was packed from, kept on the weight tensor itself (so that a compiled graph,
+    which receives the parameter, finds it too); never copied or pickled (remade on use)."""
 
     __slots__ = ("key", "weight")
 
@@ -74,35 +84,59 @@ class _Packed:
         return (_Packed, ())
 
 
+def packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN's packed linear takes these (CPU, float32 / bfloat16 throughout, no autograd) and pays off
+    (a weight big enough for the row count: PACK_MIN_BYTES, PACK_MIN_BYTES_ROWS)."""
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype:
+        return False
+    if weight.dtype not in PACKED_DTYPES or (bias is not None and bias.dtype != weight.dtype):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    if weight.numel() * weight.element_size() < (PACK_MIN_BYTES if rows == 1 else PACK_MIN_BYTES_ROWS):
+        return False
+    return not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy of `weight`, made on first use and remade when the weight changed (address, version)."""
+    cache = weight.__dict__.get("_ssmspec_packed")
+    if cache is None:
+        cache = weight.__dict__["_ssmspec_packed"] = _Packed()
+    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+    if cache.key != key:
+        with torch.no_grad():
+            cache.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
+        cache.key = key
+    return cache.weight
+
+
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) on the packed weight where oneDNN takes the arguments, else F.linear."""
+    if not packable(x, weight, bias):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
+
+
+@torch.library.custom_op("ssmspec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear_packed` as an op a compiled graph calls (the ssmspec backend's `prepack_linears` pass): the graph
+    receives the parameter itself, so its packed copy is made once and kept on it."""
+    return linear_packed(x, weight, bias)
+
+
+@packed_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class PackedLinear(nn.Linear):
     """nn.Linear whose forward runs oneDNN on a packed copy of its weight inside `prepacked(True)` (see the
     module docstring); otherwise exactly nn.Linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling() and _ACTIVE.on:
-            packed = self._packed_for(x)
-            if packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [], "")
+            return linear_packed(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def _packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The packed weight for input x, or None where F.linear must run (device, dtype, autograd)."""
-        w = self.weight
-        if x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in PACKED_DTYPES:
-            return None
-        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
-            return None
-        if self.bias is not None and self.bias.dtype != w.dtype:
-            return None
-        cache = self.__dict__.get("_ssmspec_packed")
-        if cache is None:
-            cache = self.__dict__["_ssmspec_packed"] = _Packed()
-        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
-        if cache.key != key:
-            with torch.no_grad():
-                cache.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH)
-            cache.key = key
-        return cache.weight
 
 
 def install(model: nn.Module) -> list[nn.Module]:
@@ -123,7 +157,7 @@ def uninstall(modules: list[nn.Module]) -> None:
     for module in modules:
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
-            module.__dict__.pop("_ssmspec_packed", None)
+            module.weight.__dict__.pop("_ssmspec_packed", None)
 
 
 def is_packed(model: nn.Module) -> bool:

@@ -173,6 +173,8 @@ class SpecGenerationMixin:
             policy = _KERNEL_POLICIES[option]
         self.ssmspec_static_shapes = True
         self.ssmspec_compile_call = (args, dict(kwargs))  # to compile a copy alike (VocabTrim's trimmed draft)
+        if kwargs.get("backend") == "ssmspec" and not packed_linear.is_packed(self):  # transform(prepack=False)
+            kwargs["options"] = {"prepack": False, **(kwargs.get("options") or {})}
         kwargs = region_options(kwargs)  # this model's own recompilation budget (not shared with its draft's)
         # the commit between two verifications is compiled the same way (ssmspec.speculate.runner.compiled_fold)
         self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options", "isolate_recompiles",

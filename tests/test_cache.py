@@ -95,3 +95,31 @@ def test_batched_attention_slots_stay_bounded(family):
         for a in cache.attention:
             width = hf_layers.kv_width(cache.layers[a.index])
             assert width == (cache.valid.shape[1] if a.window is None else min(a.window - 1, cache.valid.shape[1]))
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_the_single_node_path_is_measured_once_and_leaves_the_cache_as_it_was(family):
+    """decode_single_nodes=None: the first one-node step times HF's decode path against the tree path on the
+    runner's own cache (each trial rolled back), remembers the choice on the model, and steps exactly."""
+    ref = cached_tiny_model(family)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for choice in (None, True, False):
+        runner = ModelRunner(model, decode_single_nodes=choice)
+        runner.prefill(ids, torch.ones_like(ids))
+        before = _states(runner.cache)
+        if choice is None:
+            path = runner.single_node_path(repeats=1)
+            assert isinstance(path, bool) and runner.decode_single_nodes is None
+            assert model.__dict__["_ssmspec_single_node_path"] == {(1, runner.dtype, "cpu"): path}
+            for a, b in zip(before, _states(runner.cache)):
+                assert torch.equal(a, b)
+        steps = []
+        for token in (11, 12, 13):
+            steps.append(runner.verify(TokenTree.chain(torch.tensor([[token]]))))
+            runner.commit(torch.tensor([0]))
+        assert runner.decode_single_nodes == (path if choice is None else choice)
+        outs[choice] = torch.cat(steps, 1)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[None], outs[path])

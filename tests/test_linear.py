@@ -21,6 +21,13 @@ from ssmspec.testing.strategies import cached_tiny_model
 pytestmark = pytest.mark.skipif(not linear.available(), reason="this torch has no oneDNN (mkldnn) linear")
 
 
+@pytest.fixture(autouse=True)
+def every_size_packs(monkeypatch):
+    """These tests' tiny weights would stay on F.linear (it is cheaper below a size, tested on its own below)."""
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES_ROWS", 0)
+
+
 def _packed(out_features: int = 40, in_features: int = 24, dtype=torch.float32, bias: bool = True) -> nn.Linear:
     torch.manual_seed(0)
     lin = nn.Linear(in_features, out_features, bias=bias).to(dtype)
@@ -29,7 +36,7 @@ def _packed(out_features: int = 40, in_features: int = 24, dtype=torch.float32, 
 
 
 def _uses_packed(lin: nn.Module) -> bool:
-    cache = lin.__dict__.get("_ssmspec_packed")
+    cache = lin.weight.__dict__.get("_ssmspec_packed")
     return cache is not None and cache.weight is not None
 
 
@@ -96,7 +103,7 @@ def test_transform_installs_packed_linears_and_the_runner_uses_them():
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is linear.PackedLinear for m in linears)
     for m in linears:  # the probe's runner packed them: start again
-        m.__dict__.pop("_ssmspec_packed")
+        m.weight.__dict__.pop("_ssmspec_packed")
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)  # a plain forward stays HF's
@@ -123,3 +130,14 @@ def test_a_refused_transform_leaves_the_linears_as_they_were(family):
     with pytest.raises(ssmspec.UnsupportedModelError):
         ssmspec.transform(model)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_small_weights_stay_on_f_linear_and_big_ones_pack_by_row_count(monkeypatch):
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 40 * 24 * 4 + 1)  # one row: above this weight
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES_ROWS", 40 * 24 * 4)  # 2+ rows: this weight packs
+    lin = _packed()
+    with torch.no_grad(), linear.prepacked(True):
+        one = torch.randn(1, 24)
+        assert torch.equal(lin(one), F.linear(one, lin.weight, lin.bias)) and not _uses_packed(lin)
+        lin(torch.randn(2, 3, 24))
+        assert _uses_packed(lin)

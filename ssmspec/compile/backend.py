@@ -9,7 +9,8 @@ True / "kernels" lowers every tree op to its triton_op, so Inductor sees the ker
 TRITON_INTERPRET=1; False / "reference" keeps the reference ops), `fuse` (graph
 simplifications around the tree ops and, where no kernel runs, the traceable references inlined so that
 Inductor fuses them with the mixer's ops; default True), `inductor` (hand the graph to Inductor, default True;
-False runs the rewritten FX graph as is, for debugging). Registered on `import ssmspec` and through the
+False runs the rewritten FX graph as is, for debugging), `prepack` (CPU float32 / bfloat16 linears on oneDNN
+weights packed once, ssmspec.linear; default True). Registered on `import ssmspec` and through the
 `torch_dynamo_backends` entry point, so `backend="ssmspec"` also works in a fresh interpreter.
 """
 
@@ -24,10 +25,17 @@ from typing import Any
 import torch
 from torch import fx
 
-from ssmspec.compile.passes import fold_conv_padding, inline_tree_ops, is_tree_op, lower_tree_ops, opaque_cumsums
+from ssmspec.compile.passes import (
+    fold_conv_padding,
+    inline_tree_ops,
+    is_tree_op,
+    lower_tree_ops,
+    opaque_cumsums,
+    prepack_linears,
+)
 from ssmspec.ops import using_kernel_policy
 
-_OPTION_NAMES = ("kernels", "fuse", "inductor")
+_OPTION_NAMES = ("kernels", "fuse", "inductor", "prepack")
 _KERNEL_OPTION = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
                   "reference": "reference"}  # fmt: skip
 # graphs one compiled model may hold: its prefill lengths, one per tree-size bucket and decode, one commit per
@@ -63,6 +71,7 @@ class BackendStats:
     lowered: int = 0
     folded: int = 0
     inlined: int = 0  # reference tree-op calls traced into the graph for Inductor to fuse
+    packed: int = 0  # linears pointed at ssmspec::packed_linear (CPU)
     fallbacks: int = 0  # graphs run without Inductor after it failed on them
     workarounds: int = 0  # graphs Inductor compiled only with their cumsums opaque (torch 2.11 scan bug)
     per_graph: list[dict[str, int]] = field(default_factory=list)
@@ -82,7 +91,9 @@ def ssmspec_backend(
         options: "kernels" (None / "auto": per shape the faster of kernel and reference on CUDA; True /
             "kernels": lower every tree op to its Triton kernel; False / "reference": keep the references),
             "fuse" (graph simplifications around the tree ops, default True), "inductor" (hand the graph to
-            Inductor, default True; a graph Inductor fails on runs without it, with a warning); any other key
+            Inductor, default True; a graph Inductor fails on runs without it, with a warning), "prepack" (on a
+            CPU, float32 / bfloat16 linears on oneDNN weights packed once, ssmspec.linear; default True, False
+            for a model transformed with `prepack=False`); any other key
             is an Inductor config setting applied to this model's graphs (as `torch.compile(options=...)`),
             e.g. `{"cpp_wrapper": True}`: Inductor's C++ wrapper instead of its Python one, which on CPU takes
             most of the per-call overhead off small verify steps (and compiles for minutes instead of seconds).
@@ -108,6 +119,7 @@ def ssmspec_backend(
         raise ValueError(f"ssmspec backend: kernels must be one of {list(_KERNEL_OPTION)}, got {options['kernels']!r}")
     tree_ops = sum(1 for n in gm.graph.nodes if is_tree_op(n))
     folded = fold_conv_padding(gm) if options.get("fuse", True) else 0
+    packed = prepack_linears(gm) if options.get("prepack", True) else 0
     lowered = lower_tree_ops(gm) if policy == "kernels" else 0
     # the references run where no kernel does: inlined, Inductor fuses them (not without Inductor: the graph
     # would then call the Python functions op by op, which is what the eager fast path already does)
@@ -125,7 +137,9 @@ def ssmspec_backend(
     STATS.lowered += lowered
     STATS.folded += folded
     STATS.inlined += inlined
-    STATS.per_graph.append({"tree_ops": tree_ops, "lowered": lowered, "folded": folded, "inlined": inlined})
+    STATS.packed += packed
+    STATS.per_graph.append({"tree_ops": tree_ops, "lowered": lowered, "folded": folded, "inlined": inlined,
+                            "packed": packed})  # fmt: skip
     if not options.get("inductor", True):
         compiled = gm.forward
     else:

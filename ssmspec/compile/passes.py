@@ -6,6 +6,9 @@
   (torch.ops.ssmspec_kernels.*, a triton_op Inductor sees), for the backend's `kernels=True` (on CPU that
   needs TRITON_INTERPRET=1). By default the reference ops stay in the graph and their CUDA implementation
   picks kernel or reference by measurement (ssmspec.kernels.select).
+- `prepack_linears`: on a CPU, each float32 / bfloat16 linear becomes `ssmspec::packed_linear` (oneDNN on a weight
+  packed once, ssmspec.linear): Inductor's extern matmul is MKL's sgemm, which reads the weight at half speed
+  for 2-16 rows, so a compiled verify step would pay it again.
 - `inline_tree_ops`: where the reference runs anyway (CPU, or the "reference" policy), replace each traceable
   tree op by its plain PyTorch function, so that Inductor traces through it and fuses its elementwise work
   with the mixer's ops around it instead of calling an opaque op (on a small model's CPU step the opaque
@@ -100,6 +103,36 @@ def fold_conv_padding(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return folded
+
+
+def prepack_linears(gm: fx.GraphModule) -> int:
+    """Point every CPU float32 / bfloat16 `linear` call of the graph whose weight may pack (ssmspec.linear's size
+    rule) at `ssmspec::packed_linear`; returns how many. The op packs each weight once (kept on the weight) and
+    takes F.linear wherever oneDNN would not pay off (the row count is known when it runs)."""
+    from ssmspec import linear as packed
+
+    if not packed.available():
+        return 0
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+            continue
+        if node.kwargs or len(node.args) not in (2, 3):
+            continue
+        vals = [a.meta.get("example_value", a.meta.get("val")) if isinstance(a, fx.Node) else a for a in node.args]
+        x, w = vals[0], vals[1]
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or w.device.type != "cpu":
+            continue
+        if w.dtype not in packed.PACKED_DTYPES or x.dtype != w.dtype:
+            continue
+        if w.numel() * w.element_size() < min(packed.PACK_MIN_BYTES, packed.PACK_MIN_BYTES_ROWS):
+            continue  # small: F.linear at every row count, left to Inductor
+        node.target = torch.ops.ssmspec.packed_linear.default
+        node.args = (*node.args, None) if len(node.args) == 2 else node.args
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 def _input_tensors(node: fx.Node) -> list[torch.Tensor]:

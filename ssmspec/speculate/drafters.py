@@ -512,12 +512,9 @@ class DraftModelDrafter(Drafter):
             chains = [d[0][1:] or d[0][:1] for d in rows]
             tree = TokenTree.from_lists(chains, [list(range(-1, len(c) - 1)) for c in chains], device=dev)
         tree = runner.prepare(tree)
-        runner.decode_single_nodes = False  # the tree path even for one node: discarded, nothing changes
-        try:
+        with runner.tree_path():  # the tree path even for one node: discarded, nothing changes
             logits = runner.verify(tree)
             runner.discard()
-        finally:
-            runner.decode_single_nodes = True
         for r, d in enumerate(rows):
             if drafts[r] is None:
                 continue
@@ -576,10 +573,9 @@ class DraftModelDrafter(Drafter):
         dev, b, runner = self._device, len(contexts), self.runner
         pending = [list(ctx[self.processed[r] :]) for r, ctx in enumerate(contexts)]
         if all(len(p) == 1 for p in pending):  # only the root is new: score it without committing it
-            runner.decode_single_nodes = False
-            logits = runner.verify(TokenTree.from_lists(pending, [[-1]] * b, device=dev))[:, 0]
-            runner.discard()
-            runner.decode_single_nodes = True
+            with runner.tree_path():
+                logits = runner.verify(TokenTree.from_lists(pending, [[-1]] * b, device=dev))[:, 0]
+                runner.discard()
         else:
             # commit everything before the root (a finished row that did not grow re-feeds its root: its
             # draft state no longer matters)

@@ -57,7 +57,7 @@ def speculative_generate(
     tree_budget: int,
     num_draft_tokens: int,
     commit: str = "replay",
-    decode_single_nodes: bool = True,
+    decode_single_nodes: bool | None = None,
     schedule: str = "constant",
     decoding: Decoding | None = None,
     static_shapes: bool = False,
@@ -69,8 +69,9 @@ def speculative_generate(
 
     Each step drafts at most `tree_budget` nodes per row, at most `num_draft_tokens` deep. `schedule`
     "heuristic" adapts the depth as HF's assisted generation does (+2 after a step that accepted every
-    drafted token, -1 otherwise). Steps that verify one node per row use HF's own decode path unless
-    `decode_single_nodes` is False (then the tree path, as for any tree). `decoding` carries HF's logits
+    drafted token, -1 otherwise). Steps that verify one node per row use HF's own decode path (True) or
+    the tree path (False); None: whichever the runner measured faster on this model (ModelRunner.single_node_path).
+    `decoding` carries HF's logits
     processors (applied per node), stopping criteria (checked after every emitted token) and streamer.
     `static_shapes` pads trees to power-of-two node counts (or to the largest possible tree, where smaller) and
     commits fixed-length paths (the depth stays within `num_draft_tokens`, also under the heuristic schedule),

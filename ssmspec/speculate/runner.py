@@ -7,7 +7,10 @@ One-node trees (nothing drafted) run through HF's own decode path: always accept
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -65,7 +68,7 @@ class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
     def __init__(
-        self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool = True,
+        self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool | None = None,
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
         vocab: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
@@ -73,7 +76,8 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.takes_positions = takes_position_ids(model)
         self.commit_strategy = commit
-        # one-node trees go through HF's decode path (False: the tree path, e.g. to test it on one node)
+        # one-node trees go through HF's decode path (True) or the tree path plus a commit (False); None: whichever
+        # measures faster on this model (`single_node_path`: once per model, batch size, dtype and device)
         self.decode_single_nodes = decode_single_nodes
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -166,7 +170,58 @@ class ModelRunner:
 
     def _decodes(self, tree: TokenTree) -> bool:
         """Whether `verify(tree)` runs HF's decode path instead of the tree path."""
-        return tree.num_nodes == 1 and self.decode_single_nodes
+        if tree.num_nodes != 1:
+            return False
+        if self.decode_single_nodes is None:
+            self.decode_single_nodes = self.single_node_path()
+        return self.decode_single_nodes
+
+    @contextlib.contextmanager
+    def tree_path(self) -> Iterator[None]:
+        """Verify one-node trees through the tree path in this block (to discard them afterwards: HF's decode path
+        updates states in place)."""
+        outer, self.decode_single_nodes = self.decode_single_nodes, False
+        try:
+            yield
+        finally:
+            self.decode_single_nodes = outer
+
+    @torch.no_grad()
+    def single_node_path(self, repeats: int = 5) -> bool:
+        """Whether one-node steps should take HF's decode path (True) or the tree path and a commit (False),
+        measured on this runner's cache (every trial rolled back) the first time a model meets a batch size,
+        dtype and device, then remembered on the model. HF's decode path runs its own fallbacks (on a CPU:
+        a depthwise conv and an [H, P, S]-sized exp per layer for Mamba2), which the tree path beats on larger
+        models (44 against 56 ms on a 24 x 768 Mamba2); on small ones they tie. Static shapes (compiled
+        models) keep HF's decode path: one more graph to compile per model otherwise. Both paths are exact;
+        in float32 / bfloat16 they round differently (near-ties, counted in spec_stats)."""
+        if self.static_shapes:
+            return True
+        memo = self.model.__dict__.setdefault("_ssmspec_single_node_path", {})
+        key = (int(self.cache.n_real.shape[0]), self.dtype, str(self.device))
+        if key not in memo:
+            memo[key] = self._measure_single_node(repeats)
+        return memo[key]
+
+    def _measure_single_node(self, repeats: int) -> bool:
+        batch = self.cache.n_real.shape[0]
+        root = TokenTree.chain(torch.zeros(batch, 1, dtype=torch.long, device=self.device))
+        zero = torch.zeros(batch, dtype=torch.long, device=self.device)
+        snap = self.snapshot()
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeats + 1):  # the first round warms up
+            for decodes in (True, False):
+                self.decode_single_nodes = decodes
+                t0 = time.perf_counter()
+                self.verify(root)
+                self.commit(zero)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[decodes].append(time.perf_counter() - t0)
+                self.restore(snap)
+        self.decode_single_nodes = None
+        median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
+        return not median[False] < 0.95 * median[True]  # the tree path only where it is clearly cheaper
 
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> torch.Tensor:
@@ -179,10 +234,11 @@ class ModelRunner:
                 "tree verification is not exact for this model, only chains: use SpecConfig(tree=False) (found at "
                 f"transform: {self.info.limits['trees']})",
             )
+        decodes = self._decodes(tree)  # (may measure which path, on this cache, once per model)
         self.cache.reserve(tree.num_nodes)
         positions = self.cache.n_real[:, None] + tree.depth
         attention = self.masks(tree)
-        if self._decodes(tree):
+        if decodes:
             # one node per row is always accepted: HF's own decode path (in-place state update) is exact by
             # definition and cheaper than the tree path plus a commit
             logits = self._call(tree.tokens, attention, positions)
