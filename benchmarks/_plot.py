@@ -75,17 +75,19 @@ def line_plot(
 def bar_plot(
     path: str | Path, values: dict[str, float], *, title: str, ylabel: str, hline: float | None = None
 ) -> None:
-    """One bar per entry, value printed on top."""
+    """One horizontal bar per entry (readable names however many), value printed at its end."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=DPI)
-    bars = ax.bar(list(values), list(values.values()), color="#4c72b0")
-    for bar, v in zip(bars, values.values()):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    names = list(values)[::-1]  # first entry on top
+    fig, ax = plt.subplots(figsize=(7.2, 1.2 + 0.24 * len(names)), dpi=DPI)
+    bars = ax.barh(names, [values[n] for n in names], color="#4c72b0")
+    for bar, name in zip(bars, names):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {values[name]:.2f}", va="center", fontsize=7)
     if hline is not None:
-        ax.axhline(hline, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_title(_title(title), fontsize=9)
-    ax.set_ylabel(ylabel)
-    ax.tick_params(axis="x", labelsize=8, rotation=15)
+        ax.axvline(hline, color="grey", linewidth=0.8, linestyle="--")
+    fig.suptitle(_title(title), fontsize=9)
+    ax.set_xlabel(ylabel)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.margins(x=0.12)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -98,7 +98,7 @@ def test_packed_weights_are_not_copied_or_pickled():
 
 
 def test_transform_installs_packed_linears_and_the_runner_uses_them():
-    ref = cached_tiny_model("mamba2").float()
+    ref = cached_tiny_model("mamba2", dtype=torch.float32)
     model = ssmspec.transform(copy.deepcopy(ref))
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is linear.PackedLinear for m in linears)
@@ -141,3 +141,31 @@ def test_small_weights_stay_on_f_linear_and_big_ones_pack_by_row_count(monkeypat
         assert torch.equal(lin(one), F.linear(one, lin.weight, lin.bias)) and not _uses_packed(lin)
         lin(torch.randn(2, 3, 24))
         assert _uses_packed(lin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_backend_points_cpu_linears_at_the_packed_op(dtype):
+    """Compiled with the ssmspec backend, float32 / bfloat16 CPU linears call ssmspec::packed_linear (the packed
+    copy found on the parameter the graph receives); float64 ones stay F.linear; output exact (float64) or
+    within float32 rounding of HF greedy's logits."""
+    from ssmspec.compile.backend import STATS
+
+    torch._dynamo.reset()
+    ref = cached_tiny_model("mamba2", dtype=dtype)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    before = STATS.packed
+    model.compile(backend="ssmspec", options={"inductor": False})
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = model(ids).logits
+    packed = STATS.packed - before
+    if dtype == torch.float64:
+        assert packed == 0 and torch.equal(got, ref(ids).logits)
+    else:
+        assert packed > 0
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        assert any(_uses_packed(m) for m in linears)
+        torch.testing.assert_close(got, ref(ids).logits, rtol=1e-4, atol=1e-4)
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3), want)
+    torch._dynamo.reset()

@@ -258,13 +258,14 @@ def commit_ssd(items: list[tuple[torch.Tensor, Record]], path, lengths, last: to
         key = (a["x"].shape, a["dt"].shape, a["Bm"].shape, a["x"].dtype, a["dt"].dtype, a["Bm"].dtype, target.shape,
                target.dtype, a["dt_bias"] is None, a["dt_softplus"], a["dt_min"], a["dt_max"])  # fmt: skip
         groups.setdefault(key, []).append((target, a))
-    rows = torch.arange(last.shape[0], device=last.device)
     for group in groups.values():
         first = group[0][1]
         cd = compute_dtype(first["x"], first["dt"], first["Bm"])
         if all(t.dtype == cd and t.is_contiguous() and in_place_commit(t) for t, _ in group):
             _replay_in_place(group, path, lengths)
-        elif group[0][0].numel() > BATCH_REPLAY_MAX_STATE:  # big states: concatenating them costs more than it saves
+            continue
+        rows = torch.arange(last.shape[0], device=last.device)
+        if group[0][0].numel() > BATCH_REPLAY_MAX_STATE:  # big states: concatenating them costs more than it saves
             for item in group:
                 _replay([item], rows, last)
         else:
@@ -291,7 +292,7 @@ def _replay_in_place(items: list, path: torch.Tensor, lengths: torch.Tensor) -> 
     first = items[0][1]
     k, (b, h) = len(items), (first["x"].shape[0], first["x"].shape[2])
     # the path's nodes of every layer (padded paths: entries past a row's length are masked)
-    full = lengths.device.type == "cpu" and bool((lengths == path.shape[1]).all())
+    full = lengths.device.type == "cpu" and min(lengths.tolist()) == path.shape[1]
     mask = None if full else torch.arange(path.shape[1], device=path.device) < lengths[:, None]  # [B, M]
     if b == 1:
         on_path = lambda t: t.index_select(1, path[0])  # noqa: E731
