@@ -113,7 +113,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) on the packed weight where oneDNN takes the arguments, else F.linear."""
     if not packable(x, weight, bias):
-        if weight.device.type != "cpu":  # moved off the CPU: its packed copy is stale
+        if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:  # moved or cast: the copy is stale
             weight.__dict__.pop("_ssmspec_packed", None)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")

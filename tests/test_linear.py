@@ -80,6 +80,13 @@ def test_weight_changes_repack_and_other_dtypes_or_autograd_take_f_linear():
         out = lin(x)  # autograd on: F.linear, gradients flow
         out.sum().backward()
         assert lin.weight.grad is not None
+        with torch.no_grad():
+            lin(x)
+        assert _uses_packed(lin)
+        lin.double()  # cast: the packed float32 copy is stale and goes
+        with torch.no_grad():
+            assert torch.equal(lin(x.double()), F.linear(x.double(), lin.weight, lin.bias))
+        assert "_ssmspec_packed" not in lin.weight.__dict__
         double = _packed(dtype=torch.float64)
         xd = torch.randn(3, 24, dtype=torch.float64)
         with torch.no_grad():

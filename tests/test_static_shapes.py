@@ -87,7 +87,8 @@ def test_static_commits_replay_a_fixed_path_length(monkeypatch):
     for kind in commits:
         monkeypatch.setitem(ops_common.COMMITS, kind, spy(kind))
     _run(model, ids, want, seed=2, steps_tokens=60, static=True)
-    fixed = {min(DEPTH + 1, b) for b in (2, 4, 8)}  # one path width per bucket, whatever was accepted
+    # one path width per bucket, whatever was accepted (bucket 1: one-node steps, where they take the tree path)
+    fixed = {min(DEPTH + 1, b) for b in (1, 2, 4, 8)}
     assert widths <= fixed and DEPTH + 1 in widths
     widths.clear()
     _run(model, ids, want, seed=2, steps_tokens=60, static=False)
