@@ -191,8 +191,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     t0 = time.perf_counter()
     print(f"model: {what} ({args.dtype})")
-    # one-node steps through the tree path too (every state from ssmspec's ops: strict), then as generate
-    # runs them (HF's decode path)
+    # one-node steps through the tree path too (every state from ssmspec's ops: strict), then through HF's decode
+    # path (generate takes whichever measured faster on the model)
     for decode, label in ((False, "tree path only"), (True, "with HF decode steps")):
         report = check_model(ref, prompts, drafters, max_new_tokens=args.max_new_tokens, decode_single_nodes=decode)
         print(f"{label}: runs {report.runs}, tokens compared {report.tokens_compared}, tie flips "

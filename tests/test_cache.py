@@ -112,7 +112,7 @@ def test_the_single_node_path_is_measured_once_and_leaves_the_cache_as_it_was(fa
         if choice is None:
             path = runner.single_node_path(repeats=1)
             assert isinstance(path, bool) and runner.decode_single_nodes is None
-            assert model.__dict__["_ssmspec_single_node_path"] == {(1, runner.dtype, "cpu"): path}
+            assert model.__dict__["_ssmspec_single_node_path"] == {(1, runner.dtype, "cpu", False): path}
             for a, b in zip(before, _states(runner.cache)):
                 assert torch.equal(a, b)
         steps = []

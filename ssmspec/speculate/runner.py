@@ -2,7 +2,8 @@
 
 Per-row positions follow HF's `cumsum(attention_mask) - 1` convention, continued by tree depth; the
 attention masks come from the cache's slot layout (ssmspec.cache) and each layer's window (ssmspec.hf.masks).
-One-node trees (nothing drafted) run through HF's own decode path: always accepted, nothing to commit.
+One-node trees (nothing drafted) are always accepted: they run through HF's own decode path (nothing to commit)
+or the tree path, whichever measured faster on the model (`ModelRunner.single_node_path`).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class ModelRunner:
         they tie. A compiled model compiles its one-node tree graph for it, once. Both paths are exact; in
         float32 / bfloat16 they round differently (near-ties, counted in spec_stats)."""
         memo = self.model.__dict__.setdefault("_ssmspec_single_node_path", {})
-        key = (int(self.cache.n_real.shape[0]), self.dtype, str(self.device))
+        key = (int(self.cache.n_real.shape[0]), self.dtype, str(self.device), self.static_shapes)
         if key not in memo:
             memo[key] = self._measure_single_node(repeats)
         return memo[key]
@@ -238,7 +239,7 @@ class ModelRunner:
         attention = self.masks(tree)
         if decodes:
             # one node per row is always accepted: HF's own decode path (in-place state update) is exact by
-            # definition and cheaper than the tree path plus a commit
+            # definition, and on some models cheaper than the tree path plus a commit
             logits = self._call(tree.tokens, attention, positions)
             self.cache.after_decode()
             self._pending = (tree, None)

@@ -114,7 +114,8 @@ def check_model(
         state_tolerance: largest relative committed-state difference allowed.
         logit_tolerance: largest plain-forward logit difference allowed.
         eos_token_id: overrides the model's EOS for both sides (to test stopping exactly).
-        decode_single_nodes: whether one-node steps use HF's decode path (ssmspec's default) or the tree path.
+        decode_single_nodes: whether one-node steps use HF's decode path or the tree path (`generate` takes
+            whichever measured faster on the model; the checker runs the one asked for).
         static_shapes: verify as a compiled model does (SpecConfig.static_shapes): padded trees, fixed-length
             commits, attention K/V in preallocated buffers written in place.
 
@@ -129,9 +130,9 @@ def check_model(
     see below; states are compared relative to their magnitude), logits 1e-10; otherwise tie gap 1e-3,
     states 1e-3, logits 1e-4.
     eos_token_id overrides the model's generation config for both sides (to test stopping exactly).
-    decode_single_nodes=False sends one-node steps through the tree path too (ssmspec's default is HF's
-    own decode path there): then every committed state comes from ssmspec's tree ops and commit, the
-    strictest test of the commit. With True, states that went through HF's single-token fallbacks carry
+    decode_single_nodes=False sends one-node steps through the tree path too (`generate` takes it where it
+    measured faster than HF's own decode path): then every committed state comes from ssmspec's tree ops and
+    commit, the strictest test of the commit. With True, states that went through HF's single-token fallbacks carry
     float32 rounding even in a float64 model: HF's torch fallbacks compute the scan in float32 (Mamba2's
     `mamba2_selective_state_update` takes `exp(dt.float() * A.float())`, its chunk scan `hidden_states.float()`),
     so they agree with ssmspec's float64 tree ops to ~1e-7 of the state's magnitude (the embedded
