@@ -193,7 +193,7 @@ class ModelRunner:
         measured on this runner's cache (every trial rolled back) the first time a model meets a batch size,
         dtype and device, then remembered on the model. HF's decode path runs its own fallbacks (on a CPU:
         a depthwise conv and an [H, P, S]-sized exp per layer for Mamba2), which the tree path beats on larger
-        models (44 against 56 ms on a 24 x 768 Mamba2 in eager mode, 34 against 46 ms compiled); on small ones
+        models (44 against 56 ms on a 24 x 768 Mamba2 in eager mode, about 31 against 45 ms compiled); on small ones
         they tie. A compiled model compiles its one-node tree graph for it, once. Both paths are exact; in
         float32 / bfloat16 they round differently (near-ties, counted in spec_stats)."""
         memo = self.model.__dict__.setdefault("_ssmspec_single_node_path", {})
