@@ -124,6 +124,15 @@ def _is_set(value: Any, default: Any) -> bool:
     return value != default
 
 
+def is_user_set(config: GenerationConfig, name: str) -> bool:
+    """Whether `config.name` differs from HF's own default for it (set by the user or the model's config)."""
+    value = getattr(config, name, None)
+    if value is None:  # transformers 5 leaves unset fields None and fills HF's defaults in generate
+        return False
+    defaults = GenerationConfig._get_default_generation_params()
+    return _is_set(value, defaults.get(name, getattr(GenerationConfig(), name, None)))
+
+
 def classify(name: str) -> tuple[str, str]:
     """(status, note) of one GenerationConfig field: "not a setting", "applied", "no effect", "refused unless
     default" or "refused". The one place that decides; `refused_settings` and the docs' tables both use it."""

@@ -12,15 +12,17 @@ from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedSettingError
-from ssmspec.hf.generation import resolve
-from ssmspec.speculate.ahead import AheadDrafter, DraftAheadDrafter
+from ssmspec.hf.generation import is_user_set, resolve
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
-from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.defaults import build_drafter, spec_for
 from ssmspec.speculate.engine import speculative_generate
-from ssmspec.speculate.retrieval import SuffixIndex, corpus_index, frequent_tokens
+from ssmspec.speculate.retrieval import SuffixIndex, corpus_index
 
-_DEFAULT_CONFIDENCE = GenerationConfig._get_default_generation_params()["assistant_confidence_threshold"]
+
+class NotSpeculated(Exception):
+    """A call without speculation kwargs that speculation cannot run as asked (a refused setting, a batch the
+    probe found inexact): raised before anything ran, so that the caller runs HF's own generate instead."""
 
 
 @dataclass
@@ -50,9 +52,12 @@ def generate(
     draft: nn.Module | None,
     speculation: SpecConfig | None,
     kwargs: dict[str, Any],
+    fallback: bool = False,
 ):
     """Speculative generate (greedy or lossless sampling) on a transformed model; `draft` is an already
-    transformed draft model. `generator=` in kwargs: the torch.Generator sampling draws from."""
+    transformed draft model. `generator=` in kwargs: the torch.Generator sampling draws from. With `fallback`
+    (no speculation was asked for), what speculation would refuse raises NotSpeculated instead, before any
+    work."""
     if speculation is not None and not isinstance(speculation, SpecConfig):
         raise TypeError(f"speculation= must be an ssmspec.SpecConfig, got {type(speculation).__name__}")
     kwargs = dict(kwargs)
@@ -61,26 +66,29 @@ def generate(
         raise TypeError(f"generator= must be a torch.Generator, got {type(generator).__name__}")
     if prompt_lookup_num_tokens is not None:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
-    plan = resolve(model, inputs, generation_config, kwargs)
-    config = plan.config
-    if len(plan.stopping) and plan.input_ids.shape[0] > 1 and not plan.eos_token_ids:
-        # HF pads a stopped row only when an EOS token exists; without one it keeps generating for it
-        name = "stop_strings" if config.stop_strings else "max_time" if config.max_time else "stopping_criteria"
-        raise UnsupportedSettingError(
-            name, f"{name} on a batch needs an eos_token_id (without one HF keeps generating for a stopped row, "
-            "which speculative generate does not reproduce)",
-        )  # fmt: skip
+    try:
+        plan = resolve(model, inputs, generation_config, kwargs)
+        config = plan.config
+        if len(plan.stopping) and plan.input_ids.shape[0] > 1 and not plan.eos_token_ids:
+            # HF pads a stopped row only when an EOS token exists; without one it keeps generating for it
+            name = "stop_strings" if config.stop_strings else "max_time" if config.max_time else "stopping_criteria"
+            raise UnsupportedSettingError(
+                name, f"{name} on a batch needs an eos_token_id (without one HF keeps generating for a stopped "
+                "row, which speculative generate does not reproduce)",
+            )  # fmt: skip
+    except UnsupportedSettingError as e:
+        if fallback:
+            raise NotSpeculated(str(e)) from e
+        raise
+    info = getattr(model, "ssmspec_info", None)
+    if fallback and info is not None and not info.batches and plan.input_ids.shape[0] > 1:
+        raise NotSpeculated("the probe found batches inexact for this model")
     decoding = Decoding(
         processors=plan.processors, stopping=plan.stopping, do_sample=bool(config.do_sample), generator=generator,
         streamer=plan.streamer, output_scores=plan.return_dict and bool(config.output_scores),
         output_logits=plan.return_dict and bool(config.output_logits),
     )  # fmt: skip
-    lookup = config.prompt_lookup_num_tokens
-    spec = speculation or SpecConfig(
-        drafter="draft_model" if draft is not None else "prompt_lookup",
-        num_draft_tokens=int(lookup if lookup is not None and draft is None else config.num_assistant_tokens or 5),
-        max_matching_ngram_size=int(config.max_matching_ngram_size or 2),
-    )
+    spec = spec_for(speculation, config, draft, trees=info is None or bool(info.trees))
     if spec.ahead and spec.drafter == "draft_model" and decoding.do_sample:
         raise UnsupportedSettingError(
             "ahead", "SpecConfig.ahead with a draft model drafts ahead for greedy decoding only (do_sample=False)"
@@ -89,36 +97,13 @@ def generate(
         raise ValueError("SpecConfig(drafter='draft_model') needs assistant_model=")
     if spec.drafter != "draft_model" and draft is not None:
         raise ValueError(f"assistant_model= was given but SpecConfig(drafter={spec.drafter!r}) does not use it")
-    index = _corpus(model, spec, plan) if spec.corpus is not None else None  # retrieval / VocabTrim corpus
-    drafter: Drafter
-    if spec.drafter == "draft_model":
-        threshold = config.assistant_confidence_threshold
-        keep = None
-        if spec.draft_vocab is not None:  # VocabTrim: the corpus's most frequent tokens, the prompt's, EOS
-            if isinstance(spec.draft_vocab, int):
-                ids = frequent_tokens(index, spec.draft_vocab)
-            else:
-                ids = torch.tensor(spec.draft_vocab, dtype=torch.long)
-            keep = torch.cat([ids, plan.input_ids.flatten().cpu(),
-                              torch.tensor(plan.eos_token_ids + [plan.pad_token_id], dtype=torch.long)])  # fmt: skip
-        drafter = DraftModelDrafter(
-            draft, model.config.get_text_config().vocab_size, commit=spec.commit,
-            confidence_threshold=threshold if threshold != _DEFAULT_CONFIDENCE else 0.0,
-            branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
-            sampling_tree=spec.sampling_tree, tree=spec.tree, vocab=keep,
-            max_nodes=max(spec.tree_budget, spec.num_draft_tokens) + 2, max_depth=spec.num_draft_tokens,
-        )  # fmt: skip
-        if index is not None and spec.tree:  # RASD: the retrieval tree fused into the draft's
-            retrieval = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index)
-            drafter = FusedDrafter(drafter, retrieval)
-        if spec.ahead:
-            drafter = DraftAheadDrafter(drafter, fanout=spec.ahead)
-    elif spec.drafter == "prompt_lookup":
-        drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index, recycle=spec.recycle)
-        if spec.ahead:
-            drafter = AheadDrafter(drafter, fanout=spec.ahead)
-    else:
-        drafter = NoDrafter()
+    drafter = build_drafter(
+        spec, draft=draft, index=_corpus(model, spec, plan) if spec.corpus is not None else None,
+        vocab_size=model.config.get_text_config().vocab_size, prompt_ids=plan.input_ids,
+        special_ids=plan.eos_token_ids + [plan.pad_token_id],
+        confidence=config.assistant_confidence_threshold if is_user_set(config, "assistant_confidence_threshold")
+        else 0.0,
+    )  # fmt: skip
     sequences, stats, _ = speculative_generate(
         model,
         plan.input_ids,
@@ -132,7 +117,7 @@ def generate(
         commit=spec.commit,
         schedule=config.num_assistant_tokens_schedule if spec.drafter == "draft_model" else "constant",
         decoding=decoding,
-        adaptive=spec.adaptive,
+        adaptive=spec.adaptive and spec.drafter != "none",
         static_shapes=spec.static_shapes
         if spec.static_shapes is not None
         else bool(getattr(model, "ssmspec_static_shapes", False)),

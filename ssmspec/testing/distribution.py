@@ -70,15 +70,19 @@ def sampling_p_value(
     return p, out.spec_stats
 
 
-# the distribution tests' matrix: drafters (chain / tree x n-gram / draft model) and warpers
+# the distribution tests' matrix: drafters (chain / tree x n-gram / draft model) and warpers; fixed depths (the
+# adaptive default would stop drafting at the tests' batch of thousands of rows, where verifying costs most)
 DRAFTS = {
-    "ngram-chain": {"prompt_lookup_num_tokens": 3},
-    "ngram-tree": {"speculation": SpecConfig(tree=True, tree_budget=6, num_draft_tokens=3)},
-    "draft-chain": {"speculation": SpecConfig(drafter="draft_model", num_draft_tokens=3)},
-    "draft-tree": {"speculation": SpecConfig(drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2)},
+    "ngram-chain": {"speculation": SpecConfig(tree=False, num_draft_tokens=3, adaptive=False)},
+    "ngram-tree": {"speculation": SpecConfig(tree=True, tree_budget=6, num_draft_tokens=3, adaptive=False)},
+    "draft-chain": {"speculation": SpecConfig(drafter="draft_model", tree=False, num_draft_tokens=3, adaptive=False)},
+    "draft-tree": {
+        "speculation": SpecConfig(drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2, adaptive=False)
+    },
     "draft-beam": {
         "speculation": SpecConfig(
-            drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2, sampling_tree="stochastic_beam"
+            drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2, sampling_tree="stochastic_beam",
+            adaptive=False,
         )
     },
 }

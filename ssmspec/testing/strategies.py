@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from ssmspec.speculate.ahead import AheadDrafter, DraftAheadDrafter
 from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.drafters.ahead import AheadDrafter, DraftAheadDrafter
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.testing.configs import SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ssmspec
-from ssmspec.speculate.ahead import AheadDrafter
 from ssmspec.speculate.drafters import NoDrafter, PromptLookupDrafter
+from ssmspec.speculate.drafters.ahead import AheadDrafter
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.testing.distribution import tiny_sampling_setup

@@ -12,8 +12,8 @@ import torch
 
 import ssmspec
 from ssmspec.errors import UnsupportedSettingError
-from ssmspec.speculate.ahead import DraftAheadDrafter
 from ssmspec.speculate.drafters import DraftModelDrafter, FusedDrafter, PromptLookupDrafter
+from ssmspec.speculate.drafters.ahead import DraftAheadDrafter
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.testing.strategies import cached_tiny_model

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ssmspec
-from ssmspec.speculate.drafters import DraftModelDrafter, TrimmedHead, _merge, trim_vocab
+from ssmspec.speculate.drafters import DraftModelDrafter, TrimmedHead, trim_vocab
+from ssmspec.speculate.drafters.fused import _merge
 from ssmspec.speculate.retrieval import SuffixIndex, frequent_tokens
 from ssmspec.testing.distribution import sampling_p_value, tiny_sampling_setup
 from ssmspec.testing.strategies import cached_tiny_model
@@ -131,7 +132,8 @@ def test_trimmed_draft_sampling_matches_hf_sampling():
     spec = ssmspec.transform(copy.deepcopy(target))
     p, stats = sampling_p_value(
         target, spec, prompt, samples=3000, do_sample=True, temperature=1.0, top_k=0, assistant_model=draft,
-        speculation=ssmspec.SpecConfig(drafter="draft_model", num_draft_tokens=3, corpus=corpus, draft_vocab=6),
+        speculation=ssmspec.SpecConfig(drafter="draft_model", num_draft_tokens=3, corpus=corpus, draft_vocab=6,
+                                       tree=False, adaptive=False),
     )  # fmt: skip
     assert 0 < stats["accepted_tokens"] < stats["row_steps"] * 3, stats
     assert p > 1e-3, p
@@ -159,7 +161,7 @@ def test_fused_sampling_matches_hf_sampling():
     p, stats = sampling_p_value(
         target, spec, prompt, samples=3000, do_sample=True, temperature=1.0, top_k=0, assistant_model=draft,
         speculation=ssmspec.SpecConfig(drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=3,
-                                       corpus=corpus),
+                                       corpus=corpus, adaptive=False),
     )  # fmt: skip
     assert 0 < stats["accepted_tokens"] < stats["row_steps"] * 3, stats
     assert p > 1e-3, p

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ssmspec.speculate.drafters import PromptLookupDrafter, _weighted_draft
+from ssmspec.speculate.drafters import PromptLookupDrafter
+from ssmspec.speculate.drafters.ngram import _weighted_draft
 from ssmspec.speculate.retrieval import ContextIndex
 
 

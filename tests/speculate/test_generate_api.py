@@ -55,7 +55,7 @@ def test_draft_model_that_is_the_target_accepts_everything():
         attention_mask=mask,
         max_new_tokens=12,
         assistant_model=copy.deepcopy(ref),
-        num_assistant_tokens=4,
+        speculation=ssmspec.SpecConfig(drafter="draft_model", num_draft_tokens=4, tree=False, adaptive=False),
         return_dict_in_generate=True,
     )
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
@@ -178,3 +178,58 @@ def test_near_ties_are_counted_in_spec_stats():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3,
                          return_dict_in_generate=True)  # fmt: skip
     assert out.spec_stats["near_ties"] == out.spec_stats["emitted_tokens"] == 16
+
+
+def test_generate_speculates_by_default_and_false_is_hfs_own():
+    ref, model = _pair("mamba2")
+    ids, mask = _batch()
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want)
+    assert out.spec_stats["verify_steps"] > 0  # no speculation kwarg: speculative all the same
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True,
+                           speculation=False)  # fmt: skip
+    assert torch.equal(plain.sequences, want) and not hasattr(plain, "spec_stats")
+    with pytest.raises(ValueError, match="speculation=False"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, speculation=False, prompt_lookup_num_tokens=3)
+
+
+def test_a_default_call_speculation_cannot_run_is_hfs_own_and_an_asked_one_raises():
+    ref, model = _pair("mamba2")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    beams = ref.generate(ids, max_new_tokens=6, num_beams=2, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, num_beams=2), beams)  # beam search: HF's own
+    for asked in ({"speculation": True}, {"prompt_lookup_num_tokens": 3}):
+        with pytest.raises(ssmspec.UnsupportedSettingError, match="num_beams"):
+            model.generate(ids, max_new_tokens=6, num_beams=2, **asked)
+    ids2, mask = _batch()
+    limited = copy.deepcopy(model)
+    limited.ssmspec_info.batches = False  # as the probe leaves a model whose batches are inexact
+    limited.ssmspec_info.limits["batches"] = "layer 0 (made up here)"
+    want = ref.generate(ids2, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    out = limited.generate(ids2, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want) and not hasattr(out, "spec_stats")
+    with pytest.raises(ssmspec.UnsupportedModelError):
+        limited.generate(ids2, attention_mask=mask, max_new_tokens=6, speculation=True)
+
+
+def test_the_defaults_for_each_kind_of_call():
+    from transformers import GenerationConfig
+
+    from ssmspec.speculate.defaults import spec_for
+
+    default = spec_for(None, GenerationConfig(), None)
+    assert default == SpecConfig() and default.tree and default.adaptive
+    assert (default.num_draft_tokens, default.tree_budget) == (8, 16)
+    lookup = spec_for(None, GenerationConfig(prompt_lookup_num_tokens=4, max_matching_ngram_size=3), None)
+    assert (lookup.num_draft_tokens, lookup.tree_budget, lookup.max_matching_ngram_size) == (4, 8, 3)
+    assert lookup.tree and lookup.adaptive
+    draft = object()
+    d = spec_for(None, GenerationConfig(), draft)
+    assert (d.drafter, d.num_draft_tokens, d.tree_budget, d.tree, d.adaptive) == ("draft_model", 4, 12, True, True)
+    assert spec_for(None, GenerationConfig(num_assistant_tokens=3), draft).num_draft_tokens == 3
+    heuristic = spec_for(None, GenerationConfig(num_assistant_tokens_schedule="heuristic"), draft)
+    assert not heuristic.tree and not heuristic.adaptive  # HF's schedule decides the depth of HF's chains
+    assert not spec_for(None, GenerationConfig(), None, trees=False).tree  # chains where trees are inexact
+    given = SpecConfig(tree=False)
+    assert spec_for(given, GenerationConfig(prompt_lookup_num_tokens=4), None) is given

@@ -155,7 +155,7 @@ def test_corpus_errors_leave_the_model_alone(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="SpecConfig.corpus"):
         ssmspec.SpecConfig(corpus=3)
     with pytest.raises(ValueError, match="tree=True"):
-        ssmspec.SpecConfig(drafter="draft_model", corpus=["x"])
+        ssmspec.SpecConfig(drafter="draft_model", tree=False, corpus=["x"])
     with pytest.raises(ValueError, match="needs a drafter"):
         ssmspec.SpecConfig(drafter="none", corpus=["x"])
     assert isinstance(ssmspec.SpecConfig(corpus=["a", "b"]).corpus, tuple)
@@ -168,7 +168,7 @@ def test_corpus_sampling_matches_hf_sampling():
     greedy = target.generate(prompt, do_sample=False, max_new_tokens=8, eos_token_id=None)[0].tolist()
     index = SuffixIndex.from_sequences([greedy, greedy[3:] + [1, 2, 3]])
     spec = ssmspec.transform(copy.deepcopy(target))
-    config = ssmspec.SpecConfig(tree=True, num_draft_tokens=3, corpus=index)
+    config = ssmspec.SpecConfig(tree=True, num_draft_tokens=3, corpus=index, adaptive=False)
     p, stats = sampling_p_value(target, spec, prompt, samples=3000, do_sample=True, temperature=1.0, top_k=0,
                                 speculation=config)  # fmt: skip
     accepted = stats["accepted_tokens"] / stats["row_steps"]

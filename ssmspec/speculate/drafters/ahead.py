@@ -22,7 +22,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ssmspec.errors import UnsupportedSettingError
-from ssmspec.speculate.drafters import Drafter, DraftModelDrafter, FusedDrafter, PromptLookupDrafter, accepted_path
+from ssmspec.speculate.drafters.base import Drafter, accepted_path
+from ssmspec.speculate.drafters.draft_model import DraftModelDrafter
+from ssmspec.speculate.drafters.fused import FusedDrafter
+from ssmspec.speculate.drafters.ngram import PromptLookupDrafter
 from ssmspec.speculate.recycling import Calibration
 
 # the counters every Saguaro drafter keeps (`finish` reports them, derived ones included, and any others as they are)

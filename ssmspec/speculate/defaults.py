@@ -1,0 +1,95 @@
+"""The one place where generate's settings become a speculation plan: which SpecConfig a call runs (the
+defaults, chosen by the benchmarks; docs: Benchmarks, "The default configuration") and which drafter it makes.
+
+A call with `speculation=SpecConfig(...)` runs that config. Otherwise HF's own kwargs say what to draft with:
+`assistant_model=` a draft model (depth `num_assistant_tokens` when set), `prompt_lookup_num_tokens=k` n-grams
+k deep, and nothing at all the default n-gram drafting. Each then gets the configuration that measured fastest
+for its drafter on held-out text without a corpus: a tree with adaptive depth (plain decode steps where drafts
+are not accepted); a draft model under HF's heuristic schedule (`num_assistant_tokens_schedule`) drafts HF's
+chains, sized by that schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from ssmspec.hf.generation import is_user_set
+from ssmspec.speculate.config import SpecConfig
+from ssmspec.speculate.drafters import (
+    AheadDrafter,
+    DraftAheadDrafter,
+    Drafter,
+    DraftModelDrafter,
+    FusedDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+)  # fmt: skip
+from ssmspec.speculate.retrieval import SuffixIndex, frequent_tokens
+
+# SpecConfig()'s own defaults are the n-gram default; a draft model drafts shallower trees (its proposals
+# cost a forward per level): 4 deep, 3 nodes per level
+DRAFT_MODEL_DEPTH = 4
+DRAFT_MODEL_NODES_PER_LEVEL = 3
+
+
+def spec_for(
+    speculation: SpecConfig | None, config: GenerationConfig, draft: nn.Module | None, trees: bool = True
+) -> SpecConfig:
+    """The SpecConfig a generate call runs: `speculation` if given, else the default for its HF kwargs (chains
+    where the model's probe found trees inexact: `trees=False`)."""
+    if speculation is not None:
+        return speculation
+    spec = _default(config, draft)
+    return spec if trees else replace(spec, tree=False)
+
+
+def _default(config: GenerationConfig, draft: nn.Module | None) -> SpecConfig:
+    ngram = int(config.max_matching_ngram_size or SpecConfig.max_matching_ngram_size)
+    if draft is not None:
+        depth = int(config.num_assistant_tokens) if is_user_set(config, "num_assistant_tokens") else DRAFT_MODEL_DEPTH
+        if (config.num_assistant_tokens_schedule or "constant") != "constant":
+            # HF's heuristic schedule sizes each chain from the last step's outcome: it is the depth policy asked for
+            return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
+                              tree=False, adaptive=False)  # fmt: skip
+        return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
+                          tree_budget=max(1, DRAFT_MODEL_NODES_PER_LEVEL * depth))  # fmt: skip
+    default = SpecConfig()
+    lookup = config.prompt_lookup_num_tokens
+    if lookup is None:
+        return replace(default, max_matching_ngram_size=ngram)
+    per_level = default.tree_budget / max(default.num_draft_tokens, 1)  # the default tree's shape, k deep
+    return replace(default, num_draft_tokens=int(lookup), tree_budget=max(1, round(per_level * int(lookup))),
+                   max_matching_ngram_size=ngram)  # fmt: skip
+
+
+def build_drafter(
+    spec: SpecConfig, *, draft: nn.Module | None, index: SuffixIndex | None, vocab_size: int,
+    prompt_ids: torch.Tensor, special_ids: list[int], confidence: float,
+) -> Drafter:  # fmt: skip
+    """The drafter `spec` asks for. `draft`: the transformed draft model (drafter "draft_model"); `index`: the
+    corpus's index or None; `prompt_ids` and `special_ids` (EOS, pad) stay in a VocabTrim vocabulary;
+    `confidence`: HF's assistant_confidence_threshold (0: off)."""
+    if spec.drafter == "none":
+        return NoDrafter()
+    if spec.drafter == "prompt_lookup":
+        drafter: Drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index,
+                                               recycle=spec.recycle)  # fmt: skip
+        return AheadDrafter(drafter, fanout=spec.ahead) if spec.ahead else drafter
+    keep = None
+    if spec.draft_vocab is not None:  # VocabTrim: the corpus's most frequent tokens (or the given ids), prompt, EOS
+        ids = frequent_tokens(index, spec.draft_vocab) if isinstance(spec.draft_vocab, int) else torch.tensor(
+            spec.draft_vocab, dtype=torch.long)  # fmt: skip
+        keep = torch.cat([ids, prompt_ids.flatten().cpu(), torch.tensor(special_ids, dtype=torch.long)])
+    drafter = DraftModelDrafter(
+        draft, vocab_size, commit=spec.commit, confidence_threshold=confidence,
+        branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
+        sampling_tree=spec.sampling_tree, tree=spec.tree, vocab=keep,
+        max_nodes=max(spec.tree_budget, spec.num_draft_tokens) + 2, max_depth=spec.num_draft_tokens,
+    )  # fmt: skip
+    if index is not None and spec.tree:  # RASD: the retrieval tree fused into the draft's
+        drafter = FusedDrafter(drafter, PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index))
+    return DraftAheadDrafter(drafter, fanout=spec.ahead) if spec.ahead else drafter

@@ -1,0 +1,102 @@
+"""The drafter interface: `propose(contexts, max_nodes, max_depth)` returns one (tokens, parents) pair per row
+with node 0 = the root (contexts[b][-1]) and parents[t] < t. Drafts never change the output, only the speed:
+verification keeps exactly the target's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ssmspec.speculate.decoding import Decoding
+
+Draft = tuple[list[int], list[int]]
+
+
+class Drafter:
+    """Base class of drafters: subclasses implement `propose`; `start` sees the prompt once per generate call.
+
+    Drafts never change the output, only the speed: verification keeps exactly the target's tokens."""
+
+    decoding: Decoding | None = None
+
+    def set_decoding(self, decoding: Decoding) -> None:
+        """Called once per generate call, before `start`: how the target chooses tokens (processors, sampling).
+        A sampling drafter draws from its own processed distribution and returns it with its draft."""
+        self.decoding = decoding
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Called once before the first proposal."""
+
+    def propose(self, contexts: Sequence[Sequence[int]], max_nodes: int, max_depth: int) -> list[Draft]:
+        """One tree per row.
+
+        Args:
+            contexts: per row, the real tokens so far (prompt and output; the last one is the root).
+            max_nodes: drafted nodes per row at most (the root not counted).
+            max_depth: draft depth at most.
+
+        Returns:
+            Per row, `(tokens, parents)`: node 0 is the root (`contexts[b][-1]`), `parents[0] == -1`,
+            `parents[t] < t`. A drafter that samples adds a third element, `{node: q}`: the distribution
+            [vocab] the node's children were drawn from (several children: without replacement, in node
+            order). Nodes without one are deterministic proposals. Speculative sampling needs it to stay
+            lossless; greedy verification ignores it.
+        """
+        raise NotImplementedError
+
+    def ahead(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Draft], max_nodes: int, max_depth: int) -> None:
+        """Called after each proposal, just before the target verifies it (`drafts` as verified; None for a
+        finished row): a drafter may start preparing the next step's proposals here (Saguaro, see
+        ssmspec.speculate.drafters.ahead). Default: nothing."""
+
+    def finish(self, stats) -> None:
+        """Called once after the last step (also when generation fails): release what the drafter holds and add
+        its counters to `stats` (the call's SpecStats). Default: nothing."""
+
+    def size_by_goodput(self, cost: Callable[[int], float]) -> bool:
+        """Adaptive speculation (SpecConfig.adaptive): a drafter that estimates each node's chance of acceptance
+        may size its trees itself, for the most expected tokens per unit of step cost (`cost(n)`: verifying n
+        nodes, relative to a decode step); it returns True and the engine stops choosing depths. Default: False
+        (the engine chooses depth and budget from the rows' acceptance rates)."""
+        return False
+
+    # the target's top-k successors the engine reports after every token it processes (`observe_prompt`,
+    # `observe`); 0: none (the engine then computes nothing for the drafter)
+    target_topk: int = 0
+
+    def observe_prompt(self, row: int, tokens: Sequence[int], tops: Sequence[tuple[list[int], list[float]]]) -> None:
+        """After the prefill (drafters with `target_topk`): row `row`'s real prompt tokens and, after each of
+        them, the target's top-k next tokens with their probabilities. Default: nothing."""
+
+    def observe(
+        self, row: int, context: Sequence[int], draft: Draft, tops: Sequence[tuple[list[int], list[float]]],
+        emitted: Sequence[int],
+    ) -> None:  # fmt: skip
+        """After a verify step (drafters with `target_topk`): the draft verified for `row` from `context`, the
+        target's top-k next tokens with their probabilities after each of its nodes, and the tokens the step
+        emitted (the accepted drafts, then the bonus token). Default: nothing."""
+
+
+def accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> tuple[list[int], dict]:
+    """Walk a verified draft along the tokens its step emitted: (the accepted nodes, root first; each node's
+    children in node order). The walk stops at the first emitted token no child has (the bonus token)."""
+    kids: dict[int, list[int]] = {}
+    for t in range(1, len(tokens)):
+        kids.setdefault(parents[t], []).append(t)
+    path = [0]
+    for tok in emitted:
+        child = next((c for c in kids.get(path[-1], ()) if tokens[c] == tok), None)
+        if child is None:
+            break
+        path.append(child)
+    return path, kids
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: plain greedy decoding through the tree path (ssmspec's own autoregressive decode)."""
+
+    def propose(self, contexts, max_nodes, max_depth):
+        return [([ctx[-1]], [-1]) for ctx in contexts]
+
+
