@@ -2,21 +2,25 @@
 
 It installs the tree-aware seams (ssmspec.hf.seams) on every mixer, checks that every recurrent layer is
 covered and every cache layer can take a tree (otherwise UnsupportedModelError names the module), gives the
-model an HF-style `generate` that speculates when asked to (prompt_lookup_num_tokens, assistant_model,
-speculation=SpecConfig(...)), and runs the value-checking probe (ssmspec.probe). It is transactional: a
-refused transform leaves the model exactly as it was. Plain forwards and plain `generate` calls stay HF's.
+model an HF-style `generate` that speculates by default (prompt_lookup_num_tokens, assistant_model,
+speculation=SpecConfig(...) choose how; speculation=False is HF's own), and runs the value-checking probe
+(ssmspec.probe). It is transactional: a refused transform leaves the model exactly as it was. Plain forwards
+stay HF's.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig
 from transformers.utils import ModelOutput
 
@@ -105,7 +109,7 @@ def _check(model: nn.Module, mixers: dict[str, list[str]]) -> TransformInfo:
 
 class SpecGenerationMixin:
     """Added to a transformed model's class: speculative `generate`, per-model kernel policy in `compile`,
-    and pickling that finds the class again. Without speculation arguments `generate` is HF's own."""
+    and pickling that finds the class again. `generate` speculates by default; `speculation=False` is HF's own."""
 
     def generate(
         self,
@@ -114,23 +118,28 @@ class SpecGenerationMixin:
         *,
         prompt_lookup_num_tokens: int | None = None,
         assistant_model: nn.Module | None = None,
-        speculation: SpecConfig | None = None,
+        speculation: SpecConfig | bool | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | ModelOutput:
-        """HF generate; speculative (greedy, exact) when asked to.
+        """HF generate, speculative: greedy output equal to HF's, sampling with HF's distribution.
 
-        It speculates when `prompt_lookup_num_tokens`, `assistant_model` or `speculation` is given, when the
-        generation config asks for prompt lookup, or when the model was transformed with a default
-        SpecConfig; otherwise it is HF's own `generate`. Every other setting is resolved as HF's `generate`
-        resolves it and either applied exactly or refused (see the docs' Generation settings page).
+        Every call speculates (nothing to opt into: output does not change): with `speculation` if given, else
+        the model's default SpecConfig (`transform(model, config)`), else the default for the call's HF kwargs
+        (ssmspec.speculate.defaults: a draft model for `assistant_model`, n-grams `prompt_lookup_num_tokens`
+        deep, default n-gram drafting without either). `speculation=False` runs HF's own `generate`, as does a
+        call without speculation kwargs whose settings speculation does not apply (beam search, ...) or that
+        the model's probe limited (trees or batches it found inexact): HF's decoding is what the user asked
+        for there. Every other setting is resolved as HF's `generate` resolves it and either applied exactly or
+        refused (see the docs' Generation settings page).
 
         Args:
             inputs: [batch, length] token ids, left-padded for batches (with `attention_mask=`).
             generation_config: as in HF; the model's own `generation_config` fills what it leaves unset.
-            prompt_lookup_num_tokens: draft this many tokens per step by n-gram lookup (HF's argument).
+            prompt_lookup_num_tokens: draft this many tokens deep by n-gram lookup (HF's argument).
             assistant_model: a causal LM with the same vocabulary that drafts; it is never changed (a
                 transformed copy sharing its weights drafts).
-            speculation: the speculation settings (drafter, chain or tree, budgets, commit strategy).
+            speculation: the speculation settings (drafter, chain or tree, budgets, commit strategy); False:
+                HF's own generate; True: the defaults, refusing what they cannot apply.
             **kwargs: HF generate's keyword arguments (`max_new_tokens`, `attention_mask`, `eos_token_id`,
                 `return_dict_in_generate`, ...).
 
@@ -139,26 +148,38 @@ class SpecGenerationMixin:
             output with `sequences` and `spec_stats` (steps, accepted tokens, near-ties, ...).
 
         Raises:
-            UnsupportedSettingError: a setting that is not applied exactly (named).
-            UnsupportedModelError: trees or batches the transform-time probe found inexact for this model.
+            UnsupportedSettingError: a setting that is not applied exactly (named), where speculation was asked
+                for.
+            UnsupportedModelError: trees or batches the transform-time probe found inexact for this model,
+                where speculation was asked for.
             VocabMismatchError: the assistant model's vocabulary differs from the target's.
-            TypeError: `speculation` is not a SpecConfig.
+            TypeError: `speculation` is not a SpecConfig or a bool.
         """
+        if speculation is False:
+            if prompt_lookup_num_tokens is not None or assistant_model is not None:
+                raise ValueError("speculation=False (HF's own generate) with prompt_lookup_num_tokens= or "
+                                 "assistant_model=: HF refuses both for stateful models; drop one")  # fmt: skip
+            return super().generate(inputs, generation_config, **kwargs)
         asked = prompt_lookup_num_tokens is not None or assistant_model is not None or speculation is not None
+        if speculation is True:  # the defaults, asked for: refusals raise
+            speculation = None
         configured = any(getattr(c, "prompt_lookup_num_tokens", None) is not None
                          for c in (generation_config, self.generation_config))  # fmt: skip
-        if not asked and not configured:
+        default = not asked and not configured
+        if default:
             speculation = getattr(self, "ssmspec_config", None)
-            if speculation is None:
-                return super().generate(inputs, generation_config, **kwargs)
         if assistant_model is not None:
             check_vocab(assistant_model, self.config.get_text_config().vocab_size)
         draft = prepare_draft(assistant_model) if assistant_model is not None else None
         with using_kernel_policy(getattr(self, "ssmspec_kernel_policy", None)):
-            return spec_generate.generate(
-                self, inputs, generation_config, prompt_lookup_num_tokens=prompt_lookup_num_tokens, draft=draft,
-                speculation=speculation, kwargs=kwargs,
-            )  # fmt: skip
+            try:
+                return spec_generate.generate(
+                    self, inputs, generation_config, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                    draft=draft, speculation=speculation, kwargs=kwargs, fallback=default,
+                )  # fmt: skip
+            except spec_generate.NotSpeculated:  # refused before anything ran: HF's own decoding
+                pass
+        return super().generate(inputs, generation_config, **kwargs)
 
     def compile(self, *args, **kwargs):
         """nn.Module.compile; with backend="ssmspec", the `kernels` option becomes this model's kernel policy
@@ -180,6 +201,7 @@ class SpecGenerationMixin:
         self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options", "isolate_recompiles",
                                                                "recompile_limit") if k in kwargs}  # fmt: skip
         self.__dict__.pop("_ssmspec_compiled_commit", None)
+        self.__dict__.pop("_ssmspec_cost_curves", None)  # measured on the eager model: measured again compiled
         if policy is not None:
             self.ssmspec_kernel_policy = policy
         return super().compile(*args, **kwargs)
@@ -213,21 +235,31 @@ def _new_transformed(base: type) -> nn.Module:
     return object.__new__(transformed_class(base))
 
 
-def transform(hf_model: nn.Module, config: SpecConfig | None = None, *, prepack: bool = True) -> nn.Module:
+def transform(
+    hf_model: nn.Module, config: SpecConfig | None = None, *, prepack: bool = True,
+    compile: bool | dict[str, Any] = False,
+) -> nn.Module:  # fmt: skip
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
 
-    Plain forward logits stay HF's own, and so does `generate` without speculation arguments, unless
-    `config` is given: then `generate` speculates with it by default. At the end a probe checks, by value,
+    Plain forward logits stay HF's own; `generate` speculates, with `config` or ssmspec's defaults unless a
+    call says otherwise (`speculation=False`: HF's own generate). At the end a probe checks, by value,
     that tree verification reproduces HF's forward; what it found is in `model.ssmspec_info`.
 
     Args:
         hf_model: a Hugging Face causal LM (`PreTrainedModel` with `generate`): an SSM, a hybrid, or a plain
             transformer (e.g. to use as a draft).
-        config: default speculation settings for `generate`; None keeps HF's plain `generate` by default.
+        config: default speculation settings for `generate`; None: ssmspec's defaults
+            (ssmspec.speculate.defaults).
         prepack: on a CPU, ssmspec's own forwards (prefill, decode, verify) run every float32 / bfloat16
             `nn.Linear` on a oneDNN copy of its weight packed once (ssmspec.linear): a verify step of 2-16
             tokens then reads each weight once, as a decode step does. It holds as much memory again as the
             linear weights; False keeps `F.linear` (no copy). Plain forwards are HF's either way.
+        compile: True compiles the model for speed as measured fastest (`compile_options`: the ssmspec backend;
+            Inductor's C++ wrapper on a CPU, CUDA graphs on a GPU; its own recompilation budget) and warms up
+            its graphs once (prefill, decode and every tree-size bucket), with a progress bar, so that the
+            first request does not pay for compilation; a dict: those `model.compile` keyword arguments instead
+            of the chosen ones where given, plus `warmup` (batch sizes to warm up, default (1,); () for none)
+            and `progress`. If compiling fails, the model stays eager, with one warning.
 
     Returns:
         The same model object, its class extended with `SpecGenerationMixin` (same class name).
@@ -244,6 +276,8 @@ def transform(hf_model: nn.Module, config: SpecConfig | None = None, *, prepack:
     if isinstance(hf_model, SpecGenerationMixin):
         hf_model.ssmspec_config = config
         _set_prepack(hf_model, prepack)
+        if compile:
+            compile_fast(hf_model, **(compile if isinstance(compile, dict) else {}))
         return hf_model
     original_class = hf_model.__class__
     changed: list[nn.Module] = []
@@ -267,7 +301,57 @@ def transform(hf_model: nn.Module, config: SpecConfig | None = None, *, prepack:
         for name in ("ssmspec_info", "ssmspec_config"):
             hf_model.__dict__.pop(name, None)
         raise
+    if compile:
+        compile_fast(hf_model, **(compile if isinstance(compile, dict) else {}))
     return hf_model
+
+
+def compile_options(device: torch.device) -> dict[str, Any]:
+    """The `model.compile` keyword arguments that measured fastest for speculation on `device` (docs:
+    Benchmarks): the ssmspec backend; on a CPU Inductor's C++ wrapper (it takes the Python wrapper's per-call
+    cost off small graphs); on CUDA, CUDA graphs (`mode="reduce-overhead"`) over the static tree buckets."""
+    if device.type == "cuda":
+        return {"backend": "ssmspec", "mode": "reduce-overhead"}
+    return {"backend": "ssmspec", "options": {"cpp_wrapper": True}}
+
+
+def compile_fast(
+    model: nn.Module, *, warmup: Sequence[int] = (1,), progress: bool = True, **compile_kwargs: Any
+) -> nn.Module:
+    """Compile a transformed `model` with `compile_options` (overridden by `compile_kwargs`) and warm it up:
+    speculative generates per batch size in `warmup` on dummy prompts of four lengths compile the prefill (for
+    any length), the decode step and, through the adaptive cost curve, the verify step of every tree-size
+    bucket. A failure (compile or
+    warm-up) leaves the model eager, with one warning naming it."""
+    device = next(model.parameters()).device
+    kwargs = {**compile_options(device), **compile_kwargs}
+    options = {**compile_options(device).get("options", {}), **(compile_kwargs.get("options") or {})}
+    if options:
+        kwargs["options"] = options
+    try:
+        model.compile(**kwargs)
+        vocab = int(model.config.get_text_config().vocab_size)
+        # two prompt lengths within one scan chunk and two over it, per batch size: after the second of each,
+        # Dynamo compiles the prefill for any length on that side of the chunk size (a guard of HF's chunking)
+        chunk = int(getattr(model.config.get_text_config(), "chunk_size", None) or 256)
+        runs = [(batch, length) for batch in warmup for length in (8, 12, 2 * chunk + 5, 3 * chunk + 3)]
+        for batch, length in tqdm(runs, desc="ssmspec: compiling and warming up", disable=not progress):
+            ids = (torch.arange(batch * length, device=device).view(batch, length) * 7 + 3) % vocab
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, speculation=True,
+                           pad_token_id=0)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - any compiler failure: eager is exact, so say it and go on
+        _uncompile(model)
+        warnings.warn(f"ssmspec: compiling {type(model).__name__} failed, running eager ({type(e).__name__}: {e})",
+                      stacklevel=2)  # fmt: skip
+    return model
+
+
+def _uncompile(model: nn.Module) -> None:
+    """Undo `model.compile` (nn.Module internals, named here): the eager forward and no static shapes."""
+    model._compiled_call_impl = None
+    for name in ("ssmspec_static_shapes", "ssmspec_compile_call", "ssmspec_compile_options", "_ssmspec_cost_curves",
+                 "_ssmspec_compiled_commit", "_ssmspec_single_node_path"):  # fmt: skip
+        model.__dict__.pop(name, None)
 
 
 def _set_prepack(model: nn.Module, prepack: bool) -> None:

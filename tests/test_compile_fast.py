@@ -1,0 +1,49 @@
+"""`ssmspec.transform(model, compile=True)`: the compile options that measured fastest, chosen for the user, and
+a warm-up that compiles every graph before the first request; a failed compile leaves the model eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ssmspec
+from ssmspec.compile.backend import STATS
+from ssmspec.testing.strategies import cached_tiny_model
+from ssmspec.transform import compile_options
+
+IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
+
+
+def test_the_chosen_options_per_device():
+    assert compile_options(torch.device("cpu")) == {"backend": "ssmspec", "options": {"cpp_wrapper": True}}
+    assert compile_options(torch.device("cuda")) == {"backend": "ssmspec", "mode": "reduce-overhead"}
+
+
+def test_compile_true_warms_up_before_the_first_request():
+    ref = cached_tiny_model("mamba2", dtype=torch.float32)
+    want = ref.generate(IDS, max_new_tokens=24, do_sample=False)
+    # the backend without Inductor: the same graphs (Dynamo traces each bucket), compiled in seconds
+    model = ssmspec.transform(copy.deepcopy(ref), compile={"options": {"inductor": False}, "progress": False})
+    assert model._compiled_call_impl is not None and model.ssmspec_static_shapes
+    assert model.ssmspec_compile_options["options"] == {"cpp_wrapper": True, "inductor": False}
+    curve = model._ssmspec_cost_curves[(1, "cpu")]  # every bucket verified once by the warm-up
+    assert set(curve) >= {1, 2, 4, 8, 16}
+    graphs = STATS.graphs
+    out = model.generate(IDS, max_new_tokens=24)
+    assert torch.equal(out, want)
+    assert STATS.graphs == graphs  # nothing left to compile for the first request at this batch size
+    model.generate(torch.cat([IDS, IDS, IDS], 1), max_new_tokens=8)  # a prompt over one chunk: compiled too
+    assert STATS.graphs == graphs
+    assert model._ssmspec_cost_curves[(1, "cpu")] is curve
+
+
+def test_a_failed_compile_leaves_the_model_eager_with_one_warning():
+    ref = cached_tiny_model("mamba2", dtype=torch.float32)
+    want = ref.generate(IDS, max_new_tokens=16, do_sample=False)
+    with pytest.warns(UserWarning, match="running eager") as record:
+        model = ssmspec.transform(copy.deepcopy(ref), compile={"backend": "no-such-backend", "progress": False})
+    assert len([w for w in record if "running eager" in str(w.message)]) == 1
+    assert model._compiled_call_impl is None and not getattr(model, "ssmspec_static_shapes", False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=16), want)
