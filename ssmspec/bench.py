@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import hashlib
 import json
 import time
@@ -22,6 +23,9 @@ from ssmspec import models
 from ssmspec.models import corpus_files
 from ssmspec.speculate.retrieval import frequent_tokens
 
+# the rows of what a user gets without tuning: generate() with no speculation kwarg, and with a draft model only
+DEFAULT = "ssmspec default"
+DRAFT_DEFAULT = "ssmspec default, draft model"
 THIRD_PARTY = ("hypothesis", "einops", "tqdm", "safetensors", "numpy", "transformers")
 
 
@@ -70,8 +74,11 @@ def training_index(tok) -> ssmspec.SuffixIndex:
 
 def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
     """The compared configurations: (name -> generate kwargs)."""
-    spec = ssmspec.SpecConfig
+    # the named configurations as they were measured before the defaults changed: chains unless `tree=True`,
+    # fixed depth unless `adaptive=True`
+    spec = functools.partial(ssmspec.SpecConfig, tree=False, adaptive=False)
     return {
+        DEFAULT: {},  # what a user gets without any speculation kwarg
         "ssmspec autoregressive": dict(speculation=spec(drafter="none")),
         "chain n-gram": dict(speculation=spec(num_draft_tokens=k)),
         "tree n-gram": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget)),
@@ -92,7 +99,9 @@ def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
             num_draft_tokens=k, tree=True, tree_budget=k, corpus=corpus, recycle=4)),
         "tree n-gram + corpus + recycling": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
                                                                   corpus=corpus, recycle=4)),
-        "chain draft model": dict(assistant_model=draft, num_assistant_tokens=min(k, 4)),
+        DRAFT_DEFAULT: dict(assistant_model=draft),  # what a user gets with a draft model and no other kwarg
+        "chain draft model": dict(assistant_model=draft, speculation=spec(drafter="draft_model",
+                                                                          num_draft_tokens=min(k, 4))),
         "dynamic tree draft model": dict(assistant_model=draft, speculation=spec(
             drafter="draft_model", num_draft_tokens=min(k, 4), tree=True, tree_budget=12)),
         "dynamic tree draft model + VocabTrim": dict(assistant_model=draft, speculation=spec(
@@ -117,14 +126,15 @@ def compiled_methods(greedy: dict[str, dict], k: int, draft: torch.nn.Module | N
     (`model.compile(backend="ssmspec", options=COMPILE_OPTIONS)`: static shapes, reference tree ops fused by
     Inductor, its C++ wrapper), under their compiled row names; with `draft` (the draft compiled alike), the
     draft-model configurations too, drafting with it."""
-    names = {"ssmspec autoregressive": "ssmspec autoregressive (compiled)",
+    names = {DEFAULT: f"{DEFAULT} (compiled)", "ssmspec autoregressive": "ssmspec autoregressive (compiled)",
              "chain n-gram + corpus": "chain n-gram + corpus (compiled)",
              f"tree n-gram + corpus ({k} nodes)": f"tree n-gram + corpus ({k} nodes, compiled)",
              f"tree n-gram + corpus ({k} nodes) + Saguaro": None, f"tree n-gram + corpus ({k} nodes) + recycling": None,
              "tree n-gram + corpus": "tree n-gram + corpus (compiled)"}  # fmt: skip
     out = {compiled or f"{name} (compiled)": greedy[name] for name, compiled in names.items()}
     if draft is not None:
-        for name in ("chain draft model", "dynamic tree draft model + corpus (RASD)", "RASD + VocabTrim"):
+        for name in (DRAFT_DEFAULT, "chain draft model", "dynamic tree draft model + corpus (RASD)",
+                     "RASD + VocabTrim"):
             out[f"{name} (compiled, compiled draft)"] = {**greedy[name], "assistant_model": draft}
     return out
 
@@ -232,31 +242,31 @@ def run_sampling(args: argparse.Namespace, progress: bool = True) -> dict:
     """Speculative sampling side by side with HF's sampling, per temperature: tokens/s, speed-up and accepted
     tokens per step for chain / tree x n-gram / draft model. Outputs are random, so they are not compared
     here (tests/speculate/test_sampling.py proves the distributions equal); every method samples with HF's
-    default warpers (top-k 50) at the same temperature and seeds."""
+    default warpers (top-k 50) and top-p `args.top_p` at the same temperature and seeds."""
     ref, tok = models.load("mamba2-target")
     target = ssmspec.transform(copy.deepcopy(ref))
     draft, _ = models.load("mamba2-draft")
     prompts = held_out_prompts(tok, args.prompts, args.prompt_tokens)
     k, budget = args.draft_tokens, args.tree_budget
+    spec = functools.partial(ssmspec.SpecConfig, tree=False, adaptive=False)  # as in greedy_methods
     methods = {
-        "chain n-gram": dict(speculation=ssmspec.SpecConfig(num_draft_tokens=k)),
-        "tree n-gram": dict(speculation=ssmspec.SpecConfig(num_draft_tokens=k, tree=True, tree_budget=budget)),
-        "tree n-gram adaptive": dict(
-            speculation=ssmspec.SpecConfig(num_draft_tokens=k, tree=True, tree_budget=budget, adaptive=True)
-        ),
-        "chain draft model": dict(
-            assistant_model=draft, speculation=ssmspec.SpecConfig(drafter="draft_model", num_draft_tokens=4)
-        ),
-        "tree draft model": dict(
-            assistant_model=draft,
-            speculation=ssmspec.SpecConfig(drafter="draft_model", num_draft_tokens=4, tree=True, tree_budget=12),
-        ),
+        DEFAULT: {},
+        "chain n-gram": dict(speculation=spec(num_draft_tokens=k)),
+        "tree n-gram": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget)),
+        "tree n-gram adaptive": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
+                                                      adaptive=True)),
+        DRAFT_DEFAULT: dict(assistant_model=draft),
+        "chain draft model": dict(assistant_model=draft, speculation=spec(drafter="draft_model", num_draft_tokens=4)),
+        "tree draft model": dict(assistant_model=draft, speculation=spec(drafter="draft_model", num_draft_tokens=4,
+                                                                         tree=True, tree_budget=12)),
     }  # fmt: skip
-    ref.generate(prompts[0], max_new_tokens=8, do_sample=True)
+    warp = {"do_sample": True, "top_p": args.top_p}
+    ref.generate(prompts[0], max_new_tokens=8, **warp)
     for kw in methods.values():
-        target.generate(prompts[0], max_new_tokens=8, do_sample=True, **kw)
+        target.generate(prompts[0], max_new_tokens=8, **warp, **kw)
     result = {"setup": f"embedded mamba2-target, CPU {torch.get_num_threads()} threads, float32, {len(prompts)} "
-              f"held-out prompts x {args.max_new_tokens} new tokens, do_sample=True (top-k 50), seeded",
+              f"held-out prompts x {args.max_new_tokens} new tokens, do_sample=True (top-k 50, top-p "
+              f"{args.top_p}), seeded",
               "temperatures": {}}  # fmt: skip
     for temperature in args.temperatures:
         secs = {"HF sampling": 0.0, **dict.fromkeys(methods, 0.0)}
@@ -265,13 +275,13 @@ def run_sampling(args: argparse.Namespace, progress: bool = True) -> dict:
         for i, ids in enumerate(tqdm(prompts, desc=f"T={temperature}", disable=not progress)):
             torch.manual_seed(i)
             t0 = time.perf_counter()
-            out = ref.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=temperature)
+            out = ref.generate(ids, max_new_tokens=args.max_new_tokens, temperature=temperature, **warp)
             secs["HF sampling"] += time.perf_counter() - t0
             made["HF sampling"] += out.shape[1] - ids.shape[1]
             for name, kw in methods.items():
                 gen = torch.Generator().manual_seed(i)
                 t0 = time.perf_counter()
-                out = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=temperature,
+                out = target.generate(ids, max_new_tokens=args.max_new_tokens, temperature=temperature, **warp,
                                       generator=gen, return_dict_in_generate=True, **kw)  # fmt: skip
                 secs[name] += time.perf_counter() - t0
                 made[name] += out.sequences.shape[1] - ids.shape[1]
@@ -320,7 +330,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="also time compiled models: HF greedy after model.compile(), ssmspec with the ssmspec backend",
     )
     p.add_argument("--sampling", action="store_true", help="also benchmark speculative sampling vs HF sampling")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling for every sampling method (1.0: off)")
     p.add_argument("--json", help="also write the results to this file (JSON)")
     return p
 
@@ -328,7 +339,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def report(result: dict, args: argparse.Namespace) -> None:
     """Print the table; write JSON when asked."""
     print(result["setup"])
-    print(f"best plain decoding: {result['best_baseline']}")
+    best = result["best_baseline"]
+    for name in (DEFAULT, f"{DEFAULT} (compiled)", DRAFT_DEFAULT):
+        if name in result["methods"]:
+            row = result["methods"][name]
+            print(f"{name}: {row['speedup_vs_hf']:.2f}x HF greedy, {row['speedup_vs_best_baseline']:.2f}x the best "
+                  f"plain decoder ({best})")  # fmt: skip
+    print(f"best plain decoding: {best}")
     print(f"{'method':>42} {'tok/s':>8} {'vs HF':>6} {'vs best':>7} {'vs AR':>6} {'accepted/step':>14} "
           f"{'worst prompt':>13}")  # fmt: skip
     for name, row in result["methods"].items():
