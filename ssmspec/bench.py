@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
     if not prompts:
         raise ValueError(f"no {prompt_set} file has {args.prompt_tokens} tokens")
     greedy = greedy_methods(args.draft_tokens, args.tree_budget, training_index(tok), draft)
-    methods = {name: (target, kw) for name, kw in greedy.items()}
+    methods = {name: (target, kw) for name, kw in greedy.items() if _chosen(name, args)}
     baselines = {"HF greedy": ref}
     plain = {"do_sample": False}
     warm = [(ref, plain, prompts[0], 8)] + [(model, kw, prompts[0], 8) for model, kw in methods.values()]
@@ -176,7 +176,8 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
         compiled_draft.compile(backend="ssmspec", options=COMPILE_OPTIONS)
         baselines["HF greedy (compiled)"] = compiled_ref
         baselines["HF greedy (compiled, C++ wrapper)"] = compiled_ref_cpp
-        extra = compiled_methods(greedy, args.draft_tokens, compiled_draft)
+        extra = {name: kw for name, kw in compiled_methods(greedy, args.draft_tokens, compiled_draft).items()
+                 if _chosen(name, args)}  # fmt: skip
         methods.update({name: (compiled, kw) for name, kw in extra.items()})
         warm += [(m, kw, p, args.max_new_tokens) for p in prompts[:2]
                  for m, kw in [(compiled_ref, plain), (compiled_ref_cpp, plain),
@@ -217,6 +218,13 @@ def run(args: argparse.Namespace, progress: bool = True) -> dict:
     return _summary(secs, accepted, tokens, prompts, args, prompt_set)
 
 
+def _chosen(name: str, args: argparse.Namespace) -> bool:
+    """Whether `--methods` (exact names; default all) selects the method `name` (ssmspec's own plain decoding
+    always runs: it is one of the plain decoders)."""
+    wanted = getattr(args, "methods", None)
+    return not wanted or name.startswith("ssmspec autoregressive") or name in wanted
+
+
 def _summary(secs, accepted, tokens, prompts, args, prompt_set) -> dict:
     what = "held-out" if prompt_set == "held-out" else "third-party (installed packages' sources)"
     setup = (f"embedded mamba2-target, CPU {torch.get_num_threads()} threads, float32, {len(prompts)} {what} "
@@ -251,6 +259,7 @@ def run_sampling(args: argparse.Namespace, progress: bool = True) -> dict:
     spec = functools.partial(ssmspec.SpecConfig, tree=False, adaptive=False)  # as in greedy_methods
     methods = {
         DEFAULT: {},
+        "ssmspec autoregressive": dict(speculation=spec(drafter="none")),
         "chain n-gram": dict(speculation=spec(num_draft_tokens=k)),
         "tree n-gram": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget)),
         "tree n-gram adaptive": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
@@ -260,6 +269,7 @@ def run_sampling(args: argparse.Namespace, progress: bool = True) -> dict:
         "tree draft model": dict(assistant_model=draft, speculation=spec(drafter="draft_model", num_draft_tokens=4,
                                                                          tree=True, tree_budget=12)),
     }  # fmt: skip
+    methods = {name: kw for name, kw in methods.items() if _chosen(name, args)}
     warp = {"do_sample": True, "top_p": args.top_p}
     ref.generate(prompts[0], max_new_tokens=8, **warp)
     for kw in methods.values():
@@ -329,6 +339,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="also time compiled models: HF greedy after model.compile(), ssmspec with the ssmspec backend",
     )
+    p.add_argument("--methods", nargs="+", help="time only these speculative methods (their row names; the plain "
+                   "decoders always run)")
     p.add_argument("--sampling", action="store_true", help="also benchmark speculative sampling vs HF sampling")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling for every sampling method (1.0: off)")

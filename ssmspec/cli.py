@@ -220,7 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             draft = load_pretrained(args.draft, DTYPES[args.dtype])[0]
         out = model.generate(ids, assistant_model=draft, num_assistant_tokens=args.draft_tokens, **kwargs)
     else:
-        spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=args.tree)
+        spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=not args.chain)
         out = model.generate(ids, speculation=spec, **kwargs)
     print(tok.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
     stats = out.spec_stats
@@ -271,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = common(sub.add_parser("generate", help="speculative generation from a prompt"), "float32", 64)
     gen.add_argument("prompt")
     gen.add_argument("--draft-tokens", type=int, default=8)
-    gen.add_argument("--tree", action="store_true", help="tree prompt lookup instead of a chain")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--tree", action="store_true", help="an n-gram tree (the default)")
+    shape.add_argument("--chain", action="store_true", help="an n-gram chain instead of the default tree")
     gen.add_argument("--draft", help="draft model: 'embedded' (mamba2-draft) or a path / hub id")
     gen.set_defaults(func=cmd_generate)
     from ssmspec.bench import add_arguments

@@ -26,6 +26,7 @@ This is the one place coupled to torch internals for linears: `torch.ops.mkldnn.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -50,6 +51,14 @@ class _Active(threading.local):
 
 
 _ACTIVE = _Active()
+
+
+@functools.cache
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN packs on this CPU: float32; bfloat16 where the CPU has oneDNN's bf16 path (AVX-512 BW /
+    VL / DQ or AVX-NE-CONVERT; without it packing a bf16 weight raises). A property of the hardware, read once."""
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported() if available() else False  # torch internals, named here
+    return tuple(d for d in PACKED_DTYPES if d != torch.bfloat16 or bf16)
 
 
 def available() -> bool:
@@ -89,7 +98,7 @@ def packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     (a weight big enough for the row count: PACK_MIN_BYTES, PACK_MIN_BYTES_ROWS)."""
     if x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype:
         return False
-    if weight.dtype not in PACKED_DTYPES or (bias is not None and bias.dtype != weight.dtype):
+    if weight.dtype not in packed_dtypes() or (bias is not None and bias.dtype != weight.dtype):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
     if weight.numel() * weight.element_size() < (PACK_MIN_BYTES if rows == 1 else PACK_MIN_BYTES_ROWS):

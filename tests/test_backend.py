@@ -36,7 +36,7 @@ def _compiled_vs_eager(family: str, options: dict, device: str = "cpu") -> None:
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     # the HF-style API (prompt lookup: trees only where the n-gram matches) ...
     caps = capabilities(family)  # a chain-only family gets chains (trees are refused for it, by name)
-    spec = ssmspec.SpecConfig(tree=caps.trees, num_draft_tokens=3, tree_budget=6)
+    spec = ssmspec.SpecConfig(tree=caps.trees, num_draft_tokens=3, tree_budget=6, adaptive=False)
     assert torch.equal(eager.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec), want)
     assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=spec), want)
     # ... and an oracle that drafts a multi-node tree every step (right chain + a wrong sibling per level)
@@ -162,7 +162,8 @@ def test_inductor_failure_falls_back_per_graph(monkeypatch, when):
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     want = ref.generate(ids, max_new_tokens=6, do_sample=False)
     with pytest.warns(RuntimeWarning, match="Inductor failed on a graph .TypeError: list indices"):
-        got = model.generate(ids, max_new_tokens=6, speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3))
+        got = model.generate(ids, max_new_tokens=6,
+                             speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3, adaptive=False))
     assert torch.equal(got, want)
     assert STATS.fallbacks >= 1
 
@@ -202,7 +203,8 @@ def test_split_scan_bug_is_worked_around_with_an_opaque_cumsum(monkeypatch, when
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     want = ref.generate(ids, max_new_tokens=4, do_sample=False)
     with pytest.warns(RuntimeWarning, match="ATen's cumsum"):
-        got = model.generate(ids, max_new_tokens=4, speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3))
+        got = model.generate(ids, max_new_tokens=4,
+                             speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3, adaptive=False))
     assert torch.equal(got, want)
     assert seen["cumsum"] >= 1 and seen["opaque"] >= 1
     assert STATS.fallbacks == 0 and STATS.workarounds == seen["cumsum"]

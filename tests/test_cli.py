@@ -32,6 +32,7 @@ def test_demo_prints_only_its_own_results_and_what_it_measured():
 
 def test_generate_prints_the_continuation(capsys):
     assert main(["generate", "def add(a, b):\n", "--max-new-tokens", "12", "--tree"]) == 0
+    assert main(["generate", "def add(a, b):\n", "--max-new-tokens", "12", "--chain"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "verify steps" in captured.err
@@ -43,7 +44,8 @@ def test_bench_writes_json(tmp_path, capsys):
     assert main(args) == 0
     result = json.loads(target.read_text())
     assert set(result["methods"]) == {
-        "HF greedy", "ssmspec autoregressive", "chain n-gram", "chain draft model", "tree n-gram",
+        "HF greedy", "ssmspec default", "ssmspec default, draft model", "ssmspec autoregressive", "chain n-gram",
+        "chain draft model", "tree n-gram",
         "tree n-gram adaptive", "chain n-gram + corpus", "tree n-gram + corpus (8 nodes)", "tree n-gram + corpus",
         "tree n-gram + corpus adaptive", "dynamic tree draft model", "dynamic tree draft model + VocabTrim",
         "dynamic tree draft model + corpus (RASD)", "RASD + VocabTrim", "tree n-gram + corpus (8 nodes) + Saguaro",
@@ -52,7 +54,13 @@ def test_bench_writes_json(tmp_path, capsys):
     }  # fmt: skip
     row = result["methods"]["tree n-gram + corpus"]
     assert row["tokens_per_s"] > 0 and row["mean_accepted_per_step"] >= 1 and row["worst_prompt_speedup_vs_hf"] > 0
-    assert "all outputs identical to HF greedy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "all outputs identical to HF greedy" in out
+    first = out.splitlines()[1]  # the default configuration first, against HF and the best plain decoder
+    assert first.startswith("ssmspec default: ") and "x HF greedy" in first and "best plain decoder" in first
+    args += ["--methods", "tree n-gram"]
+    assert main(args) == 0
+    assert set(json.loads(target.read_text())["methods"]) == {"HF greedy", "ssmspec autoregressive", "tree n-gram"}
 
 
 def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
@@ -78,7 +86,8 @@ def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
     result = json.loads(target.read_text())
     compiled = {name for name in result["methods"] if "compiled" in name}
     assert compiled == {"HF greedy (compiled)", "HF greedy (compiled, C++ wrapper)",
-                        "ssmspec autoregressive (compiled)", "chain n-gram + corpus (compiled)",
+                        "ssmspec autoregressive (compiled)", "ssmspec default (compiled)",
+                        "ssmspec default, draft model (compiled, compiled draft)", "chain n-gram + corpus (compiled)",
                         "tree n-gram + corpus (8 nodes, compiled)", "tree n-gram + corpus (compiled)",
                         "tree n-gram + corpus (8 nodes) + Saguaro (compiled)",
                         "tree n-gram + corpus (8 nodes) + recycling (compiled)",
@@ -102,8 +111,10 @@ def test_bench_sampling_writes_json(tmp_path, capsys):
             "0.7", "--json", str(target)]  # fmt: skip
     assert main(args) == 0
     rows = json.loads(target.read_text())["sampling"]["rows"]
-    assert {r["method"] for r in rows} == {"HF sampling", "chain n-gram", "tree n-gram", "tree n-gram adaptive",
-                                           "chain draft model", "tree draft model"}  # fmt: skip
+    assert {r["method"] for r in rows} == {"HF sampling", "ssmspec default", "ssmspec autoregressive",
+                                           "chain n-gram", "tree n-gram", "tree n-gram adaptive",
+                                           "ssmspec default, draft model", "chain draft model",
+                                           "tree draft model"}  # fmt: skip
     assert all(r["temperature"] == "0.7" and r["tokens_per_s"] > 0 for r in rows)
     assert "temperature 0.7" in capsys.readouterr().out
 

@@ -123,7 +123,7 @@ def prepack_linears(gm: fx.GraphModule) -> int:
         x, w = vals[0], vals[1]
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or w.device.type != "cpu":
             continue
-        if w.dtype not in packed.PACKED_DTYPES or x.dtype != w.dtype:
+        if w.dtype not in packed.packed_dtypes() or x.dtype != w.dtype:
             continue
         if w.numel() * w.element_size() < min(packed.PACK_MIN_BYTES, packed.PACK_MIN_BYTES_ROWS):
             continue  # small: F.linear at every row count, left to Inductor

@@ -65,7 +65,21 @@ def step_cost(cost: dict[int, float], nodes: int) -> float:
     return cost[hi] + (cost[hi] - cost[lo]) * (nodes - hi) / (hi - lo)
 
 
-def measure_cost(runner, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), repeats: int = 3) -> dict[int, float]:
+# the tree sizes whose verify cost is measured (up to the largest a call can verify)
+COST_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def merge_curves(old: dict[int, float], new: dict[int, float]) -> dict[int, float]:
+    """A cost curve with the sizes of `new` added to `old` (both relative to a decode step), kept
+    non-decreasing in the size."""
+    merged, floor = {}, 0.0
+    for n in sorted({**old, **new}):
+        floor = max(floor, new.get(n, old.get(n, 0.0)))
+        merged[n] = floor
+    return merged
+
+
+def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 3) -> dict[int, float]:
     """Verify cost of n-node chains relative to a decode step, timed on the runner's prefilled cache (each
     tree is verified and discarded, the decode step rolled back: nothing changes). The median of `repeats`
     runs per size."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ssmspec.speculate.adaptive import Acceptance, choose_depth, measure_cost, step_cost
+from ssmspec.speculate.adaptive import COST_SIZES, Acceptance, choose_depth, measure_cost, merge_curves, step_cost
 from ssmspec.speculate.decoding import ColumnStreamer, Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.runner import ModelRunner
@@ -326,13 +326,20 @@ def _depth_of(draft: tuple[list[int], list[int]]) -> int:
 
 
 def cost_curve(model: nn.Module, runner: ModelRunner) -> dict[int, float]:
-    """The model's verify-cost curve (relative to a decode step) for this batch size, measured once per model
-    and kept on it (so each model has its own; nothing process-wide)."""
+    """The model's verify-cost curve (relative to a decode step) for this batch size, measured once per model up
+    to the largest tree the call verifies (extended when a later call verifies larger ones) and kept on the
+    model (so each model has its own; nothing process-wide)."""
     curves = model.__dict__.setdefault("_ssmspec_cost_curves", {})
     key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
-    if key not in curves:
-        curves[key] = measure_cost(runner)
-    return curves[key]
+    # the sizes this call can verify (powers of two up to its largest padded tree): a compiled model compiles a
+    # graph per size measured, so sizes no tree of this call reaches are left to a call that needs them
+    largest = runner.padded_size(runner.max_nodes) if runner.max_nodes else COST_SIZES[-1]
+    sizes = [n for n in COST_SIZES if n < largest] + [largest]
+    curve = curves.get(key, {})
+    missing = [n for n in sizes if n > max(curve, default=0)]  # sizes within the curve are interpolated
+    if missing:
+        curves[key] = curve = merge_curves(curve, measure_cost(runner, sorted({1, *missing})))
+    return curve
 
 
 def _trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], dict[int, int]]:

@@ -74,3 +74,16 @@ def test_adaptive_sampling_stays_lossless_by_construction():
     runs = [model.generate(ids, do_sample=True, max_new_tokens=20, speculation=spec,
                            generator=torch.Generator().manual_seed(3)) for _ in range(2)]  # fmt: skip
     assert torch.equal(runs[0], runs[1])
+
+
+def test_cost_curves_merge_non_decreasing_and_measure_only_what_a_call_verifies():
+    from ssmspec.speculate.adaptive import merge_curves
+
+    assert merge_curves({1: 1.0, 2: 1.3}, {1: 1.0, 8: 1.1}) == {1: 1.0, 2: 1.3, 8: 1.3}
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    model.generate(ids, max_new_tokens=6, speculation=SpecConfig(num_draft_tokens=2, tree_budget=3))
+    assert sorted(model._ssmspec_cost_curves[(1, "cpu")]) == [1, 2, 4]  # its largest tree: 4 nodes
+    model.generate(ids, max_new_tokens=6, speculation=SpecConfig(num_draft_tokens=4, tree_budget=8))
+    assert sorted(model._ssmspec_cost_curves[(1, "cpu")]) == [1, 2, 4, 8, 9]  # extended to 9 nodes

@@ -198,7 +198,7 @@ def test_recycling_sampling_matches_hf_sampling():
     against HF's own sampling, as tests/speculate/test_sampling.py)."""
     target, _, prompt = tiny_sampling_setup(16)
     model = ssmspec.transform(copy.deepcopy(target))
-    spec = ssmspec.SpecConfig(tree=True, tree_budget=6, num_draft_tokens=3, recycle=3)
+    spec = ssmspec.SpecConfig(tree=True, tree_budget=6, num_draft_tokens=3, recycle=3, adaptive=False)
     p, stats = sampling_p_value(target, model, prompt, samples=3000, do_sample=True, speculation=spec,
                                 temperature=1.0, top_k=0)  # fmt: skip
     assert stats["accepted_tokens"] > 300
