@@ -20,4 +20,6 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=60, deadline=None, suppress_health_check=_SUPPRESS, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads (CI's machine has 2 cores); with pytest-xdist each of N worker processes gets its share of the cores
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))

@@ -64,12 +64,24 @@ def save(path: str | os.PathLike | None = None) -> Path | None:
     if not path or not _REPORT:
         return None
     path = Path(path)
-    merged = load(path) if path.exists() else {}
-    for family, row in _REPORT.items():
-        merged.setdefault(family, {}).update(row)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    # test processes running side by side (pytest-xdist workers) merge into one file: one at a time
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        _lock(lock)
+        merged = load(path) if path.exists() else {}
+        for family, row in _REPORT.items():
+            merged.setdefault(family, {}).update(row)
+        path.write_text(json.dumps(merged, indent=1, sort_keys=True))
     return path
+
+
+def _lock(file) -> None:
+    """An exclusive lock on an open file until it is closed (POSIX; elsewhere one process is assumed)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no fcntl
+        return
+    fcntl.flock(file.fileno(), fcntl.LOCK_EX)
 
 
 def load(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
