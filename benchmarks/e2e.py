@@ -1,6 +1,7 @@
 """End-to-end tokens/s on the embedded target over real code (see ssmspec/bench.py), side by side:
 HF greedy, ssmspec autoregressive, n-gram chains and trees (with and without a retrieval corpus), draft-model chains,
-dynamic trees, VocabTrim and RASD; outputs asserted identical. --prompt-set third-party: installed packages' sources.
+dynamic trees, VocabTrim and RASD; outputs asserted identical. --prompt-set third-party: installed packages' sources;
+prose / random: text where drafts rarely pay.
 With --sampling, speculative sampling (chain/tree x n-gram/draft model) vs HF sampling at each temperature.
 
     python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 [--json out.json] [--plot e2e.png]   # = ssmspec bench

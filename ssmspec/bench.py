@@ -29,24 +29,66 @@ DRAFT_DEFAULT = "ssmspec default, draft model"
 THIRD_PARTY = ("hypothesis", "einops", "tqdm", "safetensors", "numpy", "transformers")
 
 
+PROMPT_SETS = {
+    "held-out": "held-out",
+    "third-party": "third-party (installed packages' sources)",
+    "prose": "prose (installed packages' descriptions)",
+    "random": "random-token",
+}
+
+
 def held_out_prompts(tok, count: int, prompt_tokens: int, prompt_set: str = "held-out") -> list[torch.Tensor]:
     """The first `prompt_tokens` tokens of each file of a prompt set (deterministic order): "held-out" (the
-    standard-library files left out of training) or "third-party" (installed packages' sources: code the
-    model never saw, by other authors)."""
+    standard-library files left out of training), "third-party" (installed packages' sources: code the model
+    never saw, by other authors), "prose" (installed packages' long descriptions: English prose, where a code
+    model's drafts are rarely accepted) or "random" (uniformly random non-special tokens, seeded): the last
+    two measure what speculation costs where it does not pay."""
+    if prompt_set == "random":
+        special = set(tok.all_special_ids)
+        allowed = torch.tensor([t for t in range(len(tok)) if t not in special])
+        gen = torch.Generator().manual_seed(0)
+        return [allowed[torch.randint(len(allowed), (1, prompt_tokens), generator=gen)] for _ in range(count)]
     if prompt_set == "held-out":
         _, files = corpus_files()
+        texts = (path.read_text(encoding="utf-8", errors="replace") for path in files)
     elif prompt_set == "third-party":
-        files = third_party_files()
+        texts = (path.read_text(encoding="utf-8", errors="replace") for path in third_party_files())
+    elif prompt_set == "prose":
+        texts = package_descriptions()
     else:
-        raise ValueError(f"prompt_set must be 'held-out' or 'third-party', got {prompt_set!r}")
+        raise ValueError(f"prompt_set must be one of {sorted(PROMPT_SETS)}, got {prompt_set!r}")
     prompts = []
-    for path in files:
-        ids = tok(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt")["input_ids"]
+    for text in texts:
+        ids = tok(text, return_tensors="pt")["input_ids"]
         if ids.shape[1] >= prompt_tokens:
             prompts.append(ids[:, :prompt_tokens])
         if len(prompts) == count:
             break
     return prompts
+
+
+def package_descriptions() -> list[str]:
+    """The long descriptions (README prose) of installed distributions, in name order, with code blocks and
+    lines that look like markup or code left out."""
+    from importlib.metadata import distributions
+
+    out = {}
+    for dist in distributions():
+        meta = dist.read_text("METADATA") or ""
+        _, _, body = meta.partition("\n\n")
+        lines, fenced = [], False
+        for line in body.splitlines():
+            if line.lstrip().startswith(("```", "~~~")):
+                fenced = not fenced
+                continue
+            text = line.strip()
+            if fenced or not text or text[0] in "#|<[!-*=>.:`$" or sum(c.isalpha() for c in text) < 0.7 * len(text):
+                continue
+            lines.append(text)
+        prose = " ".join(lines)
+        if len(prose) > 2000:
+            out.setdefault(dist.metadata["Name"].lower(), prose)
+    return [out[name] for name in sorted(out)]
 
 
 def third_party_files() -> list[Path]:
@@ -226,7 +268,7 @@ def _chosen(name: str, args: argparse.Namespace) -> bool:
 
 
 def _summary(secs, accepted, tokens, prompts, args, prompt_set) -> dict:
-    what = "held-out" if prompt_set == "held-out" else "third-party (installed packages' sources)"
+    what = PROMPT_SETS[prompt_set]
     setup = (f"embedded mamba2-target, CPU {torch.get_num_threads()} threads, float32, {len(prompts)} {what} "
              f"prompts x {args.max_new_tokens} new tokens, {tokens} generated tokens; "
              "all outputs identical to HF greedy")  # fmt: skip
@@ -329,9 +371,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tree-budget", type=int, default=16)
     p.add_argument(
         "--prompt-set",
-        choices=["held-out", "third-party"],
+        choices=list(PROMPT_SETS),
         default="held-out",
-        help="held-out standard-library files, or installed third-party packages' sources",
+        help="held-out standard-library files, installed third-party packages' sources, their descriptions "
+        "(prose), or random tokens (the last two: where drafts are rarely accepted)",
     )
     p.add_argument("--repeats", type=int, default=1, help="time each prompt and method this often, keep the best")
     p.add_argument(

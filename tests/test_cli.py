@@ -63,6 +63,28 @@ def test_bench_writes_json(tmp_path, capsys):
     assert set(json.loads(target.read_text())["methods"]) == {"HF greedy", "ssmspec autoregressive", "tree n-gram"}
 
 
+@pytest.mark.parametrize("prompt_set", ["held-out", "prose", "random"])
+def test_bench_prompt_sets_give_prompts_of_the_asked_length(prompt_set):
+    """Each prompt set gives `count` distinct prompts of exactly `prompt_tokens` tokens, the same on every call;
+    prose is text, random tokens hold no special token; an unknown set is named in the error."""
+    from transformers import AutoTokenizer
+
+    from ssmspec.bench import held_out_prompts
+
+    tok = AutoTokenizer.from_pretrained(models.path("mamba2-target"))
+    prompts = held_out_prompts(tok, 4, 48, prompt_set)
+    assert len(prompts) == 4 and all(p.shape == (1, 48) for p in prompts)
+    assert len({tuple(p[0].tolist()) for p in prompts}) == 4
+    assert all(torch.equal(a, b) for a, b in zip(prompts, held_out_prompts(tok, 4, 48, prompt_set)))
+    if prompt_set == "random":
+        assert not set(torch.cat(prompts, 1)[0].tolist()) & set(tok.all_special_ids)
+    if prompt_set == "prose":
+        text = tok.decode(prompts[0][0])
+        assert sum(c.isalpha() or c.isspace() for c in text) > 0.85 * len(text), text
+    with pytest.raises(ValueError, match="'poetry'"):
+        held_out_prompts(tok, 1, 8, "poetry")
+
+
 def test_bench_compiled_rows_and_best_baseline(tmp_path, capsys, monkeypatch):
     """--compiled adds HF greedy on a compiled model and the main configurations on a target compiled with
     the ssmspec backend; "vs best" divides by the fastest plain decoder. (Inductor is left out here for CI
