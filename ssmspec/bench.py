@@ -48,11 +48,9 @@ def held_out_prompts(tok, count: int, prompt_tokens: int, prompt_set: str = "hel
         allowed = torch.tensor([t for t in range(len(tok)) if t not in special])
         gen = torch.Generator().manual_seed(0)
         return [allowed[torch.randint(len(allowed), (1, prompt_tokens), generator=gen)] for _ in range(count)]
-    if prompt_set == "held-out":
-        _, files = corpus_files()
+    if prompt_set in ("held-out", "third-party"):
+        files = corpus_files()[1] if prompt_set == "held-out" else third_party_files()
         texts = (path.read_text(encoding="utf-8", errors="replace") for path in files)
-    elif prompt_set == "third-party":
-        texts = (path.read_text(encoding="utf-8", errors="replace") for path in third_party_files())
     elif prompt_set == "prose":
         texts = package_descriptions()
     else:
@@ -75,7 +73,8 @@ def package_descriptions() -> list[str]:
     out = {}
     for dist in distributions():
         meta = dist.read_text("METADATA") or ""
-        _, _, body = meta.partition("\n\n")
+        head, _, body = meta.partition("\n\n")
+        name = next((line[5:].strip() for line in head.splitlines() if line.startswith("Name:")), "")
         lines, fenced = [], False
         for line in body.splitlines():
             if line.lstrip().startswith(("```", "~~~")):
@@ -87,7 +86,7 @@ def package_descriptions() -> list[str]:
             lines.append(text)
         prose = " ".join(lines)
         if len(prose) > 2000:
-            out.setdefault(dist.metadata["Name"].lower(), prose)
+            out.setdefault(name.lower(), prose)
     return [out[name] for name in sorted(out)]
 
 

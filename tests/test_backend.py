@@ -53,11 +53,12 @@ def _compiled_vs_eager(family: str, options: dict, device: str = "cpu") -> None:
     assert STATS.graphs > 0 and STATS.tree_ops > 0, "no tree op reached the backend"
 
 
+_THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 # one family per kind of tree op and layout in the `ci` profile (CI time: compiling a family costs 10-80 s on 2
 # cores): selective scan (pure, hybrid), SSD (pure, hybrid), gated delta rule, KDA, short convs (trees) and the
 # chain-only short-conv family; all 20 families with HYPOTHESIS_PROFILE=thorough
 _COMPILED_FAMILIES = (
-    SUPPORTED_FAMILIES if os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+    SUPPORTED_FAMILIES if _THOROUGH
     else ["mamba", "jamba", "mamba2", "bamba", "qwen3_5", "kimi_linear", "lfm2", "inkling2"]
 )  # fmt: skip
 
@@ -72,7 +73,7 @@ def test_compiled_equals_eager(family):
 
 # qwen3_5 and qwen3_next share the gated delta rule; the cheaper one to compile in the `ci` profile
 @pytest.mark.parametrize("family", ["mamba", "mamba2", "kimi_linear", "lfm2"] + (
-    ["qwen3_5", "qwen3_next"] if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else ["qwen3_5"]))
+    ["qwen3_5", "qwen3_next"] if _THOROUGH else ["qwen3_5"]))
 def test_compiled_with_kernels_forced_equals_eager(family):
     """The lowering to Triton kernels, exercised on CPU through the interpreter; with CUDA visible, the real
     kernels on CUDA (Triton cannot compile for CPU tensors outside the interpreter)."""
