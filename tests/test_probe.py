@@ -110,7 +110,8 @@ def test_slot_index_keys_narrow_what_speculation_may_do():
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2))
     ids = torch.cat([ids, ids, ids], dim=1)
     want = ref.generate(ids, max_new_tokens=12, do_sample=False)
-    out = model.generate(ids, max_new_tokens=12, prompt_lookup_num_tokens=4, return_dict_in_generate=True)
+    chains = ssmspec.SpecConfig(tree=False, num_draft_tokens=4, adaptive=False)  # verification, not the policy
+    out = model.generate(ids, max_new_tokens=12, speculation=chains, return_dict_in_generate=True)
     assert torch.equal(out.sequences, want) and out.spec_stats["accepted_tokens"] > 0
     with pytest.raises(UnsupportedModelError, match="only chains") as err:
         model.generate(ids, max_new_tokens=12, speculation=SpecConfig(tree=True))

@@ -99,7 +99,9 @@ def test_generate_with_a_draft_model_ahead():
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
     want = ref.generate(ids, max_new_tokens=20, do_sample=False)
     model = ssmspec.transform(copy.deepcopy(ref))
-    spec = ssmspec.SpecConfig(drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=3, ahead=2)
+    spec = ssmspec.SpecConfig(
+        drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=3, ahead=2, adaptive=False
+    )
     out = model.generate(ids, max_new_tokens=20, assistant_model=draft, speculation=spec,
                          return_dict_in_generate=True)  # fmt: skip
     assert torch.equal(out.sequences, want)

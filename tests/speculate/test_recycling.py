@@ -101,7 +101,7 @@ def test_best_first_takes_the_likeliest_paths(conts, learned, max_nodes, max_dep
     if chain:
         assert all(parents[t] == t - 1 for t in range(1, len(tokens)))
         return
-    want = sorted(every, reverse=True)[: max_nodes]
+    want = sorted(every, reverse=True)[:max_nodes]
     assert sorted(got, reverse=True) == pytest.approx(want)
 
 
@@ -173,7 +173,9 @@ def test_recycling_is_token_exact(family, tree):
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     model = ssmspec.transform(copy.deepcopy(ref))
     for static in (False, True):
-        spec = ssmspec.SpecConfig(tree=tree, tree_budget=8, num_draft_tokens=4, recycle=4, static_shapes=static)
+        spec = ssmspec.SpecConfig(
+            tree=tree, tree_budget=8, num_draft_tokens=4, recycle=4, static_shapes=static, adaptive=False
+        )  # verification, not the policy
         out = model.generate(ids, attention_mask=mask, max_new_tokens=30, speculation=spec,
                              return_dict_in_generate=True)  # fmt: skip
         assert torch.equal(out.sequences, want)

@@ -93,9 +93,11 @@ def test_corpus_drafts_are_used_and_output_is_exact():
     index = SuffixIndex.from_sequences([[5, 6, 7] + cont[:20], cont[18:]])
     for tree in (False, True):
         base = model.generate(ids, max_new_tokens=40, eos_token_id=None, return_dict_in_generate=True,
-                              speculation=ssmspec.SpecConfig(num_draft_tokens=6, tree=tree))  # fmt: skip
+                              speculation=ssmspec.SpecConfig(num_draft_tokens=6, tree=tree,
+                                                             adaptive=False))  # fmt: skip
         out = model.generate(ids, max_new_tokens=40, eos_token_id=None, return_dict_in_generate=True,
-                             speculation=ssmspec.SpecConfig(num_draft_tokens=6, tree=tree, corpus=index))  # fmt: skip
+                             speculation=ssmspec.SpecConfig(num_draft_tokens=6, tree=tree, corpus=index,
+                                                             adaptive=False))  # fmt: skip
         assert torch.equal(out.sequences, want) and torch.equal(base.sequences, want)
         assert out.spec_stats["verify_steps"] < base.spec_stats["verify_steps"] / 2  # drafts came from the corpus
 
@@ -125,7 +127,7 @@ def test_corpus_forms_and_caching(tmp_path):
     tok = ToyTokenizer()
     for corpus, kw in [([text], {"tokenizer": tok}), ([file], {"tokenizer": tok}), (str(saved), {}), (saved, {})]:
         out = model.generate(ids, max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True,
-                             speculation=ssmspec.SpecConfig(corpus=corpus), **kw)  # fmt: skip
+                             speculation=ssmspec.SpecConfig(corpus=corpus, adaptive=False), **kw)  # fmt: skip
         assert torch.equal(out.sequences, want)
         assert out.spec_stats["verify_steps"] <= 8, corpus
     assert len(model._ssmspec_corpus_indexes) == 3  # texts, file, saved path (str and Path differ as keys)
