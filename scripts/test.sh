@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 python -m ruff check ssmspec tests benchmarks
+python -m ruff format --check --quiet ssmspec tests benchmarks
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 # the property suite records what it checked per family; the docs' family table is rendered from it
 export SSMSPEC_FAMILY_REPORT="${SSMSPEC_FAMILY_REPORT:-$PWD/build/family-report.json}"

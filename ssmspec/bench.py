@@ -174,8 +174,12 @@ def compiled_methods(greedy: dict[str, dict], k: int, draft: torch.nn.Module | N
              "tree n-gram + corpus": "tree n-gram + corpus (compiled)"}  # fmt: skip
     out = {compiled or f"{name} (compiled)": greedy[name] for name, compiled in names.items()}
     if draft is not None:
-        for name in (DRAFT_DEFAULT, "chain draft model", "dynamic tree draft model + corpus (RASD)",
-                     "RASD + VocabTrim"):
+        for name in (
+            DRAFT_DEFAULT,
+            "chain draft model",
+            "dynamic tree draft model + corpus (RASD)",
+            "RASD + VocabTrim",
+        ):
             out[f"{name} (compiled, compiled draft)"] = {**greedy[name], "assistant_model": draft}
     return out
 
@@ -381,8 +385,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="also time compiled models: HF greedy after model.compile(), ssmspec with the ssmspec backend",
     )
-    p.add_argument("--methods", nargs="+", help="time only these speculative methods (their row names; the plain "
-                   "decoders always run)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        help="time only these speculative methods (their row names; the plain decoders always run)",
+    )
     p.add_argument("--sampling", action="store_true", help="also benchmark speculative sampling vs HF sampling")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling for every sampling method (1.0: off)")

@@ -72,8 +72,9 @@ def test_compiled_equals_eager(family):
 
 
 # qwen3_5 and qwen3_next share the gated delta rule; the cheaper one to compile in the `ci` profile
-@pytest.mark.parametrize("family", ["mamba", "mamba2", "kimi_linear", "lfm2"] + (
-    ["qwen3_5", "qwen3_next"] if _THOROUGH else ["qwen3_5"]))
+@pytest.mark.parametrize(
+    "family", ["mamba", "mamba2", "kimi_linear", "lfm2"] + (["qwen3_5", "qwen3_next"] if _THOROUGH else ["qwen3_5"])
+)
 def test_compiled_with_kernels_forced_equals_eager(family):
     """The lowering to Triton kernels, exercised on CPU through the interpreter; with CUDA visible, the real
     kernels on CUDA (Triton cannot compile for CPU tensors outside the interpreter)."""
@@ -173,8 +174,9 @@ def test_inductor_failure_falls_back_per_graph(monkeypatch, when):
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     want = ref.generate(ids, max_new_tokens=6, do_sample=False)
     with pytest.warns(RuntimeWarning, match="Inductor failed on a graph .TypeError: list indices"):
-        got = model.generate(ids, max_new_tokens=6,
-                             speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3, adaptive=False))
+        got = model.generate(
+            ids, max_new_tokens=6, speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3, adaptive=False)
+        )
     assert torch.equal(got, want)
     assert STATS.fallbacks >= 1
 
@@ -214,8 +216,9 @@ def test_split_scan_bug_is_worked_around_with_an_opaque_cumsum(monkeypatch, when
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     want = ref.generate(ids, max_new_tokens=4, do_sample=False)
     with pytest.warns(RuntimeWarning, match="ATen's cumsum"):
-        got = model.generate(ids, max_new_tokens=4,
-                             speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3, adaptive=False))
+        got = model.generate(
+            ids, max_new_tokens=4, speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3, adaptive=False)
+        )
     assert torch.equal(got, want)
     assert seen["cumsum"] >= 1 and seen["opaque"] >= 1
     assert STATS.fallbacks == 0 and STATS.workarounds == seen["cumsum"]

@@ -454,8 +454,14 @@ class SpecCache(DynamicCache):
             item["kv"] = hf_layers.kv(layer) if hasattr(layer, "keys") else (None, None)
             states.append(item)
         # static K/V: slots below each row's block are never written again, and `valid` is replaced, not changed
-        return {"layers": states, "valid": self.valid, "seen": self._seen, "n_real": self.n_real, "block": self.block,
-                "bound": self._bound}
+        return {
+            "layers": states,
+            "valid": self.valid,
+            "seen": self._seen,
+            "n_real": self.n_real,
+            "block": self.block,
+            "bound": self._bound,
+        }
 
     def restore(self, snap: dict) -> None:
         """Put back the state saved by `snapshot` (conv/recurrent states in place, keeping addresses)."""

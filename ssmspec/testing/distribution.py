@@ -81,7 +81,11 @@ DRAFTS = {
     },
     "draft-beam": {
         "speculation": SpecConfig(
-            drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2, sampling_tree="stochastic_beam",
+            drafter="draft_model",
+            tree=True,
+            tree_budget=6,
+            num_draft_tokens=2,
+            sampling_tree="stochastic_beam",
             adaptive=False,
         )
     },

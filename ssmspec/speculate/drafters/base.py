@@ -98,5 +98,3 @@ class NoDrafter(Drafter):
 
     def propose(self, contexts, max_nodes, max_depth):
         return [([ctx[-1]], [-1]) for ctx in contexts]
-
-

@@ -405,5 +405,3 @@ class DraftModelDrafter(Drafter):
         if self.confidence_threshold <= 0:
             return [True] * logits.shape[0]
         return (logits.float().softmax(-1).max(-1).values >= self.confidence_threshold).tolist()
-
-

@@ -202,5 +202,3 @@ def _weighted_draft(
     if with_weights:
         return (*draft, [weight[k] for k in keep])
     return draft
-
-
