@@ -11,12 +11,18 @@ other; medians. `ratio` = (verify + commit) / HF decode, `ratio_own` = the same 
 `--mode compiled`: HF's side is `model.compile()` and ssmspec's `model.compile(backend="ssmspec")`, both with
 Inductor's C++ wrapper (the fastest compiled configuration on CPU, ssmspec.bench.COMPILE_OPTIONS); ssmspec
 verifies with static shapes, as a compiled model does in `generate`. Compiling takes minutes on 2 cores.
+`--generic`: the generic path (ssmspec.speculate.generic: HF's own forward with a snapshot of its cache, the
+accepted prefix fed again) timed beside the seams in the same repeats, on chains (columns `generic`, `g.ratio`).
+A model without seams (`--family rwkv | zamba`) runs the generic path only, chains: its commit keeps half the
+chain, so the next verify feeds that prefix ahead of its own chain: `verify` is timed in that steady state
+(the chain plus the n // 2 + 1 tokens the previous step carried), `commit` is the snapshot's restore.
 `--profile`: where a step goes (torch.profiler): for HF's decode, ssmspec's decode, verify(2) and verify(8)
 (+ commit), the top operations by self time and the share of the step outside them (Python and dispatch).
 
     python benchmarks/verify_cost.py --model random --layers 24 --hidden 768
     python benchmarks/verify_cost.py --family bamba --nodes 1 2 8 16
     python benchmarks/verify_cost.py --mode compiled --nodes 1 2 8 16
+    python benchmarks/verify_cost.py --family bamba --generic --nodes 1 2 4 8 16
     python benchmarks/verify_cost.py --profile --json profile.json
     python benchmarks/verify_cost.py --model mamba2-target --json cost.json --plot docs/images/verify_cost_embedded.png
 """
@@ -30,11 +36,23 @@ import time
 
 import torch
 from _plot import write_outputs
-from transformers import BambaConfig, BambaForCausalLM, DynamicCache, Mamba2Config, Mamba2ForCausalLM
+from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
+    DynamicCache,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    RwkvConfig,
+    RwkvForCausalLM,
+    ZambaConfig,
+    ZambaForCausalLM,
+)
 
 import ssmspec
 from ssmspec import models
 from ssmspec.bench import COMPILE_OPTIONS
+from ssmspec.hf.generic import HFState
+from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner, cache_kwarg
 from ssmspec.tree import TokenTree
 
@@ -83,6 +101,26 @@ def bamba(layers: int, hidden: int, dtype: torch.dtype) -> BambaForCausalLM:
     return BambaForCausalLM(cfg).to(dtype).eval()
 
 
+def rwkv(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-init RWKV (no kernel seam: the generic path), feed-forward 4 x hidden."""
+    torch.manual_seed(0)
+    cfg = RwkvConfig(vocab_size=32000, hidden_size=hidden, attention_hidden_size=hidden, intermediate_size=4 * hidden,
+                     num_hidden_layers=layers, context_length=4096)  # fmt: skip
+    return RwkvForCausalLM(cfg).to(dtype).eval()
+
+
+def zamba(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-init Zamba v1 (no kernel seam: the generic path): Mamba layers, the shared attention block every
+    third layer (HF's weight tying needs two such layers: `layers` >= 6)."""
+    torch.manual_seed(0)
+    types = ["hybrid" if i % 3 == 2 else "mamba" for i in range(layers)]
+    cfg = ZambaConfig(vocab_size=32000, hidden_size=hidden, attention_hidden_size=2 * hidden,
+                      intermediate_size=3 * hidden, num_hidden_layers=layers, layers_block_type=types,
+                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, n_mamba_heads=2,
+                      mamba_d_state=16)  # fmt: skip
+    return ZambaForCausalLM(cfg).to(dtype).eval()
+
+
 def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
     """A random tree: each node hangs under one of the three nodes before it (bushy but deep)."""
     g = torch.Generator().manual_seed(seed)
@@ -91,7 +129,12 @@ def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
 
 
 def hf_decode_step(ref: torch.nn.Module, ids: torch.Tensor):
-    """Prefill an HF cache with `ids` on the untransformed model; returns one decode step as a closure."""
+    """Prefill an HF cache with `ids` on the untransformed model; returns one decode step as a closure (a model
+    with a cache of its own, RWKV's state: as HF's generate loop drives it, ssmspec.hf.generic)."""
+    if ref.config.model_type in ("rwkv", "zamba"):
+        state = HFState(ref, ids, torch.ones_like(ids))
+        state.forward()
+        return lambda: state.forward(ids[:, -1:])
     kwarg = cache_kwarg(ref)
     cache = DynamicCache(config=ref.config)
     ref(ids, use_cache=True, **{kwarg: cache})
@@ -103,8 +146,9 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     """(untransformed model, description)."""
     if args.model == "random":
         dtype = getattr(torch, args.dtype)
-        build = {"mamba2": mamba2, "bamba": bamba}[args.family]
-        what = "Mamba2" if args.family == "mamba2" else "Bamba hybrid (attention every 6th layer)"
+        build = {"mamba2": mamba2, "bamba": bamba, "rwkv": rwkv, "zamba": zamba}[args.family]
+        what = {"mamba2": "Mamba2", "bamba": "Bamba hybrid (attention every 6th layer)", "rwkv": "RWKV",
+                "zamba": "Zamba v1 (shared attention every 3rd layer)"}[args.family]  # fmt: skip
         return build(args.layers, args.hidden, dtype), (
             f"random-init {what}, {args.layers} layers, d_model {args.hidden}, {args.dtype}"
         )
@@ -135,9 +179,16 @@ class Bench:
         ids = torch.randint(3, self.vocab, (1, args.prompt), generator=self.g)
         self.decode = hf_decode_step(self.ref, ids)
         depth = max(args.nodes)
-        self.runner = ModelRunner(self.model, commit=args.commit, static_shapes=self.compiled, max_depth=depth,
-                                  max_nodes=depth + 1)  # fmt: skip
+        if self.model.ssmspec_info.path == "generic":  # no seams: the generic path is the only one
+            self.runner = GenericRunner(self.model)
+        else:
+            self.runner = ModelRunner(self.model, commit=args.commit, static_shapes=self.compiled, max_depth=depth,
+                                      max_nodes=depth + 1)  # fmt: skip
         self.runner.prefill(ids, torch.ones_like(ids))
+        self.generic = None
+        if args.generic and isinstance(self.runner, ModelRunner):
+            self.generic = GenericRunner(self.model)
+            self.generic.prefill(ids, torch.ones_like(ids))
         self.root = TokenTree.chain(ids[:, -1:])
         self.desc = desc + f", CPU {torch.get_num_threads()} threads, commit={args.commit}, {args.mode}"
 
@@ -154,10 +205,12 @@ class Bench:
         self.runner.verify(self.root)
         self.runner.commit(torch.tensor([0]))
 
-    def step(self, tree: TokenTree, last: torch.Tensor) -> tuple[float, float]:
-        """(verify seconds, commit seconds); the committed state drifts from step to step, costs do not."""
-        t_verify = _timed(lambda: self.runner.verify(tree))
-        return t_verify, _timed(lambda: self.runner.commit(last))
+    def step(self, tree: TokenTree, last: torch.Tensor, runner=None) -> tuple[float, float]:
+        """(verify seconds, commit seconds) on `runner` (default: the seams'); the committed state drifts from step
+        to step, costs do not."""
+        runner = runner or self.runner
+        t_verify = _timed(lambda: runner.verify(tree))
+        return t_verify, _timed(lambda: runner.commit(last))
 
 
 @torch.no_grad()
@@ -165,32 +218,45 @@ def measure(args: argparse.Namespace, bench: Bench) -> dict:
     """Run the curve; returns {"model", "mode", "rows": [{nodes, shape, decode_ms, verify_ms, commit_ms, ratio,
     own_decode_ms, ratio_own}]}."""
     print(bench.desc + f"; medians of {args.repeats}, each repeat times every side once")
+    extra = f" {'generic':>8} {'g.ratio':>7}" if bench.generic else ""
     print(f"{'nodes':>5} {'shape':>6} {'HF decode':>10} {'own decode':>10} {'verify':>8} {'commit':>8} {'ratio':>6} "
-          f"{'vs own':>6}   (ms)")  # fmt: skip
+          f"{'vs own':>6}{extra}   (ms)")  # fmt: skip
     rows = []
     for n in args.nodes:
         for shape in ("chain", "tree"):
-            if shape == "tree" and n < 3:
+            if shape == "tree" and (n < 3 or isinstance(bench.runner, GenericRunner)):
                 continue
             tree, last = bench.tree(n, shape)
             t0 = time.perf_counter()
             for _ in range(2):  # warm-up (compiles this bucket in compiled mode)
                 bench.decode(), bench.own_decode(), bench.step(tree, last)
             warm = time.perf_counter() - t0
-            dec, own, ver, com = [], [], [], []
+            generic = bench.generic if shape == "chain" else None
+            dec, own, ver, com, gen = [], [], [], [], []
             for _ in range(args.repeats):
                 dec.append(_timed(bench.decode))
+                if isinstance(bench.runner, GenericRunner):  # a decode step after the carry is fed (untimed)
+                    bench.runner.flush()
                 own.append(_timed(bench.own_decode))
+                if isinstance(bench.runner, GenericRunner):  # a partial commit's prefix rides the timed verify
+                    bench.step(tree, last)
                 v, c = bench.step(tree, last)
                 ver.append(v)
                 com.append(c)
+                if generic is not None:
+                    gen.append(sum(bench.step(tree, last, generic)))
             d, o, v, c = (statistics.median(t) * 1e3 for t in (dec, own, ver, com))
             row = {"nodes": n, "shape": shape, "decode_ms": d, "verify_ms": v, "commit_ms": c, "ratio": (v + c) / d,
                    "own_decode_ms": o, "ratio_own": (v + c) / o}  # fmt: skip
+            extra = ""
+            if gen:
+                row["generic_ms"] = statistics.median(gen) * 1e3
+                row["ratio_generic"] = row["generic_ms"] / d
+                extra = f" {row['generic_ms']:>8.2f} {row['ratio_generic']:>7.2f}"
             rows.append(row)
             note = f"   (warm-up {warm:.0f} s)" if warm > 5 else ""
             print(f"{n:>5} {shape:>6} {d:>10.2f} {o:>10.2f} {v:>8.2f} {c:>8.2f} {row['ratio']:>6.2f} "
-                  f"{row['ratio_own']:>6.2f}{note}", flush=True)  # fmt: skip
+                  f"{row['ratio_own']:>6.2f}{extra}{note}", flush=True)  # fmt: skip
     return {"model": bench.desc, "mode": args.mode, "rows": rows}
 
 
@@ -258,7 +324,12 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random", choices=["random", *models.available()])
-    p.add_argument("--family", default="mamba2", choices=["mamba2", "bamba"], help="the random model's family")
+    p.add_argument(
+        "--family",
+        default="mamba2",
+        choices=["mamba2", "bamba", "rwkv", "zamba"],
+        help="the random model's family (rwkv, zamba: no seams, the generic path)",
+    )
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--nodes", type=int, nargs="+", default=NODES)
@@ -268,6 +339,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--commit", default="replay", choices=["replay", "materialize"])
     p.add_argument("--mode", default="eager", choices=["eager", "compiled"])
+    p.add_argument("--generic", action="store_true", help="time the generic path (HF's forward) beside the seams")
     p.add_argument("--profile", action="store_true", help="profile decode, verify(2) and verify(8) instead")
     p.add_argument("--json", help="write the rows (or the profile) to this file")
     p.add_argument("--plot", help="write a PNG of the curve (needs matplotlib)")

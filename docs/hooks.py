@@ -57,6 +57,24 @@ def _refused_families() -> list[tuple[str, str]]:
     return out
 
 
+def _generic_families() -> list[tuple[str, str, str]]:
+    """(family, HF class, why it has no seams) for the families transform runs on the generic path."""
+    from transformers.utils import logging as hf_logging
+
+    from ssmspec.testing.configs import GENERIC_FAMILIES, build_tiny_model
+    from ssmspec.transform import transform
+
+    hf_logging.set_verbosity_error()
+    out = []
+    for fam in GENERIC_FAMILIES:
+        model = transform(build_tiny_model(fam))
+        info = model.ssmspec_info
+        if info.path != "generic":
+            raise ValueError(f"{fam} is listed for the generic path but transform gave it {info.path!r}")
+        out.append((fam, type(model).__name__, info.limits["seams"]))
+    return out
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -70,6 +88,11 @@ def _families() -> str:
            "Refused, with the error `ssmspec.transform` raises (computed while building these docs):", "",
            "| family | refused: the module and why |", "|---|---|"]  # fmt: skip
     out += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
+    out += ["", "Through the generic path (HF's own forward and cache: chains, one prompt at a time; the transform "
+            "found no kernel seam and the generic probe found HF's multi-token forward exact; computed while building "
+            "these docs; `tests/speculate/test_generic.py` holds them to HF greedy in float64):", "",
+            "| family | class | why no seams |", "|---|---|---|"]  # fmt: skip
+    out += [f"| {fam} | `{cls}` | {_cell(why)} |" for fam, cls, why in _generic_families()]
     return "\n".join(out) + "\n"
 
 
@@ -97,6 +120,11 @@ def _limitations() -> str:
     lines += [f"| `{n}` | {_cell(note)} |" for n, note in refused]
     lines += ["", "### Model families refused", "", "| family | the module and why |", "|---|---|"]
     lines += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
+    lines += ["", "### Families on the generic path: chains, one prompt at a time", "",
+              "No kernel seam, so no trees or batches: HF's own forward verifies chains (see How it works, "
+              "\"The generic path\"); `SpecConfig(tree=True)` and batches are refused naming the path, and a default "
+              "call on a batch runs HF's own generate.", "", "| family | why no seams |", "|---|---|"]  # fmt: skip
+    lines += [f"| {fam} | {_cell(why)} |" for fam, _, why in _generic_families()]
     limited = [(fam, "; ".join(r["limits"])) for fam, r in sorted(_family_report().items()) if r.get("limits")]
     lines += ["", "### Supported, within limits the probe found", "", "| family | exact for |", "|---|---|"]
     lines += [f"| {fam} | {_cell(lim)} |" for fam, lim in limited]

@@ -166,7 +166,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Run ssmspec.testing.check_model on a model (path / hub id) or a supported family's tiny config."""
+    """Run ssmspec.testing.check_model on a model (path / hub id) or a supported family's tiny config, on the
+    path transform found for it (its trees and batches where the probe found them exact)."""
+    import ssmspec
     from ssmspec.speculate.drafters import PromptLookupDrafter
     from ssmspec.testing.check import check_model
     from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
@@ -175,22 +177,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     ref, _, what = _load(args.model, args.family or "mamba2", dtype)
     vocab = ref.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(args.seed)
+    info = ssmspec.transform(copy.deepcopy(ref)).ssmspec_info  # the path, trees and batches the probe found
     prompts = []
-    for batch, length in ((1, 7), (3, 11)):
+    for batch, length in ((1, 7), (3, 11)) if info.batches else ((1, 7), (1, 11)):
         ids = torch.randint(3, vocab, (batch, length), generator=g)
         mask = torch.ones_like(ids)
         if batch > 1:
             mask[1, :3] = 0
             ids[1, :3] = ref.generation_config.pad_token_id or 0
         prompts.append((ids, mask))
+    trees = info.trees
     drafters = [
         lambda r: OracleDrafter(r, vocab_size=vocab),
-        lambda r: OracleDrafter(r, vocab_size=vocab, right_prefix=2, distractors=2, seed=args.seed),
-        lambda r: RandomDrafter(vocab, seed=args.seed),
-        lambda r: PromptLookupDrafter(2, tree=True),
+        lambda r: OracleDrafter(r, vocab_size=vocab, right_prefix=2, distractors=2 if trees else 0, seed=args.seed),
+        lambda r: RandomDrafter(vocab, seed=args.seed, chain=not trees),
+        lambda r: PromptLookupDrafter(2, tree=trees),
     ]
     t0 = time.perf_counter()
     print(f"model: {what} ({args.dtype})")
+    narrowed = "; ".join(f"{k}: {v}" for k, v in info.limits.items() if k in ("trees", "batches"))
+    print(f"path: {info.path}" + (f" ({narrowed})" if narrowed else " (trees and batches)"))
     # one-node steps through the tree path too (every state from ssmspec's ops: strict), then through HF's decode
     # path (generate takes whichever measured faster on the model)
     for decode, label in ((False, "tree path only"), (True, "with HF decode steps")):
@@ -242,7 +248,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `ssmspec` command."""
-    from ssmspec.testing.configs import SUPPORTED_FAMILIES
+    from ssmspec.testing.configs import GENERIC_FAMILIES, SUPPORTED_FAMILIES
 
     parser = argparse.ArgumentParser(prog="ssmspec", description="Exact speculative decoding for SSM / hybrid LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,7 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
         p: argparse.ArgumentParser, dtype: str, max_new_tokens: int, default_model: str = EMBEDDED_DEFAULT
     ) -> argparse.ArgumentParser:
         p.add_argument("--model", help=f"local path or hub id of a causal LM (default: {default_model})")
-        p.add_argument("--family", choices=SUPPORTED_FAMILIES, help="instead: a random-init tiny model of this family")
+        p.add_argument(
+            "--family",
+            choices=SUPPORTED_FAMILIES + GENERIC_FAMILIES,
+            help="instead: a random-init tiny model of this family",
+        )
         p.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner, positions_from_mask, takes_position_ids
 from ssmspec.tree import TokenTree
 
@@ -303,3 +304,76 @@ def _probe(model: nn.Module) -> ProbeResult:
     result.max_logit_diff = max(d.max_logit for d in diffs)
     result.max_layer_diff = max(d.max_layer for d in diffs)
     return result
+
+
+# the generic probe's steps: (chain length including the root, the node to commit; None: discard)
+# (partial commits carry their prefix into the next forward; three long partial ones in a row overflow the carry)
+_GENERIC_STEPS = [(4, 1), (3, 2), (1, 0), (5, 0), (3, None), (8, 5), (8, 5), (8, 5), (2, 1)]
+
+
+def probe_generic(model: nn.Module) -> str | None:
+    """Check that the generic path (ssmspec.speculate.generic) reproduces HF's greedy loop on this model: on a
+    random prompt, chains verified through HF's own multi-token forward, committed whole, in part (snapshot
+    restored, prefix fed again), one node, nothing, each node's logits compared with HF's loop feeding the same
+    tokens one at a time after the same prefill (HF's decode step, which is what its generate computes: on some
+    models, MiniMax's lightning attention for one, its prefill and decode paths differ). Returns None where it
+    does, else why not (where both of two random inputs differ, as `probe`). bfloat16/float16 models are
+    checked in float32 (semantics do not depend on the dtype)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with _upcast(model) if _low_precision(model) else contextlib.nullcontext():
+            failure = None
+            for seed in (0, 1):
+                try:
+                    _generic_once(model, seed)
+                    return None
+                except _Mismatch as exc:
+                    failure = failure or str(exc)
+                except Exception as exc:  # noqa: BLE001 - any failure means the path cannot run this model
+                    return (
+                        f"HF's forward cannot continue a cached state with several tokens ({type(exc).__name__}: {exc})"
+                    )
+            return failure
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@torch.no_grad()
+def _generic_once(model: nn.Module, seed: int) -> None:
+    p = _Probe(model, seed)
+    prompt = torch.tensor([p.tokens(7)], device=p.device)
+    mask = torch.ones_like(prompt)
+    runner, reference = GenericRunner(model), GenericRunner(model)  # the reference is fed one token per forward
+    got = runner.prefill(prompt, mask)
+    _generic_compare(p, "prefill", got, reference.prefill(prompt, mask))
+    for n, keep in _GENERIC_STEPS:
+        chain = p.tokens(n)  # the root (a token the runner has not seen yet, as the last emitted one) and drafts
+        where = f"a chain of {n} after {int(runner.n_real[0])} tokens"
+        got = runner.verify(TokenTree.chain(torch.tensor([chain], device=p.device)))[0]
+        snap = reference.snapshot()
+        want = []
+        for t in chain:
+            want.append(reference.verify(TokenTree.chain(torch.tensor([[t]], device=p.device)))[0, 0])
+            reference.commit(torch.zeros(1, dtype=torch.long))
+        _generic_compare(p, where, got, torch.stack(want))
+        reference.restore(snap)
+        if keep is None:
+            runner.discard()
+            continue
+        runner.commit(torch.tensor([keep]))
+        for t in chain[: keep + 1]:
+            reference.verify(TokenTree.chain(torch.tensor([[t]], device=p.device)))
+            reference.commit(torch.zeros(1, dtype=torch.long))
+
+
+def _generic_compare(p: _Probe, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    d = _rel(got, want)
+    p.max_logit = max(p.max_logit, d)
+    if d > p.tol:
+        raise _Mismatch(
+            type(p.model).__name__,
+            f"{what}: HF's forward of several tokens after its cache gives logits that differ from its one-token "
+            f"steps by {d:.3g} (relative; tolerance {p.tol:g} for {p.dtype})",
+        )

@@ -30,10 +30,11 @@ from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import layers as hf_layers
 from ssmspec.hf import seams as hf_seams
 from ssmspec.ops import using_kernel_policy
-from ssmspec.probe import probe
+from ssmspec.probe import probe, probe_generic
 from ssmspec.speculate import generate as spec_generate
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import check_vocab
+from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT
 
 _RECURRENT_NAME = re.compile(
     r"mamba|mixer|rwkv|recurrent|lstm|rglru|ssm|linear_?attn|time_?mix|conv|selfattention|block", re.I
@@ -47,7 +48,9 @@ _KERNEL_POLICIES = {None: "auto", "auto": "auto", True: "kernels", "kernels": "k
 class TransformInfo:
     """What transform() found: rewritten mixers and their seams, recurrent and attention layer indices, and
     what the probe established: whether branching trees and batches verify exactly (`limits` says why not,
-    naming the layer), whether the model reads positions from cache slots, the largest relative differences."""
+    naming the layer), whether the model reads positions from cache slots, the largest relative differences;
+    which path verifies (`path`: the seams, or HF's own forward for a model without them) and whether the generic
+    path is exact for it (`generic`)."""
 
     mixers: dict[str, list[str]]
     recurrent_layers: list[int]
@@ -59,6 +62,10 @@ class TransformInfo:
     probe_diffs: dict[str, float] = field(default_factory=dict)
     # bfloat16/float16: the low-precision probe's finding that the float32 probe overruled as rounding (else None)
     probe_rounding: str | None = None
+    # "seams" (ssmspec's tree-aware mixers) or "generic" (HF's own forward: ssmspec.speculate.generic)
+    path: str = "seams"
+    # whether the generic path is exact for this model (None: not probed yet; limits["generic"] says why not)
+    generic: bool | None = None
 
 
 def _describe(model: nn.Module) -> str:
@@ -105,6 +112,31 @@ def _check(model: nn.Module, mixers: dict[str, list[str]]) -> TransformInfo:
             type(model).__name__, f"attention implementation {impl!r} cannot take a tree mask; use 'sdpa' or 'eager'"
         )
     return TransformInfo(mixers=mixers, recurrent_layers=recurrent, attention_layers=[a.index for a in attention])
+
+
+def _generic_info(model: nn.Module, refused: UnsupportedModelError) -> TransformInfo:
+    """What transform found for a model the seams refused: the generic path (ssmspec.speculate.generic) where
+    its probe finds it exact, else UnsupportedModelError with both reasons."""
+    why = probe_generic(model)
+    if why is not None:
+        raise UnsupportedModelError(
+            refused.module_path, f"{refused.reason}; and the generic path (HF's own forward) is not exact: {why}"
+        )
+    limits = {"seams": f"{refused.module_path}: {refused.reason}", "trees": CHAINS_ONLY, "batches": ONE_PROMPT}
+    return TransformInfo(mixers={}, recurrent_layers=[], attention_layers=[], trees=False, batches=False,
+                         limits=limits, path="generic", generic=True)  # fmt: skip
+
+
+def generic_allowed(model: nn.Module) -> bool:
+    """Whether `SpecConfig(path="generic")` may run on this transformed model: its generic probe, run the
+    first time it is asked for on a model transform gave seams (the reason kept in `info.limits["generic"]`)."""
+    info = model.ssmspec_info
+    if info.generic is None:
+        why = probe_generic(model)
+        info.generic = why is None
+        if why is not None:
+            info.limits["generic"] = why
+    return info.generic
 
 
 class SpecGenerationMixin:
@@ -168,6 +200,8 @@ class SpecGenerationMixin:
         default = not asked and not configured
         if default:
             speculation = getattr(self, "ssmspec_config", None)
+        if isinstance(speculation, SpecConfig) and speculation.path == "generic":
+            generic_allowed(self)  # probed once per model (generate refuses it where it is not exact)
         if assistant_model is not None:
             check_vocab(assistant_model, self.config.get_text_config().vocab_size)
         draft = prepare_draft(assistant_model) if assistant_model is not None else None
@@ -283,16 +317,25 @@ def transform(
     changed: list[nn.Module] = []
     linears: list[nn.Module] = []
     try:
-        mixers, changed = hf_seams.install(hf_model)
         linears = packed_linear.install(hf_model) if prepack else []
-        info = _check(hf_model, mixers)
-        hf_model.__class__ = transformed_class(original_class)
-        hf_model.ssmspec_info = info
-        result = probe(hf_model)
-        info.trees, info.batches, info.limits = result.trees, result.batches, result.limits
-        info.slot_positions = result.slot_positions
-        info.probe_diffs = {"logits": result.max_logit_diff, "layers": result.max_layer_diff}
-        info.probe_rounding = result.rounding
+        try:
+            mixers, changed = hf_seams.install(hf_model)
+            info = _check(hf_model, mixers)
+            hf_model.__class__ = transformed_class(original_class)
+            hf_model.ssmspec_info = info
+            result = probe(hf_model)
+            info.trees, info.batches, info.limits = result.trees, result.batches, result.limits
+            info.slot_positions = result.slot_positions
+            info.probe_diffs = {"logits": result.max_logit_diff, "layers": result.max_layer_diff}
+            info.probe_rounding = result.rounding
+        except UnsupportedModelError as refused:  # no seams (or not exact): HF's own forward, where it is exact
+            hf_seams.uninstall(changed)
+            changed = []
+            hf_model.__class__ = original_class
+            hf_model.__dict__.pop("ssmspec_info", None)
+            info = _generic_info(hf_model, refused)
+            hf_model.__class__ = transformed_class(original_class)
+            hf_model.ssmspec_info = info
         hf_model.ssmspec_config = config
     except BaseException:
         hf_seams.uninstall(changed)
@@ -384,5 +427,10 @@ def prepare_draft(draft: nn.Module) -> nn.Module:
     if clone is None:
         shared = {id(t): t for t in (*draft.parameters(), *draft.buffers())}
         clone = transform(copy.deepcopy(draft, memo=dict(shared)))
+        if clone.ssmspec_info.path == "generic":
+            raise UnsupportedModelError(
+                type(draft).__name__, "a draft model drafts through ssmspec's seams, and this one has none "
+                f"({clone.ssmspec_info.limits['seams']})",
+            )  # fmt: skip
         _DRAFTS[draft] = clone
     return clone

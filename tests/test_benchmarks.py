@@ -25,3 +25,22 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert all(row["identical"] for row in rows.values())
     for row in rows.values():
         assert {"tokens_per_s", "speedup_vs_hf", "speedup_vs_best_ar", "identical", "near_ties"} <= set(row)
+
+
+def test_generic_path_benchmarks_run_and_agree_with_hf(tmp_path):
+    """benchmarks/generic.py (end to end, every output checked against HF's) and verify_cost.py on a model
+    without seams (its generic path) run at tiny shapes and write their JSON."""
+    out = tmp_path / "generic.json"
+    args = ["--layers", "6", "--hidden", "64", "--new", "12", "--repeats", "1", "--json", str(out)]
+    subprocess.run([sys.executable, "generic.py", *args], cwd=ROOT / "benchmarks", check=True, timeout=600,
+                   capture_output=True)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["model"], r["prompt"]) for r in rows} == {
+        (m, p) for m in ("rwkv", "zamba") for p in ("repeat", "random")
+    }
+    assert all(r["exact"] and r["default_speedup"] > 0 for r in rows)
+    cost = tmp_path / "cost.json"
+    subprocess.run([sys.executable, "verify_cost.py", "--family", "rwkv", "--layers", "2", "--hidden", "64", "--nodes",
+                    "1", "4", "--repeats", "1", "--json", str(cost)], cwd=ROOT / "benchmarks", check=True, timeout=600,
+                   capture_output=True)  # fmt: skip
+    assert [(r["nodes"], r["shape"]) for r in json.loads(cost.read_text())["rows"]] == [(1, "chain"), (4, "chain")]

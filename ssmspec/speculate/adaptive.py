@@ -41,13 +41,25 @@ def expected_tokens(rate: float, depth: int) -> float:
     return sum(rate**i for i in range(depth + 1))
 
 
-def choose_depth(rates: Sequence[float], cost: dict[int, float], max_depth: int, nodes_per_depth: float) -> int:
+def rerun_cost(rate: float, depth: int, cost: dict[int, float], nodes: int) -> float:
+    """Expected extra cost of an `nodes`-node chain step of `depth` on a path whose partial commits feed the
+    accepted prefix again, in the next step's forward (ssmspec.speculate.generic): with probability
+    1 - rate^depth a draft is rejected, and the root and the accepted drafts (j of them with probability
+    rate^j (1 - rate)) lengthen the next forward by j + 1 tokens."""
+    base = step_cost(cost, nodes)
+    return sum(rate**j * (1 - rate) * (step_cost(cost, nodes + j + 1) - base) for j in range(depth))
+
+
+def choose_depth(
+    rates: Sequence[float], cost: dict[int, float], max_depth: int, nodes_per_depth: float, reruns: bool = False
+) -> int:
     """The depth (0..max_depth) with the highest expected tokens per unit of step cost, summed over rows;
-    a depth-k step verifies about 1 + nodes_per_depth * k nodes."""
+    a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`)."""
     best, best_depth = -1.0, 0
     for k in range(max_depth + 1):
         n = 1 + int(round(nodes_per_depth * k))
-        goodput = sum(expected_tokens(r, k) for r in rates) / step_cost(cost, n)
+        rerun = sum(rerun_cost(r, k, cost, n) for r in rates) / max(len(rates), 1) if reruns else 0.0
+        goodput = sum(expected_tokens(r, k) for r in rates) / (step_cost(cost, n) + rerun)
         if goodput > best * 1.0001:  # ties go to the shallower (cheaper) depth
             best, best_depth = goodput, k
     return best_depth

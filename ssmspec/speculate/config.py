@@ -10,6 +10,7 @@ from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.verification import COMMIT_STRATEGIES
 
 DRAFTERS = ("prompt_lookup", "draft_model", "none")
+PATHS = ("auto", "seams", "generic")
 SAMPLING_TREES = ("gumbel_top_k", "stochastic_beam")
 
 
@@ -63,6 +64,9 @@ class SpecConfig:
             after every token it verified (its logits are computed anyway) are proposed besides the n-gram and
             corpus votes, and drafts grow best-first by acceptance estimates calibrated online on which drafted
             nodes the target accepts (ssmspec.speculate.recycling). Most useful with trees. 0: off.
+        path: how the target verifies: "seams" (ssmspec's tree-aware mixers: trees, batches), "generic" (HF's
+            own forward and cache, for a model without kernel seams: chains, one prompt; ssmspec.speculate.generic)
+            or "auto" (default): whichever `transform` found for the model (`model.ssmspec_info.path`).
 
     Raises:
         TypeError: a field of the wrong type (named).
@@ -82,13 +86,15 @@ class SpecConfig:
     draft_vocab: int | Sequence[int] | None = None
     ahead: int = 0
     recycle: int = 0
+    path: str = "auto"
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
                  "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
                  "static_shapes": (bool, type(None)),
                  "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
-                 "draft_vocab": (int, list, tuple, type(None)), "ahead": int, "recycle": int}  # fmt: skip
+                 "draft_vocab": (int, list, tuple, type(None)), "ahead": int, "recycle": int,
+                 "path": str}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
             if not isinstance(value, want) or (
@@ -143,6 +149,8 @@ class SpecConfig:
             )
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"SpecConfig.path must be one of {PATHS}, got {self.path!r}")
         if self.commit not in COMMIT_STRATEGIES:
             raise ValueError(f"SpecConfig.commit must be one of {COMMIT_STRATEGIES}, got {self.commit!r}")
         if self.sampling_tree not in SAMPLING_TREES:

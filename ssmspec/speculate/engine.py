@@ -11,6 +11,7 @@ from torch import nn
 from ssmspec.speculate.adaptive import COST_SIZES, Acceptance, choose_depth, measure_cost, merge_curves, step_cost
 from ssmspec.speculate.decoding import ColumnStreamer, Decoding
 from ssmspec.speculate.drafters import Drafter
+from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.speculate.verify import greedy_verify, sample_verify
 from ssmspec.tree import TokenTree
@@ -62,7 +63,8 @@ def speculative_generate(
     decoding: Decoding | None = None,
     static_shapes: bool = False,
     adaptive: bool = False,
-) -> tuple[torch.Tensor, SpecStats, ModelRunner]:
+    generic: bool = False,
+) -> tuple[torch.Tensor, SpecStats, ModelRunner | GenericRunner]:
     """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
     [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
     `decoding.output_scores`/`output_logits` the per-token tensors are left in `decoding.scores`/`.logits`.
@@ -77,11 +79,13 @@ def speculative_generate(
     commits fixed-length paths (the depth stays within `num_draft_tokens`, also under the heuristic schedule),
     so a compiled verify step never recompiles.
     `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
-    (ssmspec.speculate.adaptive)."""
+    (ssmspec.speculate.adaptive).
+    `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, one prompt) instead of the
+    seams."""
     dec = decoding if decoding is not None else Decoding()
     stats = SpecStats()
     b = input_ids.shape[0]
-    runner = ModelRunner(
+    runner = (GenericRunner if generic else ModelRunner)(
         model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
         max_depth=num_draft_tokens, max_nodes=max(tree_budget, num_draft_tokens) + 1,
         capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2,
@@ -161,7 +165,7 @@ def speculative_generate(
             budget = tree_budget + max(0, depth - num_draft_tokens)
             if adaptive:
                 rates = [acceptance.rate(r) for r in range(b) if not done[r]]
-                chosen = choose_depth(rates, cost, max(depth, 0), per_depth)
+                chosen = choose_depth(rates, cost, max(depth, 0), per_depth, reruns=isinstance(runner, GenericRunner))
                 # plain decoding: the drafter's first token still tells how accurate it is now
                 shadow = drafter.propose(contexts, 1, 1) if chosen == 0 and depth > 0 else None
                 depth, budget = chosen, max(1, min(tree_budget, int(round(per_depth * chosen))))
@@ -325,12 +329,14 @@ def _depth_of(draft: tuple[list[int], list[int]]) -> int:
     return max(depth)
 
 
-def cost_curve(model: nn.Module, runner: ModelRunner) -> dict[int, float]:
+def cost_curve(model: nn.Module, runner: ModelRunner | GenericRunner) -> dict[int, float]:
     """The model's verify-cost curve (relative to a decode step) for this batch size, measured once per model up
     to the largest tree the call verifies (extended when a later call verifies larger ones) and kept on the
     model (so each model has its own; nothing process-wide)."""
     curves = model.__dict__.setdefault("_ssmspec_cost_curves", {})
     key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
+    if isinstance(runner, GenericRunner):  # HF's forward: a curve of its own
+        key = (*key, runner.path)
     # the sizes this call can verify (powers of two up to its largest padded tree): a compiled model compiles a
     # graph per size measured, so sizes no tree of this call reaches are left to a call that needs them
     largest = runner.padded_size(runner.max_nodes) if runner.max_nodes else COST_SIZES[-1]

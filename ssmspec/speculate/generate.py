@@ -11,12 +11,13 @@ from torch import nn
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-from ssmspec.errors import UnsupportedSettingError
+from ssmspec.errors import UnsupportedModelError, UnsupportedSettingError
 from ssmspec.hf.generation import is_user_set, resolve
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.defaults import build_drafter, spec_for
 from ssmspec.speculate.engine import speculative_generate
+from ssmspec.speculate.generic import CHAINS_ONLY
 from ssmspec.speculate.retrieval import SuffixIndex, corpus_index
 
 
@@ -41,6 +42,21 @@ def _corpus(model: nn.Module, spec: SpecConfig, plan) -> SuffixIndex:
     index = corpus_index(spec.corpus, plan.tokenizer, int(model.config.get_text_config().vocab_size), cache)
     model.__dict__["_ssmspec_corpus_indexes"] = cache
     return index
+
+
+def _generic(model: nn.Module, spec: SpecConfig, info) -> bool:
+    """Whether the call verifies through the generic path (HF's forward) rather than the seams: `spec.path`,
+    or for "auto" what transform found (`info.path`); refused where the model's probe found it inexact."""
+    found = getattr(info, "path", "seams")
+    name = type(model).__name__
+    if spec.path == "seams" and found == "generic":
+        raise UnsupportedModelError(name, f"SpecConfig(path='seams'): {info.limits['seams']}")
+    if spec.path == "generic" and info is not None and not info.generic:
+        raise UnsupportedModelError(name, f"SpecConfig(path='generic'): {info.limits['generic']}")
+    generic = spec.path == "generic" or (spec.path == "auto" and found == "generic")
+    if generic and spec.tree and spec.drafter != "none":
+        raise UnsupportedModelError(name, CHAINS_ONLY)
+    return generic
 
 
 def generate(
@@ -89,6 +105,7 @@ def generate(
         output_logits=plan.return_dict and bool(config.output_logits),
     )  # fmt: skip
     spec = spec_for(speculation, config, draft, trees=info is None or bool(info.trees))
+    generic = _generic(model, spec, info)
     if spec.ahead and spec.drafter == "draft_model" and decoding.do_sample:
         raise UnsupportedSettingError(
             "ahead", "SpecConfig.ahead with a draft model drafts ahead for greedy decoding only (do_sample=False)"
@@ -118,6 +135,7 @@ def generate(
         schedule=config.num_assistant_tokens_schedule if spec.drafter == "draft_model" else "constant",
         decoding=decoding,
         adaptive=spec.adaptive and spec.drafter != "none",
+        generic=generic,
         static_shapes=spec.static_shapes
         if spec.static_shapes is not None
         else bool(getattr(model, "ssmspec_static_shapes", False)),

@@ -10,7 +10,7 @@ import torch
 
 import ssmspec
 from ssmspec import SpecConfig
-from ssmspec.speculate.adaptive import Acceptance, choose_depth, expected_tokens, step_cost
+from ssmspec.speculate.adaptive import Acceptance, choose_depth, expected_tokens, rerun_cost, step_cost
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
 from ssmspec.testing.strategies import cached_tiny_model
@@ -26,6 +26,13 @@ def test_depth_follows_acceptance_and_cost():
     assert choose_depth([0.6], {n: 1.0 for n in COST}, 8, 1.0) == 8  # free verification: always deepest
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert step_cost(COST, 3) == pytest.approx(1.3) and step_cost(COST, 32) == pytest.approx(4.2)
+    # the generic path feeds the accepted prefix again after a rejection: priced, it drafts no deeper
+    assert rerun_cost(1.0, 4, COST, 5) == 0.0 and rerun_cost(0.0, 4, COST, 4) == pytest.approx(1.5 - 1.4)
+    assert rerun_cost(0.5, 2, COST, 2) == pytest.approx(0.5 * (1.3 - 1.2) + 0.25 * (1.4 - 1.2))
+    assert choose_depth([0.6], COST, 8, 1.0, reruns=True) <= mid
+    knee = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3, 16: 4.0}  # cheap up to 8 tokens, dear after: a carried prefix costs
+    assert choose_depth([0.7], knee, 8, 1.0) == 7 and choose_depth([0.7], knee, 8, 1.0, reruns=True) == 4
+    assert choose_depth([0.999], COST, 8, 1.0, reruns=True) == 8
     acc = Acceptance(1)
     for _ in range(10):
         acc.update(0, 4, 0)

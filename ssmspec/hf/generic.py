@@ -1,0 +1,107 @@
+"""Coupling to transformers' generation internals for the generic path (ssmspec.speculate.generic): a model's
+forward driven exactly as HF's own decoding loop drives it, with several new tokens per call.
+
+`HFState` holds what HF's `generate` keeps between forwards (the token ids so far, the attention mask, the
+position ids and the model's cache object, whatever its class: a `Cache`, RWKV's state list, ...) and advances
+it with HF's `prepare_inputs_for_generation` and the model's forward. Its snapshot is a deep copy of the cache
+object: nothing about the cache's layout is assumed. Private transformers API used here, and only here:
+`_prepare_cache_for_generation`, `_prepare_position_ids_for_generation`, `ALL_CACHE_NAMES`, `GenerationMode`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import ALL_CACHE_NAMES
+
+# cache names under which a model's output returns its cache, as HF's loop reads them (older models' names map to
+# the forward's `past_key_values`)
+_RENAMED = {"mems": "past_key_values", "past_buckets_states": "past_key_values"}
+
+
+@dataclass
+class Snapshot:
+    """An HFState as it was: its length and a private copy of its cache object, handed back by `restore` (so
+    a snapshot restores once)."""
+
+    length: int
+    cache: tuple[str, Any] | None
+    restored: bool = False
+
+
+class HFState:
+    """One prompt's decoding state as HF's generate keeps it, advanced by any number of tokens per forward."""
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.model = model
+        self.ids = input_ids
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(torch.long), "use_cache": True}
+        if "position_ids" in inspect.signature(model.forward).parameters:
+            kwargs["position_ids"] = model._prepare_position_ids_for_generation(input_ids, kwargs)
+        config = copy.deepcopy(model.generation_config)
+        # HF's cache for this model, as its generate makes it (models whose forward makes its own leave it unset)
+        model._prepare_cache_for_generation(
+            config, kwargs, GenerationMode.GREEDY_SEARCH, input_ids.shape[0], input_ids.shape[1] + 1
+        )
+        self.kwargs = kwargs
+        self.length = 0  # tokens of `ids` the cache has absorbed
+
+    def _cache(self) -> tuple[str, Any] | None:
+        for name in ("past_key_values", "cache_params", "state"):
+            if self.kwargs.get(name) is not None:
+                return name, self.kwargs[name]
+        return None
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed `tokens` [B, n] after what was fed so far (None: the prompt, the first call); returns their
+        logits [B, n, V]."""
+        if tokens is not None:
+            n = tokens.shape[1]
+            self.ids = torch.cat([self.ids[:, : self.length], tokens.to(self.ids.device)], dim=1)
+            mask = self.kwargs["attention_mask"][:, : self.length]
+            self.kwargs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], n)], dim=1)
+            if (positions := self.kwargs.get("position_ids")) is not None:
+                positions = positions[..., : self.length]
+                step = torch.arange(1, n + 1, dtype=positions.dtype, device=positions.device)
+                self.kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + step], dim=-1)
+        n = self.ids.shape[1] - self.length
+        inputs = self.model.prepare_inputs_for_generation(
+            self.ids, next_sequence_length=n, is_first_iteration=self.length == 0, **self.kwargs
+        )
+        if "logits_to_keep" in inputs:  # HF's loop keeps the last position's; every fed token's is needed here
+            inputs["logits_to_keep"] = n
+        out = self.model(**inputs, return_dict=True)
+        for name in ALL_CACHE_NAMES:
+            if name in out and out[name] is not None:
+                self.kwargs[_RENAMED.get(name, name)] = out[name]
+                break
+        self.length = self.ids.shape[1]
+        return out.logits[:, -n:]
+
+    def snapshot(self) -> Snapshot:
+        """This state, to go back to (`restore`)."""
+        cache = self._cache()
+        return Snapshot(self.length, None if cache is None else (cache[0], copy.deepcopy(cache[1])))
+
+    def restore(self, snap: Snapshot) -> None:
+        """Back to `snap`: the tokens fed since are forgotten. A snapshot restores once (its copy of the cache
+        becomes the state's own, without copying it again)."""
+        if snap.restored:
+            raise RuntimeError("this snapshot was restored already: take a new one")
+        snap.restored = True
+        self.length = snap.length
+        self.ids = self.ids[:, : snap.length]
+        self.kwargs["attention_mask"] = self.kwargs["attention_mask"][:, : snap.length]
+        if (positions := self.kwargs.get("position_ids")) is not None:
+            self.kwargs["position_ids"] = positions[..., : snap.length]
+        if snap.cache is not None:
+            name, cache = snap.cache
+            self.kwargs[name] = cache
+            snap.cache = None

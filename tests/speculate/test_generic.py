@@ -1,0 +1,158 @@
+"""The generic path (ssmspec.speculate.generic): families without kernel seams speculate through HF's own
+forward and cache, exactly (HF greedy in float64), chains and one prompt; the probe decides where it may run;
+`SpecConfig(path=...)` forces it (or the seams) and refuses what it cannot do, naming why."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ssmspec
+from ssmspec import SpecConfig, UnsupportedModelError
+from ssmspec.hf.generic import HFState
+from ssmspec.speculate.engine import eos_and_pad, speculative_generate
+from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, GenericRunner
+from ssmspec.testing.configs import GENERIC_FAMILIES, SUPPORTED_FAMILIES, build_tiny_model
+from ssmspec.testing.drafters import OracleDrafter
+from ssmspec.testing.strategies import cached_tiny_model, drafter_factories, prompts
+from ssmspec.tree import TokenTree
+
+_THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+# seam families the generic path is forced on: in the ci profile an SSD hybrid, the gated delta rule and short
+# convs; in thorough every one but the Mamba1 mixers' (HF's ignores the cached state in a multi-token forward:
+# the generic probe refuses them, test_forcing_a_path_is_checked_and_refused_where_inexact)
+FORCED = (
+    tuple(f for f in SUPPORTED_FAMILIES if f not in ("mamba", "falcon_mamba", "jamba"))
+    if _THOROUGH
+    else ("bamba", "qwen3_next", "lfm2")
+)
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _transformed(family: str, variant: int = 0) -> torch.nn.Module:
+    key = f"{family}/{variant}"
+    if key not in _MODELS:
+        _MODELS[key] = ssmspec.transform(copy.deepcopy(cached_tiny_model(family, variant)))
+    return _MODELS[key]
+
+
+@pytest.mark.parametrize("family", GENERIC_FAMILIES)
+def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
+    ref = cached_tiny_model(family)
+    model = _transformed(family)
+    info = model.ssmspec_info
+    assert info.path == "generic" and info.generic and not info.trees and not info.batches
+    assert info.limits["trees"] == CHAINS_ONLY and info.limits["batches"] == ONE_PROMPT and info.limits["seams"]
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    want = ref.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=24), want)  # the default call: chains
+    assert torch.equal(model.generate(ids, max_new_tokens=24, prompt_lookup_num_tokens=4), want)
+    # drafts right for two tokens, then wrong: every step commits part of a chain (snapshot restored, prefix fed)
+    rows = [want[0].tolist()]
+    out, stats, _ = speculative_generate(
+        model, ids, torch.ones_like(ids), max_new_tokens=24, eos_token_ids=[], pad_token_id=0,
+        drafter=OracleDrafter(rows, vocab_size=96, right_prefix=2), tree_budget=4, num_draft_tokens=4, generic=True,
+    )  # fmt: skip
+    assert torch.equal(out, want[:, : out.shape[1]]) and stats.accepted_tokens >= 2 * (stats.verify_steps - 1)
+    # a batch: the default call is HF's own generate; asked for, it is refused naming the path
+    batch = torch.cat([ids, ids.flip(1)])
+    assert torch.equal(model.generate(batch, max_new_tokens=5), ref.generate(batch, max_new_tokens=5))
+    with pytest.raises(UnsupportedModelError, match="one prompt at a time"):
+        model.generate(batch, max_new_tokens=5, speculation=SpecConfig(tree=False))
+    with pytest.raises(UnsupportedModelError, match="verifies chains"):
+        model.generate(ids, max_new_tokens=5, speculation=SpecConfig(tree=True))
+    with pytest.raises(UnsupportedModelError, match="path='seams'"):
+        model.generate(ids, max_new_tokens=5, speculation=SpecConfig(tree=False, path="seams"))
+
+
+@pytest.mark.parametrize("family", GENERIC_FAMILIES + FORCED)
+@settings(max_examples=60 if _THOROUGH else 6)
+@given(data=st.data())
+def test_generic_path_equals_hf_greedy(family, data):
+    """Property: on the generic path (forced on seam families), speculative greedy output equals HF's, for any
+    chain drafter (adversarial ones included), prompt, depth and EOS."""
+    variant = data.draw(st.integers(0, 2), label="variant")
+    ref = cached_tiny_model(family, variant)
+    model = _transformed(family, variant)
+    vocab = ref.config.get_text_config().vocab_size
+    ids, mask = data.draw(prompts(vocab, max_batch=1, allow_all_padding=False), label="prompt")
+    _, factory = data.draw(drafter_factories(vocab, trees=False), label="drafter")
+    max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
+    depth = data.draw(st.integers(1, 6), label="num_draft_tokens")
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False)
+    eos, pad = eos_and_pad(ref.generation_config)
+    if data.draw(st.booleans(), label="eos from reference"):  # stop on a token the model really emits
+        eos = [int(want[0, -1])]
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=eos[0])
+    rows = [ids[0][mask[0].bool()].tolist() + want[0, ids.shape[1] :].tolist()]
+    got, _, _ = speculative_generate(
+        model, ids, mask, max_new_tokens=max_new, eos_token_ids=eos, pad_token_id=pad, drafter=factory(rows),
+        tree_budget=depth, num_draft_tokens=depth, generic=True,
+    )  # fmt: skip
+    assert torch.equal(got, want)
+
+
+def test_forcing_a_path_is_checked_and_refused_where_inexact():
+    """SpecConfig(path="generic") on a seam family runs the generic probe once; HF's Mamba ignores the cached
+    state in a multi-token forward, so the generic path is refused there, with the probe's reason."""
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    model = _transformed("mamba2")
+    assert model.ssmspec_info.path == "seams" and model.ssmspec_info.generic is None
+    want = cached_tiny_model("mamba2").generate(ids, max_new_tokens=16, do_sample=False)
+    spec = SpecConfig(path="generic", tree=False, num_draft_tokens=4, adaptive=False)
+    out = model.generate(ids, max_new_tokens=16, speculation=spec, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want) and model.ssmspec_info.generic is True  # probed, then run
+    with pytest.raises(UnsupportedModelError, match="verifies chains"):
+        model.generate(ids, max_new_tokens=4, speculation=SpecConfig(path="generic"))
+    mamba = copy.deepcopy(_transformed("mamba"))
+    with pytest.raises(UnsupportedModelError, match="path='generic'.*one-token steps"):
+        mamba.generate(ids, max_new_tokens=4, speculation=spec)
+    assert mamba.ssmspec_info.generic is False and "one-token steps" in mamba.ssmspec_info.limits["generic"]
+    with pytest.raises(ValueError, match="path must be one of"):
+        SpecConfig(path="fast")
+
+
+def test_generic_sampling_draws_what_the_seams_draw():
+    """Sampling verification does not depend on the runner: with the same seed, speculative sampling through
+    HF's forward (forced generic) and through the seams draws the same tokens (float64: the same logits), so
+    the seams' chi-square suite carries over."""
+    model = _transformed("qwen3_next")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    runs = []
+    for path in ("seams", "generic"):
+        spec = SpecConfig(path=path, tree=False, num_draft_tokens=3, adaptive=False)
+        runs.append(model.generate(ids, do_sample=True, top_k=20, max_new_tokens=16, speculation=spec,
+                                   generator=torch.Generator().manual_seed(7)))  # fmt: skip
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_hf_state_and_runner_refuse_misuse():
+    model = build_tiny_model("rwkv")
+    ids = torch.tensor([[5, 6, 7]])
+    state = HFState(model, ids, torch.ones_like(ids))
+    state.forward()
+    snap = state.snapshot()
+    state.forward(torch.tensor([[9, 10]]))
+    state.restore(snap)
+    assert state.length == 3 and state.ids.shape[1] == 3
+    with pytest.raises(RuntimeError, match="restored already"):
+        state.restore(snap)
+    runner = GenericRunner(model)
+    runner.prefill(ids, torch.ones_like(ids))
+    with pytest.raises(UnsupportedModelError, match="verifies chains"):
+        runner.verify(TokenTree.from_lists([[9, 10, 11]], [[-1, 0, 0]]))
+    runner.verify(TokenTree.chain(torch.tensor([[9]])))
+    with pytest.raises(RuntimeError, match="cannot be discarded"):
+        runner.discard()
+
+
+def test_a_draft_model_without_seams_is_refused():
+    target = _transformed("mamba2")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(UnsupportedModelError, match="drafts through ssmspec's seams"):
+        target.generate(ids, max_new_tokens=4, assistant_model=build_tiny_model("rwkv"))
