@@ -200,8 +200,6 @@ class SpecGenerationMixin:
         default = not asked and not configured
         if default:
             speculation = getattr(self, "ssmspec_config", None)
-        if isinstance(speculation, SpecConfig) and speculation.path == "generic":
-            generic_allowed(self)  # probed once per model (generate refuses it where it is not exact)
         if assistant_model is not None:
             check_vocab(assistant_model, self.config.get_text_config().vocab_size)
         draft = prepare_draft(assistant_model) if assistant_model is not None else None
@@ -210,6 +208,7 @@ class SpecGenerationMixin:
                 return spec_generate.generate(
                     self, inputs, generation_config, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
                     draft=draft, speculation=speculation, kwargs=kwargs, fallback=default,
+                    generic_exact=lambda: generic_allowed(self),
                 )  # fmt: skip
             except spec_generate.NotSpeculated:  # refused before anything ran: HF's own decoding
                 pass

@@ -7,6 +7,7 @@ refused with an error naming it. Nothing is silently ignored.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,14 @@ CALL_ARGUMENTS_REFUSED = {
 CALL_ARGUMENTS = (*CALL_ARGUMENTS_APPLIED, *CALL_ARGUMENTS_REFUSED)
 
 
+# forward arguments that are not part of a prompt (the loop owns the cache, positions and outputs)
+_NOT_PROMPT_INPUTS = frozenset({
+    "input_ids", "inputs_embeds", "attention_mask", "past_key_values", "cache_params", "state", "position_ids",
+    "cache_position", "labels", "use_cache", "logits_to_keep", "return_dict", "output_attentions",
+    "output_hidden_states", "kwargs",
+})  # fmt: skip
+
+
 @dataclass
 class Plan:
     """A generate call, resolved: what the speculative loop needs."""
@@ -114,6 +123,8 @@ class Plan:
     stopping: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
     streamer: Any = None
     tokenizer: Any = None  # generate's `tokenizer=` (stop strings; tokenizing a retrieval corpus)
+    # the prompt's other inputs for the model's forward (a multimodal prompt's pixel values, grids, token types)
+    model_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 def _is_set(value: Any, default: Any) -> bool:
@@ -219,8 +230,13 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     attention_mask = model_kwargs.pop("attention_mask", None)
     for name in ("output_attentions", "output_hidden_states"):  # HF copies these to the model kwargs too
         model_kwargs.pop(name, None)
-    if model_kwargs:
-        raise ValueError(f"speculative generate does not take {sorted(model_kwargs)}")
+    # what else the prompt holds for the model's forward (a multimodal prompt's pixel values, grids, token types):
+    # the generic path's prefill passes it to HF's forward as HF's generate does
+    takes = set(inspect.signature(model.forward).parameters) - _NOT_PROMPT_INPUTS
+    model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
+    unknown = sorted(k for k in model_kwargs if k not in takes)
+    if unknown:
+        raise ValueError(f"speculative generate does not take {unknown}")
     refused = refused_settings(config)
     if refused:
         name, value, reason = refused[0]
@@ -270,6 +286,7 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
         ),  # fmt: skip
         tokenizer=tokenizer,
         streamer=given["streamer"],
+        model_inputs=model_kwargs,
     )
 
 

@@ -38,10 +38,17 @@ class Snapshot:
 class HFState:
     """One prompt's decoding state as HF's generate keeps it, advanced by any number of tokens per forward."""
 
-    def __init__(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def __init__(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+        model_inputs: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        """`model_inputs`: what else the prompt holds for the model's forward (pixel values and image grids of a
+        multimodal model, its token types), as HF's generate takes them: the prefill reads them, HF's
+        `prepare_inputs_for_generation` drops what only a prefill reads afterwards."""
         self.model = model
         self.ids = input_ids
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(torch.long), "use_cache": True}
+        kwargs: dict[str, Any] = {**(model_inputs or {}), "attention_mask": attention_mask.to(torch.long),
+                                  "use_cache": True}  # fmt: skip
         if "position_ids" in inspect.signature(model.forward).parameters:
             kwargs["position_ids"] = model._prepare_position_ids_for_generation(input_ids, kwargs)
         config = copy.deepcopy(model.generation_config)
@@ -71,6 +78,14 @@ class HFState:
                 positions = positions[..., : self.length]
                 step = torch.arange(1, n + 1, dtype=positions.dtype, device=positions.device)
                 self.kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + step], dim=-1)
+            # token types as HF's _update_model_kwargs_for_generation extends them: the last type repeated; multimodal
+            # types 0 (text) for generated tokens
+            if (types := self.kwargs.get("token_type_ids")) is not None:
+                types = types[:, : self.length]
+                self.kwargs["token_type_ids"] = torch.cat([types, types[:, -1:].expand(-1, n)], dim=-1)
+            if (types := self.kwargs.get("mm_token_type_ids")) is not None:
+                types = types[:, : self.length]
+                self.kwargs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], n)], dim=-1)
         n = self.ids.shape[1] - self.length
         inputs = self.model.prepare_inputs_for_generation(
             self.ids, next_sequence_length=n, is_first_iteration=self.length == 0, **self.kwargs
@@ -101,6 +116,9 @@ class HFState:
         self.kwargs["attention_mask"] = self.kwargs["attention_mask"][:, : snap.length]
         if (positions := self.kwargs.get("position_ids")) is not None:
             self.kwargs["position_ids"] = positions[..., : snap.length]
+        for name in ("token_type_ids", "mm_token_type_ids"):
+            if (types := self.kwargs.get(name)) is not None:
+                self.kwargs[name] = types[:, : snap.length]
         if snap.cache is not None:
             name, cache = snap.cache
             self.kwargs[name] = cache

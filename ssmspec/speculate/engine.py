@@ -64,6 +64,7 @@ def speculative_generate(
     static_shapes: bool = False,
     adaptive: bool = False,
     generic: bool = False,
+    model_inputs: dict | None = None,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner | GenericRunner]:
     """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
     [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
@@ -81,7 +82,7 @@ def speculative_generate(
     `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
     (ssmspec.speculate.adaptive).
     `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, one prompt) instead of the
-    seams."""
+    seams; its prefill also takes `model_inputs` (a multimodal prompt's pixel values, grids, token types)."""
     dec = decoding if decoding is not None else Decoding()
     stats = SpecStats()
     b = input_ids.shape[0]
@@ -96,7 +97,8 @@ def speculative_generate(
     device = input_ids.device
     stream = ColumnStreamer(dec.streamer, input_ids, pad_token_id)
     topk = drafter.target_topk
-    logits = runner.prefill(input_ids, attention_mask, all_positions=topk > 0)
+    extra = {"model_inputs": model_inputs} if model_inputs else {}  # only the generic path takes them
+    logits = runner.prefill(input_ids, attention_mask, all_positions=topk > 0, **extra)
     drafter.set_decoding(dec)
     drafter.start(input_ids, attention_mask)
     mask = attention_mask.bool()

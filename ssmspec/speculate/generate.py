@@ -3,6 +3,7 @@ drafter, run the loop, and shape the output as HF does (a tensor, or a ModelOutp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.defaults import build_drafter, spec_for
 from ssmspec.speculate.engine import speculative_generate
-from ssmspec.speculate.generic import CHAINS_ONLY
+from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT
 from ssmspec.speculate.retrieval import SuffixIndex, corpus_index
 
 
@@ -44,19 +45,31 @@ def _corpus(model: nn.Module, spec: SpecConfig, plan) -> SuffixIndex:
     return index
 
 
-def _generic(model: nn.Module, spec: SpecConfig, info) -> bool:
-    """Whether the call verifies through the generic path (HF's forward) rather than the seams: `spec.path`,
-    or for "auto" what transform found (`info.path`); refused where the model's probe found it inexact."""
+def _generic(model: nn.Module, spec: SpecConfig, info, inputs: dict, batch: int, exact: Callable[[], bool]) -> bool:
+    """Whether the call verifies through the generic path (HF's forward) rather than the seams: `spec.path`, or
+    for "auto" what transform found (`info.path`), or a prompt with inputs besides token ids (a multimodal
+    prompt's pixel values: HF's forward takes them, the seams' prefill does not). Refused where it cannot run:
+    not exact for the model (`exact`: its generic probe), trees, a batch."""
     found = getattr(info, "path", "seams")
     name = type(model).__name__
+    if inputs and spec.path == "seams":
+        names = ", ".join(f"`{k}`" for k in sorted(inputs))
+        raise UnsupportedSettingError(sorted(inputs)[0], f"{names} with SpecConfig(path='seams'): the seams' prefill "
+                                      "takes token ids only; HF's forward takes the prompt's other inputs on the "
+                                      "generic path (SpecConfig(path='generic', tree=False))")  # fmt: skip
     if spec.path == "seams" and found == "generic":
         raise UnsupportedModelError(name, f"SpecConfig(path='seams'): {info.limits['seams']}")
-    if spec.path == "generic" and info is not None and not info.generic:
-        raise UnsupportedModelError(name, f"SpecConfig(path='generic'): {info.limits['generic']}")
-    generic = spec.path == "generic" or (spec.path == "auto" and found == "generic")
-    if generic and spec.tree and spec.drafter != "none":
+    generic = spec.path == "generic" or found == "generic" or bool(inputs)
+    if not generic:
+        return False
+    if found != "generic" and not exact():
+        raise UnsupportedModelError(name, f"the generic path{' (inputs besides token ids)' if inputs else ''}: "
+                                    f"{info.limits['generic']}")  # fmt: skip
+    if spec.tree and spec.drafter != "none":
         raise UnsupportedModelError(name, CHAINS_ONLY)
-    return generic
+    if batch > 1:
+        raise UnsupportedModelError(name, ONE_PROMPT)
+    return True
 
 
 def generate(
@@ -69,6 +82,7 @@ def generate(
     speculation: SpecConfig | None,
     kwargs: dict[str, Any],
     fallback: bool = False,
+    generic_exact: Callable[[], bool] = lambda: False,
 ):
     """Speculative generate (greedy or lossless sampling) on a transformed model; `draft` is an already
     transformed draft model. `generator=` in kwargs: the torch.Generator sampling draws from. With `fallback`
@@ -104,8 +118,14 @@ def generate(
         streamer=plan.streamer, output_scores=plan.return_dict and bool(config.output_scores),
         output_logits=plan.return_dict and bool(config.output_logits),
     )  # fmt: skip
-    spec = spec_for(speculation, config, draft, trees=info is None or bool(info.trees))
-    generic = _generic(model, spec, info)
+    chains = plan.model_inputs or getattr(info, "path", "seams") == "generic"
+    spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains)
+    try:
+        generic = _generic(model, spec, info, plan.model_inputs, plan.input_ids.shape[0], generic_exact)
+    except (UnsupportedModelError, UnsupportedSettingError) as e:
+        if fallback:
+            raise NotSpeculated(str(e)) from e
+        raise
     if spec.ahead and spec.drafter == "draft_model" and decoding.do_sample:
         raise UnsupportedSettingError(
             "ahead", "SpecConfig.ahead with a draft model drafts ahead for greedy decoding only (do_sample=False)"
@@ -136,6 +156,7 @@ def generate(
         decoding=decoding,
         adaptive=spec.adaptive and spec.drafter != "none",
         generic=generic,
+        model_inputs=plan.model_inputs,
         static_shapes=spec.static_shapes
         if spec.static_shapes is not None
         else bool(getattr(model, "ssmspec_static_shapes", False)),
@@ -144,4 +165,5 @@ def generate(
         return sequences
     summary = asdict(stats)
     summary["mean_accepted_per_step"] = stats.mean_accepted_per_step
+    summary["path"] = "generic" if generic else "seams"
     return SpecGenerateOutput(sequences=sequences, scores=decoding.scores, logits=decoding.logits, spec_stats=summary)

@@ -71,13 +71,15 @@ class GenericRunner:
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_positions: bool = False
-    ) -> torch.Tensor:
-        """HF's forward over the prompt; returns the last position's logits [1, V] ([1, L, V] with
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_positions: bool = False,
+        model_inputs: dict | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """HF's forward over the prompt (with `model_inputs`: a multimodal prompt's pixel values, grids, token
+        types, as HF's generate takes them); returns the last position's logits [1, V] ([1, L, V] with
         `all_positions`)."""
         if input_ids.shape[0] != 1:
             raise UnsupportedModelError(type(self.model).__name__, ONE_PROMPT)
-        self.state = HFState(self.model, input_ids, attention_mask)
+        self.state = HFState(self.model, input_ids, attention_mask, model_inputs)
         self.padding = int((attention_mask == 0).sum())
         self.carry = input_ids[:, :0].to(self.device)
         self.cache = _Progress(torch.zeros(1, dtype=torch.long, device=self.device))
