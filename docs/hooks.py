@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +40,7 @@ def _family_report() -> dict:
     return data
 
 
+@functools.cache
 def _refused_families() -> list[tuple[str, str]]:
     from transformers.utils import logging as hf_logging
 
@@ -57,8 +60,9 @@ def _refused_families() -> list[tuple[str, str]]:
     return out
 
 
-def _generic_families() -> list[tuple[str, str, str]]:
-    """(family, HF class, why it has no seams) for the families transform runs on the generic path."""
+@functools.cache
+def _generic_families() -> list[tuple[str, str, str, str]]:
+    """(family, HF class, why it has no seams, what is exact) for the families transform runs on the generic path."""
     from transformers.utils import logging as hf_logging
 
     from ssmspec.testing.configs import GENERIC_FAMILIES, build_tiny_model
@@ -71,8 +75,53 @@ def _generic_families() -> list[tuple[str, str, str]]:
         info = model.ssmspec_info
         if info.path != "generic":
             raise ValueError(f"{fam} is listed for the generic path but transform gave it {info.path!r}")
-        out.append((fam, type(model).__name__, info.limits["seams"]))
+        exact = "chains, batches (row by row)" if info.batches else "chains, one prompt at a time"
+        out.append((fam, type(model).__name__, info.limits["seams"], exact))
     return out
+
+
+def _overview() -> str:
+    """Every family of the pinned transformers with recurrent state: the path it verifies on and what is exact,
+    from the property suite's report (seams), the generic probes (generic) and transform's errors (refused),
+    computed now. The README holds the same table (`python docs/hooks.py --write-readme`; the build checks it)."""
+    from ssmspec.testing import report
+    from ssmspec.testing.configs import SUPPORTED_FAMILIES
+
+    data = _family_report()
+    lines = ["| family | path | what verifies it | exact for |", "|---|---|---|---|"]
+    for fam in SUPPORTED_FAMILIES:
+        seams = ", ".join(data[fam].get("seams", []))
+        lines.append(f"| {fam} | seams | {seams} | {report._exact(data[fam])} |")
+    for fam, _, _, exact in _generic_families():
+        lines.append(f"| {fam} | generic | HF's own forward and cache (no kernel seam) | {exact} |")
+    for fam, why in _refused_families():  # without the measured differences: the table states what, not how much
+        lines.append(f"| {fam} | refused | {_cell(_MEASURED.sub('', why))} | – |")
+    return "\n".join(lines) + "\n"
+
+
+_MEASURED = re.compile(r" by [\d.e+-]+ \(relative; tolerance [^)]*\)")
+_README_BLOCK = re.compile(r"(<!-- ssmspec:families-overview -->\n)(.*?)(<!-- /ssmspec:families-overview -->)", re.S)
+
+
+def _readme_block(readme: str) -> str:
+    m = _README_BLOCK.search(readme)
+    if m is None:
+        raise ValueError("README.md has no <!-- ssmspec:families-overview --> block")
+    return m.group(2)
+
+
+def write_readme() -> None:
+    """Rewrite the README's families table from `_overview()`."""
+    path = ROOT / "README.md"
+    text = path.read_text()
+    _readme_block(text)
+    path.write_text(_README_BLOCK.sub(lambda m: m.group(1) + _overview() + m.group(3), text))
+
+
+def on_pre_build(config) -> None:
+    """The README's families table is generated too: fail the build where it differs from what the code finds."""
+    if _readme_block((ROOT / "README.md").read_text()) != _overview():
+        raise ValueError("README.md's families table is out of date: run `python docs/hooks.py --write-readme`")
 
 
 def _cell(text: str) -> str:
@@ -88,11 +137,12 @@ def _families() -> str:
            "Refused, with the error `ssmspec.transform` raises (computed while building these docs):", "",
            "| family | refused: the module and why |", "|---|---|"]  # fmt: skip
     out += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
-    out += ["", "Through the generic path (HF's own forward and cache: chains, one prompt at a time; the transform "
-            "found no kernel seam and the generic probe found HF's multi-token forward exact; computed while building "
-            "these docs; `tests/speculate/test_generic.py` holds them to HF greedy in float64):", "",
-            "| family | class | why no seams |", "|---|---|---|"]  # fmt: skip
-    out += [f"| {fam} | `{cls}` | {_cell(why)} |" for fam, cls, why in _generic_families()]
+    out += ["", "Through the generic path (HF's own forward and cache: chains; batches row by row where a second probe "
+            "finds HF's batched loop equal to its rows run alone; the transform found no kernel seam and the generic "
+            "probe found HF's multi-token forward exact; computed while building these docs; "
+            "`tests/speculate/test_generic.py` holds them to HF greedy in float64):", "",
+            "| family | class | why no seams | exact for |", "|---|---|---|---|"]  # fmt: skip
+    out += [f"| {fam} | `{cls}` | {_cell(why)} | {exact} |" for fam, cls, why, exact in _generic_families()]
     return "\n".join(out) + "\n"
 
 
@@ -120,11 +170,13 @@ def _limitations() -> str:
     lines += [f"| `{n}` | {_cell(note)} |" for n, note in refused]
     lines += ["", "### Model families refused", "", "| family | the module and why |", "|---|---|"]
     lines += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
-    lines += ["", "### Families on the generic path: chains, one prompt at a time", "",
-              "No kernel seam, so no trees or batches: HF's own forward verifies chains (see How it works, "
-              "\"The generic path\"); `SpecConfig(tree=True)` and batches are refused naming the path, and a default "
-              "call on a batch runs HF's own generate.", "", "| family | why no seams |", "|---|---|"]  # fmt: skip
-    lines += [f"| {fam} | {_cell(why)} |" for fam, _, why in _generic_families()]
+    lines += ["", "### Families on the generic path: chains", "",
+              "No kernel seam, so no trees: HF's own forward verifies chains (see How it works, \"The generic path\"); "
+              "`SpecConfig(tree=True)` is refused naming the path. A batch is verified row by row where HF's batched "
+              "loop computes what its rows compute alone (HF's RWKV does not: it is refused there); a default call on "
+              "a batch runs HF's own batched generate.", "", "| family | why no seams | exact for |",
+              "|---|---|---|"]  # fmt: skip
+    lines += [f"| {fam} | {_cell(why)} | {exact} |" for fam, _, why, exact in _generic_families()]
     limited = [(fam, "; ".join(r["limits"])) for fam, r in sorted(_family_report().items()) if r.get("limits")]
     lines += ["", "### Supported, within limits the probe found", "", "| family | exact for |", "|---|---|"]
     lines += [f"| {fam} | {_cell(lim)} |" for fam, lim in limited]
@@ -222,6 +274,7 @@ def _math(markdown: str) -> str:
 
 
 _RENDERERS = {
+    "families-table": _overview,
     "families": _families,
     "family-details": _family_details,
     "settings": _settings,
@@ -240,3 +293,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         raise ValueError(f"unknown ssmspec placeholder {m.group(0)} in {page.file.src_uri}")
 
     return _math(_PLACEHOLDER.sub(render, markdown))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write-readme"]:
+        raise SystemExit("usage: python docs/hooks.py --write-readme")
+    sys.path.insert(0, str(ROOT))
+    write_readme()

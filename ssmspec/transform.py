@@ -30,14 +30,16 @@ from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import layers as hf_layers
 from ssmspec.hf import seams as hf_seams
 from ssmspec.ops import using_kernel_policy
-from ssmspec.probe import probe, probe_generic
+from ssmspec.probe import probe, probe_generic, probe_generic_batches
 from ssmspec.speculate import generate as spec_generate
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import check_vocab
-from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT
+from ssmspec.speculate.generic import CHAINS_ONLY, ROW_BY_ROW
 
-_RECURRENT_NAME = re.compile(
-    r"mamba|mixer|rwkv|recurrent|lstm|rglru|ssm|linear_?attn|time_?mix|conv|selfattention|block", re.I
+# module class names that say "this holds the recurrent state", strongest first: the module an error names
+_RECURRENT_NAMES = (
+    re.compile(r"mamba|mixer|rwkv|recurrent|lstm|rglru|ssm|linear_?attn|lightning|time_?mix|conv|compressor", re.I),
+    re.compile(r"selfattention|block", re.I),
 )
 _SUPPORTED_ATTN = ("eager", "sdpa")
 _KERNEL_POLICIES = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
@@ -64,15 +66,22 @@ class TransformInfo:
     probe_rounding: str | None = None
     # "seams" (ssmspec's tree-aware mixers) or "generic" (HF's own forward: ssmspec.speculate.generic)
     path: str = "seams"
-    # whether the generic path is exact for this model (None: not probed yet; limits["generic"] says why not)
+    # whether the generic path is exact for this model (None: not probed yet; limits["generic"] says why not), and
+    # for a batch of prompts, row by row (limits["generic_batches"])
     generic: bool | None = None
+    generic_batches: bool | None = None
 
 
 def _describe(model: nn.Module) -> str:
-    for path, module in model.named_modules():
-        name = type(module).__name__
-        if path and _RECURRENT_NAME.search(name) and not re.search(r"Model$|ForCausalLM", name):
-            return f"{path} ({name})"
+    """The first module whose class name says it holds recurrent state, as "path (Class)" (the model's class where
+    none does). The family's own prefix is not evidence (every RecurrentGemma class starts with "Recurrent")."""
+    prefix = re.sub(r"(PreTrainedModel|Model|ForCausalLM|ForConditionalGeneration)$", "", type(model).__name__)
+    for pattern in _RECURRENT_NAMES:
+        for path, module in model.named_modules():
+            name = type(module).__name__
+            own = name.removeprefix(prefix) if prefix else name
+            if path and pattern.search(own) and not re.search(r"Model$|ForCausalLM|DecoderLayer$", name):
+                return f"{path} ({name})"
     return type(model).__name__
 
 
@@ -122,21 +131,38 @@ def _generic_info(model: nn.Module, refused: UnsupportedModelError) -> Transform
         raise UnsupportedModelError(
             refused.module_path, f"{refused.reason}; and the generic path (HF's own forward) is not exact: {why}"
         )
-    limits = {"seams": f"{refused.module_path}: {refused.reason}", "trees": CHAINS_ONLY, "batches": ONE_PROMPT}
-    return TransformInfo(mixers={}, recurrent_layers=[], attention_layers=[], trees=False, batches=False,
-                         limits=limits, path="generic", generic=True)  # fmt: skip
+    limits = {"seams": f"{refused.module_path}: {refused.reason}", "trees": CHAINS_ONLY}
+    info = TransformInfo(mixers={}, recurrent_layers=[], attention_layers=[], trees=False, limits=limits,
+                         path="generic", generic=True)  # fmt: skip
+    info.batches = _generic_batches(model, info)
+    # batches run row by row (`limits["batches"]` says so, or why HF's batched loop is not what its rows compute);
+    # a call without speculation kwargs runs HF's own batched loop for them (one forward a token for all rows)
+    limits["batches"] = ROW_BY_ROW if info.batches else limits["generic_batches"]
+    return info
 
 
-def generic_allowed(model: nn.Module) -> bool:
-    """Whether `SpecConfig(path="generic")` may run on this transformed model: its generic probe, run the
-    first time it is asked for on a model transform gave seams (the reason kept in `info.limits["generic"]`)."""
+def _generic_batches(model: nn.Module, info: TransformInfo) -> bool:
+    """Whether the generic path's row-by-row batches are HF's batches on this model (probed once, kept on
+    `info.generic_batches`; the reason it is not in `info.limits["generic_batches"]`)."""
+    if info.generic_batches is None:
+        why = probe_generic_batches(model)
+        info.generic_batches = why is None
+        if why is not None:
+            info.limits["generic_batches"] = why
+    return info.generic_batches
+
+
+def generic_allowed(model: nn.Module, batch: bool = False) -> bool:
+    """Whether `SpecConfig(path="generic")` may run on this transformed model (`batch`: on a batch of prompts):
+    its generic probes, run the first time they are asked for on a model transform gave seams (the reasons kept
+    in `info.limits["generic"]` and `info.limits["generic_batches"]`)."""
     info = model.ssmspec_info
     if info.generic is None:
         why = probe_generic(model)
         info.generic = why is None
         if why is not None:
             info.limits["generic"] = why
-    return info.generic
+    return info.generic and (not batch or _generic_batches(model, info))
 
 
 class SpecGenerationMixin:
@@ -208,7 +234,7 @@ class SpecGenerationMixin:
                 return spec_generate.generate(
                     self, inputs, generation_config, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
                     draft=draft, speculation=speculation, kwargs=kwargs, fallback=default,
-                    generic_exact=lambda: generic_allowed(self),
+                    generic_exact=lambda batch: generic_allowed(self, batch),
                 )  # fmt: skip
             except spec_generate.NotSpeculated:  # refused before anything ran: HF's own decoding
                 pass

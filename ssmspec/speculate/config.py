@@ -65,8 +65,9 @@ class SpecConfig:
             corpus votes, and drafts grow best-first by acceptance estimates calibrated online on which drafted
             nodes the target accepts (ssmspec.speculate.recycling). Most useful with trees. 0: off.
         path: how the target verifies: "seams" (ssmspec's tree-aware mixers: trees, batches), "generic" (HF's
-            own forward and cache, for a model without kernel seams: chains, one prompt; ssmspec.speculate.generic)
-            or "auto" (default): whichever `transform` found for the model (`model.ssmspec_info.path`).
+            own forward and cache, for a model without kernel seams: chains, batches row by row;
+            ssmspec.speculate.generic) or "auto" (default): whichever `transform` found for the model
+            (`model.ssmspec_info.path`).
 
     Raises:
         TypeError: a field of the wrong type (named).

@@ -81,7 +81,7 @@ def speculative_generate(
     so a compiled verify step never recompiles.
     `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
     (ssmspec.speculate.adaptive).
-    `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, one prompt) instead of the
+    `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, a batch row by row) instead of the
     seams; its prefill also takes `model_inputs` (a multimodal prompt's pixel values, grids, token types)."""
     dec = decoding if decoding is not None else Decoding()
     stats = SpecStats()

@@ -18,7 +18,7 @@ from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.defaults import build_drafter, spec_for
 from ssmspec.speculate.engine import speculative_generate
-from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT
+from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, ROW_BY_ROW
 from ssmspec.speculate.retrieval import SuffixIndex, corpus_index
 
 
@@ -45,11 +45,15 @@ def _corpus(model: nn.Module, spec: SpecConfig, plan) -> SuffixIndex:
     return index
 
 
-def _generic(model: nn.Module, spec: SpecConfig, info, inputs: dict, batch: int, exact: Callable[[], bool]) -> bool:
+def _generic(
+    model: nn.Module, spec: SpecConfig, info, inputs: dict, batch: int, exact: Callable[[bool], bool], fallback: bool
+) -> bool:
     """Whether the call verifies through the generic path (HF's forward) rather than the seams: `spec.path`, or
     for "auto" what transform found (`info.path`), or a prompt with inputs besides token ids (a multimodal
     prompt's pixel values: HF's forward takes them, the seams' prefill does not). Refused where it cannot run:
-    not exact for the model (`exact`: its generic probe), trees, a batch."""
+    not exact for the model (`exact(batch)`: its generic probes, for one prompt or a batch), trees, a batch of
+    prompts with inputs besides token ids. A batch of token ids runs row by row (one forward per row and step):
+    without speculation kwargs (`fallback`) HF's own batched loop runs it instead."""
     found = getattr(info, "path", "seams")
     name = type(model).__name__
     if inputs and spec.path == "seams":
@@ -62,13 +66,17 @@ def _generic(model: nn.Module, spec: SpecConfig, info, inputs: dict, batch: int,
     generic = spec.path == "generic" or found == "generic" or bool(inputs)
     if not generic:
         return False
-    if found != "generic" and not exact():
+    if found != "generic" and not exact(False):
         raise UnsupportedModelError(name, f"the generic path{' (inputs besides token ids)' if inputs else ''}: "
                                     f"{info.limits['generic']}")  # fmt: skip
     if spec.tree and spec.drafter != "none":
         raise UnsupportedModelError(name, CHAINS_ONLY)
-    if batch > 1:
+    if batch > 1 and inputs:
         raise UnsupportedModelError(name, ONE_PROMPT)
+    if batch > 1 and not exact(True):
+        raise UnsupportedModelError(name, f"the generic path on a batch: {info.limits['generic_batches']}")
+    if batch > 1 and fallback:
+        raise NotSpeculated(ROW_BY_ROW)
     return True
 
 
@@ -82,7 +90,7 @@ def generate(
     speculation: SpecConfig | None,
     kwargs: dict[str, Any],
     fallback: bool = False,
-    generic_exact: Callable[[], bool] = lambda: False,
+    generic_exact: Callable[[bool], bool] = lambda batch: False,
 ):
     """Speculative generate (greedy or lossless sampling) on a transformed model; `draft` is an already
     transformed draft model. `generator=` in kwargs: the torch.Generator sampling draws from. With `fallback`
@@ -121,7 +129,7 @@ def generate(
     chains = plan.model_inputs or getattr(info, "path", "seams") == "generic"
     spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains)
     try:
-        generic = _generic(model, spec, info, plan.model_inputs, plan.input_ids.shape[0], generic_exact)
+        generic = _generic(model, spec, info, plan.model_inputs, plan.input_ids.shape[0], generic_exact, fallback)
     except (UnsupportedModelError, UnsupportedSettingError) as e:
         if fallback:
             raise NotSpeculated(str(e)) from e

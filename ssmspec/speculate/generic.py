@@ -9,8 +9,10 @@ the marginal tokens of one forward: docs, "The generic path"). Every forward is 
 sequence, so exactness needs one property of the model only: a multi-token forward that continues a cached
 state computes what single-token steps compute. The transform-time probe (ssmspec.probe.probe_generic) checks
 that by value before the path is used (HF's Mamba, for one, ignores the cached state in a multi-token forward:
-refused). Chains only (a tree's paths do not share one sequence), one prompt at a time (HF's handling of left
-padding in a recurrence is the model's own: rows are not batched here).
+refused). Chains only (a tree's paths do not share one sequence). A batch is verified row by row, each row in a
+state of its own that HF prefilled from the row as padded in the batch (HF's handling of left padding in a
+recurrence is the model's own, so each row is exactly what HF's batched loop computes for it); a prompt with
+inputs besides token ids (a multimodal prompt's pixel values) runs one prompt at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from ssmspec.tree import TokenTree
 
 # why the generic path narrows what speculation may do (model.ssmspec_info.limits)
 CHAINS_ONLY = "the generic path (HF's own forward, no kernel seam) verifies chains: use SpecConfig(tree=False)"
-ONE_PROMPT = "the generic path (HF's own forward, no kernel seam) runs one prompt at a time"
+ONE_PROMPT = (
+    "the generic path (HF's own forward) runs a prompt with inputs besides token ids (pixel values, ...) one prompt "
+    "at a time"
+)
+ROW_BY_ROW = "the generic path (HF's own forward, no kernel seam) verifies a batch row by row (one forward per row)"
 
 
 @dataclass
@@ -37,9 +43,57 @@ class _Progress:
     n_real: torch.Tensor
 
 
+class _Row:
+    """One row's HF state on the generic path: its snapshot per verify step and the accepted tokens it carries
+    into the next forward."""
+
+    def __init__(self, state: HFState, padding: int, max_carry: int) -> None:
+        self.state = state
+        self.padding = padding
+        self.max_carry = max_carry
+        self.carry = state.ids[:, :0]
+        self.pending: tuple[int, Snapshot | None, torch.Tensor] | None = None
+
+    @property
+    def n_real(self) -> int:
+        return self.state.length - self.padding + self.carry.shape[1]
+
+    def verify(self, tokens: torch.Tensor, forward) -> torch.Tensor:
+        """Logits [1, n, V] of the chain `tokens` [1, n] (root first), fed after the carried tokens."""
+        if self.carry.shape[1] + tokens.shape[1] > self.max_carry:  # the carry would cost more than its own forward
+            self.flush(forward)
+        carry = self.carry
+        snap = self.state.snapshot() if tokens.shape[1] > 1 else None  # one node is always accepted
+        self.carry = carry[:, :0]
+        logits = forward(self.state, torch.cat([carry, tokens], dim=1))[:, carry.shape[1] :]
+        self.pending = (tokens, snap, carry)
+        return logits
+
+    def commit(self, keep: int) -> None:
+        tokens, snap, carry = self.pending
+        self.pending = None
+        if keep < tokens.shape[1]:
+            self.state.restore(snap)
+            self.carry = torch.cat([carry, tokens[:, :keep]], dim=1)
+
+    def discard(self) -> None:
+        if self.pending is not None:
+            _, snap, carry = self.pending
+            self.pending = None
+            if snap is None:
+                raise RuntimeError("a one-node step cannot be discarded (take a snapshot before it)")
+            self.state.restore(snap)
+            self.carry = carry
+
+    def flush(self, forward) -> None:
+        if self.carry.shape[1]:
+            carry, self.carry = self.carry, self.carry[:, :0]
+            forward(self.state, carry)
+
+
 class GenericRunner:
-    """ModelRunner's interface (prefill / verify / commit / discard / snapshot / restore) over HF's forward,
-    for chains and one prompt."""
+    """ModelRunner's interface (prefill / verify / commit / discard / snapshot / restore) over HF's forward, for
+    chains; a batch row by row."""
 
     path = "generic"
     static_shapes = False
@@ -51,39 +105,39 @@ class GenericRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.prepack = packed_linear.is_packed(model)
-        self.state: HFState | None = None
+        self.rows: list[_Row] = []
         self.cache: _Progress | None = None
-        self._pending: tuple[TokenTree, Snapshot | None, torch.Tensor] | None = None
+        self._pending: TokenTree | None = None
         # accepted tokens not fed yet: a partial commit goes back to the snapshot and leaves the root and the
         # accepted drafts to the next verify's forward (one forward a step, the prefix's cost the marginal cost
         # of a few more tokens); fed alone first where they would make that forward longer than `max_carry`
-        self.carry = torch.zeros(1, 0, dtype=torch.long, device=self.device)
         self.max_carry = max(2 * (max_nodes or 0), 16)
 
-    def _sync(self) -> None:
-        self.cache.n_real.fill_(self.state.length - self.padding + self.carry.shape[1])
-
-    def _forward(self, tokens: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, state: HFState, tokens: torch.Tensor | None) -> torch.Tensor:
         with packed_linear.prepacked(self.prepack):
-            logits = self.state.forward(tokens)
-        self._sync()
-        return logits
+            return state.forward(tokens)
+
+    def _sync(self) -> None:
+        self.cache.n_real.copy_(torch.tensor([row.n_real for row in self.rows]))
 
     @torch.no_grad()
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_positions: bool = False,
         model_inputs: dict | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """HF's forward over the prompt (with `model_inputs`: a multimodal prompt's pixel values, grids, token
-        types, as HF's generate takes them); returns the last position's logits [1, V] ([1, L, V] with
-        `all_positions`)."""
-        if input_ids.shape[0] != 1:
+        """HF's forward over each row of the (padded) prompt (with `model_inputs`: a multimodal prompt's pixel
+        values, grids, token types, as HF's generate takes them: one prompt); returns the last position's logits
+        [B, V] ([B, L, V] with `all_positions`)."""
+        if model_inputs and input_ids.shape[0] != 1:
             raise UnsupportedModelError(type(self.model).__name__, ONE_PROMPT)
-        self.state = HFState(self.model, input_ids, attention_mask, model_inputs)
-        self.padding = int((attention_mask == 0).sum())
-        self.carry = input_ids[:, :0].to(self.device)
-        self.cache = _Progress(torch.zeros(1, dtype=torch.long, device=self.device))
-        logits = self._forward(None)
+        self.rows, logits = [], []
+        for r in range(input_ids.shape[0]):
+            state = HFState(self.model, input_ids[r : r + 1], attention_mask[r : r + 1], model_inputs)
+            self.rows.append(_Row(state, int((attention_mask[r] == 0).sum()), self.max_carry))
+            logits.append(self._forward(state, None))
+        self.cache = _Progress(torch.zeros(len(self.rows), dtype=torch.long, device=self.device))
+        self._sync()
+        logits = torch.cat(logits)
         return logits if all_positions else logits[:, -1]
 
     @property
@@ -100,53 +154,55 @@ class GenericRunner:
 
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> torch.Tensor:
-        """Logits [1, N, V] of the chain's nodes (root first), fed after the carried tokens in one forward."""
+        """Logits [B, N, V] of the chains' nodes (root first), each row's real nodes fed after its carried tokens
+        in one forward (padding nodes, never accepted, read zeros)."""
         if self._pending is not None:
             raise RuntimeError("commit or discard the previous tree before verifying another")
         tree = self.prepare(tree)
-        if self.carry.shape[1] + tree.num_nodes > self.max_carry:  # the carry would cost more than its own forward
-            self.flush()
-        carry = self.carry
-        snap = self.state.snapshot() if tree.num_nodes > 1 else None  # one node is always accepted
-        self.carry = carry[:, :0]
-        logits = self._forward(torch.cat([carry, tree.tokens], dim=1))[:, carry.shape[1] :]
-        self._pending = (tree, snap, carry)
+        if len(self.rows) == 1:
+            logits = self.rows[0].verify(tree.tokens, self._forward)
+        else:
+            out = []
+            for row, ok in zip(self.rows, tree._acceptable_list):
+                r = len(out)
+                n = sum(ok)  # a chain's real nodes come first (padding continues it)
+                out.append(row.verify(tree.tokens[r : r + 1, :n], self._forward))
+            logits = out[0].new_zeros(len(out), tree.num_nodes, out[0].shape[-1])
+            for r, part in enumerate(out):
+                logits[r, : part.shape[1]] = part[0]
+        self._pending = tree
+        self._sync()
         return logits
 
     @torch.no_grad()
     def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the chain up to node `last[0]`: as verified when it is the whole chain, else back to the snapshot,
-        the carried and accepted tokens carried into the next forward."""
-        tree, snap, carry = self._pending
-        self._pending = None
-        keep = int(last[0]) + 1
-        if keep < tree.num_nodes:
-            self.state.restore(snap)
-            self.carry = torch.cat([carry, tree.tokens[:, :keep]], dim=1)
-            self._sync()
+        """Keep each row's chain up to node `last[b]`: as verified when it is the whole chain, else back to the
+        snapshot, the carried and accepted tokens carried into the next forward."""
+        tree, self._pending = self._pending, None
+        for row, keep in zip(self.rows, last.tolist()):
+            row.commit(int(keep) + 1)
+        self._sync()
         return tree.paths(last.to(tree.tokens.device))
 
     def discard(self) -> None:
-        """Forget the chain verified last."""
+        """Forget the chains verified last."""
         if self._pending is not None:
-            tree, snap, carry = self._pending
             self._pending = None
-            if snap is None:
-                raise RuntimeError("a one-node step cannot be discarded (take a snapshot before it)")
-            self.state.restore(snap)
-            self.carry = carry
+            for row in self.rows:
+                row.discard()
             self._sync()
 
     def flush(self) -> None:
-        """Feed the carried tokens now, in a forward of their own."""
-        if self.carry.shape[1]:
-            carry, self.carry = self.carry, self.carry[:, :0]
-            self._forward(carry)
+        """Feed the carried tokens now, in a forward of their own (per row)."""
+        for row in self.rows:
+            row.flush(self._forward)
+        self._sync()
 
-    def snapshot(self) -> tuple[Snapshot, torch.Tensor]:
-        return self.state.snapshot(), self.carry
+    def snapshot(self) -> list[tuple[Snapshot, torch.Tensor]]:
+        return [(row.state.snapshot(), row.carry) for row in self.rows]
 
-    def restore(self, snap: tuple[Snapshot, torch.Tensor]) -> None:
-        self.state.restore(snap[0])
-        self.carry = snap[1]
+    def restore(self, snap: list[tuple[Snapshot, torch.Tensor]]) -> None:
+        for row, (state, carry) in zip(self.rows, snap):
+            row.state.restore(state)
+            row.carry = carry
         self._sync()

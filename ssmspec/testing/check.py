@@ -40,7 +40,7 @@ class CheckReport:
         mean_accepted_per_step: per run, tokens gained per verify step and row.
         seams: the kernel seams transform made tree-aware.
         path: how the model verifies: "seams" (ssmspec's tree-aware mixers) or "generic" (HF's own forward and
-            cache, chains and one prompt: ssmspec.speculate.generic; its committed states are HF's own, so
+            cache, chains, batches row by row: ssmspec.speculate.generic; its committed states are HF's own, so
             `max_state_diff` stays 0 and the tokens and logits carry the proof).
     """
 

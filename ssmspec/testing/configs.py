@@ -63,15 +63,16 @@ SUPPORTED_FAMILIES: tuple[str, ...] = (
 GENERIC_FAMILIES: tuple[str, ...] = ("zamba", "rwkv", "xlstm", "glm5_next", "qwen4_exp", "zaya")
 
 # Families transform refuses: HF's forward of several tokens after a cached state differs from its one-token steps
-# (recurrent_gemma's conv state is not read by a multi-token forward; minimax's first two tiny variants).
-UNSUPPORTED_FAMILIES: tuple[str, ...] = ("recurrent_gemma", "minimax")
+# (recurrent_gemma's conv state is not read by a multi-token forward; minimax's first two tiny variants; deepseek_v4,
+# an attention model whose KV compressors keep a running window HF marks as not rewindable).
+UNSUPPORTED_FAMILIES: tuple[str, ...] = ("recurrent_gemma", "minimax", "deepseek_v4")
 
 _TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 # Families whose feed-forward blocks contain routed experts (grouped_mm lacks float64).
 _MOE_FAMILIES: frozenset[str] = frozenset({
     "jamba", "granitemoehybrid", "qwen3_next", "kimi_linear", "lfm2_moe", "nemotron_h", "inkling", "inkling2",
-    "bailing_hybrid", "glm5_next", "zaya", "qwen4_exp", "qwen3_5_moe", "minimax",
+    "bailing_hybrid", "glm5_next", "zaya", "qwen4_exp", "qwen3_5_moe", "minimax", "deepseek_v4",
 })  # fmt: skip
 
 
@@ -757,6 +758,40 @@ def _minimax(v: int) -> dict[str, Any]:
     }
 
 
+def _deepseek_v4(v: int) -> dict[str, Any]:
+    """Kwargs for :class:`transformers.DeepseekV4Config` (unsupported: attention whose compressed K/V branches keep
+    a running window of not-yet-compressed tokens; sliding, compressed-sparse and heavily-compressed layers)."""
+    layer_types = _pick(
+        v,
+        ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        ["compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
+    )
+    return {
+        "hidden_size": 32,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "mlp_layer_types": ["hash_moe"] + ["moe"] * (len(layer_types) - 1),
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "q_lora_rank": 16,
+        "num_experts_per_tok": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "hc_mult": 2,
+        "sliding_window": 8,
+        "o_groups": 2,
+        "o_lora_rank": 8,
+        "index_n_heads": 2,
+        "index_head_dim": 8,
+        "index_topk": 4,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "max_position_embeddings": 512,
+    }
+
+
 def _rwkv(v: int) -> dict[str, Any]:
     """Kwargs for :class:`transformers.RwkvConfig` (unsupported)."""
     return {
@@ -826,6 +861,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
     "zaya": ("ZayaConfig", _zaya),
     "qwen4_exp": ("Qwen4ExpTextConfig", _qwen4_exp),
     "minimax": ("MiniMaxConfig", _minimax),
+    "deepseek_v4": ("DeepseekV4Config", _deepseek_v4),
     "zamba": ("ZambaConfig", _zamba),
     "rwkv": ("RwkvConfig", _rwkv),
     "recurrent_gemma": ("RecurrentGemmaConfig", _recurrent_gemma),
@@ -858,6 +894,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "zaya": "ZayaForCausalLM",
     "qwen4_exp": "Qwen4ExpForCausalLM",
     "minimax": "MiniMaxForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
     "zamba": "ZambaForCausalLM",
     "rwkv": "RwkvForCausalLM",
     "recurrent_gemma": "RecurrentGemmaForCausalLM",

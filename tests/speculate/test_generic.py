@@ -1,5 +1,5 @@
 """The generic path (ssmspec.speculate.generic): families without kernel seams speculate through HF's own
-forward and cache, exactly (HF greedy in float64), chains and one prompt; the probe decides where it may run;
+forward and cache, exactly (HF greedy in float64), chains, batches row by row; the probe decides where it may run;
 `SpecConfig(path=...)` forces it (or the seams) and refuses what it cannot do, naming why."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import ssmspec
 from ssmspec import SpecConfig, UnsupportedModelError
 from ssmspec.hf.generic import HFState
 from ssmspec.speculate.engine import eos_and_pad, speculative_generate
-from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, GenericRunner
+from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, ROW_BY_ROW, GenericRunner
 from ssmspec.testing.configs import GENERIC_FAMILIES, SUPPORTED_FAMILIES, build_tiny_model
 from ssmspec.testing.drafters import OracleDrafter
 from ssmspec.testing.strategies import cached_tiny_model, drafter_factories, prompts
+from ssmspec.transform import generic_allowed
 from ssmspec.tree import TokenTree
 
 _THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -46,8 +47,12 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
     ref = cached_tiny_model(family)
     model = _transformed(family)
     info = model.ssmspec_info
-    assert info.path == "generic" and info.generic and not info.trees and not info.batches
-    assert info.limits["trees"] == CHAINS_ONLY and info.limits["batches"] == ONE_PROMPT and info.limits["seams"]
+    assert info.path == "generic" and info.generic and not info.trees and info.limits["seams"]
+    assert info.limits["trees"] == CHAINS_ONLY and info.generic_batches == info.batches
+    # HF's RWKV broadcasts each row's token shift over the whole batch in a one-token step: its batches are not
+    # what its rows compute alone, so the probe refuses them
+    assert info.batches == (family != "rwkv")
+    assert info.limits["batches"] == ROW_BY_ROW if info.batches else "rows' verified alone" in info.limits["batches"]
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     want = ref.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=24), want)  # the default call: chains
@@ -59,11 +64,20 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
         drafter=OracleDrafter(rows, vocab_size=96, right_prefix=2), tree_budget=4, num_draft_tokens=4, generic=True,
     )  # fmt: skip
     assert torch.equal(out, want[:, : out.shape[1]]) and stats.accepted_tokens >= 2 * (stats.verify_steps - 1)
-    # a batch: the default call is HF's own generate; asked for, it is refused naming the path
-    batch = torch.cat([ids, ids.flip(1)])
-    assert torch.equal(model.generate(batch, max_new_tokens=5), ref.generate(batch, max_new_tokens=5))
-    with pytest.raises(UnsupportedModelError, match="one prompt at a time"):
-        model.generate(batch, max_new_tokens=5, speculation=SpecConfig(tree=False))
+    # a left-padded batch: the default call is HF's own batched loop; asked for, speculation runs row by row
+    batch = torch.cat([ids, torch.tensor([[0, 0, 0, 9, 10, 11, 9, 10, 11, 9]])])
+    mask = (batch != 0).long()
+    want = ref.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want) and not hasattr(out, "spec_stats")  # HF's own
+    spec = SpecConfig(tree=False, num_draft_tokens=3, adaptive=False)
+    if info.batches:
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=12, speculation=spec,
+                             return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(out.sequences, want) and out.spec_stats["path"] == "generic"
+    else:
+        with pytest.raises(UnsupportedModelError, match="the generic path on a batch: .*verified alone"):
+            model.generate(batch, attention_mask=mask, max_new_tokens=12, speculation=spec)
     with pytest.raises(UnsupportedModelError, match="verifies chains"):
         model.generate(ids, max_new_tokens=5, speculation=SpecConfig(tree=True))
     with pytest.raises(UnsupportedModelError, match="path='seams'"):
@@ -75,12 +89,13 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
 @given(data=st.data())
 def test_generic_path_equals_hf_greedy(family, data):
     """Property: on the generic path (forced on seam families), speculative greedy output equals HF's, for any
-    chain drafter (adversarial ones included), prompt, depth and EOS."""
+    chain drafter (adversarial ones included), left-padded batch (row by row), depth and EOS."""
     variant = data.draw(st.integers(0, 2), label="variant")
     ref = cached_tiny_model(family, variant)
     model = _transformed(family, variant)
     vocab = ref.config.get_text_config().vocab_size
-    ids, mask = data.draw(prompts(vocab, max_batch=1, allow_all_padding=False), label="prompt")
+    batches = generic_allowed(model, batch=True)  # HF's batches are what its rows compute alone (not RWKV's)
+    ids, mask = data.draw(prompts(vocab, max_batch=3 if batches else 1, allow_all_padding=False), label="prompt")
     _, factory = data.draw(drafter_factories(vocab, trees=False), label="drafter")
     max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
     depth = data.draw(st.integers(1, 6), label="num_draft_tokens")
@@ -89,7 +104,7 @@ def test_generic_path_equals_hf_greedy(family, data):
     if data.draw(st.booleans(), label="eos from reference"):  # stop on a token the model really emits
         eos = [int(want[0, -1])]
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=eos[0])
-    rows = [ids[0][mask[0].bool()].tolist() + want[0, ids.shape[1] :].tolist()]
+    rows = [ids[r][mask[r].bool()].tolist() + want[r, ids.shape[1] :].tolist() for r in range(ids.shape[0])]
     got, _, _ = speculative_generate(
         model, ids, mask, max_new_tokens=max_new, eos_token_ids=eos, pad_token_id=pad, drafter=factory(rows),
         tree_budget=depth, num_draft_tokens=depth, generic=True,
@@ -206,5 +221,47 @@ def test_a_multimodal_model_speculates_on_text_and_on_prompts_with_images():
         model.generate(ids, **image, max_new_tokens=4, speculation=SpecConfig(path="seams", tree=False))
     with pytest.raises(UnsupportedModelError, match="verifies chains"):
         model.generate(ids, **image, max_new_tokens=4, speculation=SpecConfig(tree=True))
+    two = {"pixel_values": image["pixel_values"].repeat(2, 1), "image_grid_thw": image["image_grid_thw"].repeat(2, 1),
+           "mm_token_type_ids": image["mm_token_type_ids"].repeat(2, 1)}  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=ONE_PROMPT.replace("(", r"\(").replace(")", r"\)")):
+        model.generate(ids.repeat(2, 1), **two, max_new_tokens=4, speculation=SpecConfig(tree=False))
     with pytest.raises(ValueError, match="does not take"):
         model.generate(ids, max_new_tokens=4, position_ids=torch.arange(ids.shape[1])[None])
+
+
+def test_another_multimodal_family_speculates_on_prompts_with_images():
+    """LFM2-VL (a short-conv backbone behind a SigLIP2 tower, image tokens in place): text prompts on the seams,
+    a prompt with an image through the generic path, drafts accepted whole and in part."""
+    import transformers
+
+    from ssmspec.testing.configs import _TOKEN_IDS, _lfm2
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "patch_size": 4, "num_patches": 16}  # fmt: skip
+    text = {**_lfm2(0), **_TOKEN_IDS, "vocab_size": 96}
+    config = transformers.Lfm2VlConfig(text_config=text, vision_config=vision, image_token_id=90,
+                                       projector_hidden_size=32, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.Lfm2VlForConditionalGeneration(config).double().eval()
+    ref.generation_config.pad_token_id, ref.generation_config.eos_token_id = 0, 2
+    model = ssmspec.transform(copy.deepcopy(ref))
+    assert model.ssmspec_info.path == "seams" and model.ssmspec_info.trees and model.ssmspec_info.batches
+    text = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8], [0, 0, 9, 10, 11, 9, 10, 11]])
+    mask = (text != 0).long()
+    want = ref.generate(text, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(text, attention_mask=mask, max_new_tokens=12), want)
+    # a 16 x 16 image: 16 patches of 4 x 4, unshuffled 2 x 2 into four image tokens (id 90)
+    ids = torch.tensor([[5, 6, 90, 90, 90, 90, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]])
+    pixels = torch.randn(1, 16, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    image = {"pixel_values": pixels, "spatial_shapes": torch.tensor([[4, 4]]),
+             "pixel_attention_mask": torch.ones(1, 16, dtype=torch.long)}  # fmt: skip
+    want = ref.generate(ids, **image, max_new_tokens=16, do_sample=False)
+    out = model.generate(ids, **image, max_new_tokens=16, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want) and out.spec_stats["path"] == "generic"
+    for right in (None, 1):
+        got, stats, _ = speculative_generate(
+            model, ids, torch.ones_like(ids), max_new_tokens=16, eos_token_ids=[2], pad_token_id=0,
+            drafter=OracleDrafter([want[0].tolist()], vocab_size=96, right_prefix=right), tree_budget=4,
+            num_draft_tokens=4, generic=True, model_inputs=image,
+        )  # fmt: skip
+        assert torch.equal(got, want) and stats.accepted_tokens > 0
