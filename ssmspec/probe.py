@@ -350,7 +350,8 @@ def _generic_once(model: nn.Module, seed: int) -> None:
     p = _Probe(model, seed)
     prompt = torch.tensor([p.tokens(7)], device=p.device)
     mask = torch.ones_like(prompt)
-    runner, reference = GenericRunner(model), GenericRunner(model)  # the reference is fed one token per forward
+    # the reference is HF's loop: its cache as HF keeps it, fed one token per forward
+    runner, reference = GenericRunner(model), GenericRunner(model, as_hf=True)
     got = runner.prefill(prompt, mask)
     _generic_compare(p, "prefill", got, reference.prefill(prompt, mask))
     for n, keep in _GENERIC_STEPS:
@@ -415,7 +416,7 @@ def _generic_batch_once(model: nn.Module, seed: int) -> None:
     prompt = torch.tensor([p.tokens(7), [0, 0] + p.tokens(5)], device=p.device)
     mask = torch.ones_like(prompt)
     mask[1, :2] = 0
-    batched, rows = HFState(model, prompt, mask), GenericRunner(model)
+    batched, rows = HFState(model, prompt, mask, as_hf=True), GenericRunner(model)
     claim = "HF's batched loop (one token per row and forward) gives logits that differ from the rows' verified alone"
     where = "a batch of two prompts (the second left-padded)"
     _generic_compare(p, f"{where}, prefill", rows.prefill(prompt, mask), batched.forward(None)[:, -1], claim)

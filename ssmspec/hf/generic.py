@@ -5,7 +5,8 @@ forward driven exactly as HF's own decoding loop drives it, with several new tok
 position ids and the model's cache object, whatever its class: a `Cache`, RWKV's state list, ...) and advances
 it with HF's `prepare_inputs_for_generation` and the model's forward. Its snapshot is a deep copy of the cache
 object: nothing about the cache's layout is assumed. Private transformers API used here, and only here:
-`_prepare_cache_for_generation`, `_prepare_position_ids_for_generation`, `ALL_CACHE_NAMES`, `GenerationMode`.
+`_prepare_cache_for_generation`, `_prepare_position_ids_for_generation`, `ALL_CACHE_NAMES`, `GenerationMode`,
+`DummyLayer` (see `_layers_without_kv`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import ALL_CACHE_NAMES
 
@@ -40,12 +42,15 @@ class HFState:
 
     def __init__(
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-        model_inputs: dict[str, Any] | None = None,
+        model_inputs: dict[str, Any] | None = None, as_hf: bool = False,
     ) -> None:  # fmt: skip
         """`model_inputs`: what else the prompt holds for the model's forward (pixel values and image grids of a
         multimodal model, its token types), as HF's generate takes them: the prefill reads them, HF's
-        `prepare_inputs_for_generation` drops what only a prefill reads afterwards."""
+        `prepare_inputs_for_generation` drops what only a prefill reads afterwards. `as_hf`: the cache exactly as
+        HF's loop keeps it (the probes' reference), without `_layers_without_kv`, which a multi-token forward needs
+        on some models."""
         self.model = model
+        self.as_hf = as_hf
         self.ids = input_ids
         kwargs: dict[str, Any] = {**(model_inputs or {}), "attention_mask": attention_mask.to(torch.long),
                                   "use_cache": True}  # fmt: skip
@@ -95,7 +100,8 @@ class HFState:
         out = self.model(**inputs, return_dict=True)
         for name in ALL_CACHE_NAMES:
             if name in out and out[name] is not None:
-                self.kwargs[_RENAMED.get(name, name)] = out[name]
+                cache = out[name] if self.as_hf else _layers_without_kv(out[name], self.model.config)
+                self.kwargs[_RENAMED.get(name, name)] = cache
                 break
         self.length = self.ids.shape[1]
         return out.logits[:, -n:]
@@ -123,3 +129,23 @@ class HFState:
             name, cache = snap.cache
             self.kwargs[name] = cache
             snap.cache = None
+
+
+# the layer types of HF's configs that keep attention K/V in the cache's layers
+_KV_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+
+
+def _layers_without_kv(cache: Any, config) -> Any:
+    """`cache`, its never-filled attention layers at indices the config says hold no K/V replaced by HF's
+    DummyLayer. HF's MiniMaxCache keeps a plain attention layer for every index and its lightning-attention state
+    elsewhere; HF's mask code then takes layer 0 (lightning attention, empty) for the first full-attention layer
+    and builds a multi-token forward's mask as if nothing were cached (one-token steps come out right only because
+    a one-row mask broadcasts). With the empty layers marked as holding nothing, HF's own mask code finds the
+    real first attention layer. Other caches are returned as they are."""
+    types = getattr(config.get_text_config(), "layer_types", None)
+    if not isinstance(cache, DynamicCache) or not types:
+        return cache
+    for i, layer in enumerate(cache.layers[: len(types)]):
+        if types[i] not in _KV_TYPES and type(layer) is DynamicLayer and not layer.is_initialized:
+            cache.layers[i] = DummyLayer()
+    return cache

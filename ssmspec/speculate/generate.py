@@ -46,16 +46,24 @@ def _corpus(model: nn.Module, spec: SpecConfig, plan) -> SuffixIndex:
 
 
 def _generic(
-    model: nn.Module, spec: SpecConfig, info, inputs: dict, batch: int, exact: Callable[[bool], bool], fallback: bool
+    model: nn.Module,
+    spec: SpecConfig,
+    info,
+    inputs: dict,
+    mask: torch.Tensor,
+    exact: Callable[[bool], bool],
+    fallback: bool,
 ) -> bool:
     """Whether the call verifies through the generic path (HF's forward) rather than the seams: `spec.path`, or
     for "auto" what transform found (`info.path`), or a prompt with inputs besides token ids (a multimodal
     prompt's pixel values: HF's forward takes them, the seams' prefill does not). Refused where it cannot run:
-    not exact for the model (`exact(batch)`: its generic probes, for one prompt or a batch), trees, a batch of
-    prompts with inputs besides token ids. A batch of token ids runs row by row (one forward per row and step):
-    without speculation kwargs (`fallback`) HF's own batched loop runs it instead."""
+    not exact for the model (`exact(batch)`: its generic probes, for one prompt or a batch: `mask` with several
+    rows or left padding), trees, a batch of prompts with inputs besides token ids. A batch of token ids runs row
+    by row (one forward per row and step): without speculation kwargs (`fallback`) HF's own batched loop runs it
+    instead."""
     found = getattr(info, "path", "seams")
     name = type(model).__name__
+    batch, padded = mask.shape[0], bool((mask == 0).any())
     if inputs and spec.path == "seams":
         names = ", ".join(f"`{k}`" for k in sorted(inputs))
         raise UnsupportedSettingError(sorted(inputs)[0], f"{names} with SpecConfig(path='seams'): the seams' prefill "
@@ -73,8 +81,9 @@ def _generic(
         raise UnsupportedModelError(name, CHAINS_ONLY)
     if batch > 1 and inputs:
         raise UnsupportedModelError(name, ONE_PROMPT)
-    if batch > 1 and not exact(True):
-        raise UnsupportedModelError(name, f"the generic path on a batch: {info.limits['generic_batches']}")
+    if (batch > 1 or padded) and not exact(True):  # a padded prompt: what the batch probe checks
+        what = "a batch" if batch > 1 else "a left-padded prompt"
+        raise UnsupportedModelError(name, f"the generic path on {what}: {info.limits['generic_batches']}")
     if batch > 1 and fallback:
         raise NotSpeculated(ROW_BY_ROW)
     return True
@@ -129,7 +138,7 @@ def generate(
     chains = plan.model_inputs or getattr(info, "path", "seams") == "generic"
     spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains)
     try:
-        generic = _generic(model, spec, info, plan.model_inputs, plan.input_ids.shape[0], generic_exact, fallback)
+        generic = _generic(model, spec, info, plan.model_inputs, plan.attention_mask, generic_exact, fallback)
     except (UnsupportedModelError, UnsupportedSettingError) as e:
         if fallback:
             raise NotSpeculated(str(e)) from e

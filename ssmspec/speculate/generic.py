@@ -98,8 +98,12 @@ class GenericRunner:
     path = "generic"
     static_shapes = False
 
-    def __init__(self, model: nn.Module, *, max_depth: int = 0, max_nodes: int | None = None, **_: object) -> None:
+    def __init__(
+        self, model: nn.Module, *, max_depth: int = 0, max_nodes: int | None = None, as_hf: bool = False, **_: object
+    ) -> None:
+        """`as_hf`: HF's cache exactly as its loop keeps it (ssmspec.hf.generic.HFState; the probes' reference)."""
         self.model = model
+        self.as_hf = as_hf
         self.max_depth = max_depth
         self.max_nodes = max_nodes
         self.dtype = next(model.parameters()).dtype
@@ -132,7 +136,7 @@ class GenericRunner:
             raise UnsupportedModelError(type(self.model).__name__, ONE_PROMPT)
         self.rows, logits = [], []
         for r in range(input_ids.shape[0]):
-            state = HFState(self.model, input_ids[r : r + 1], attention_mask[r : r + 1], model_inputs)
+            state = HFState(self.model, input_ids[r : r + 1], attention_mask[r : r + 1], model_inputs, self.as_hf)
             self.rows.append(_Row(state, int((attention_mask[r] == 0).sum()), self.max_carry))
             logits.append(self._forward(state, None))
         self.cache = _Progress(torch.zeros(len(self.rows), dtype=torch.long, device=self.device))

@@ -60,12 +60,12 @@ SUPPORTED_FAMILIES: tuple[str, ...] = (
 
 # Families without kernel seams that speculate through the generic path (HF's own forward and cache: chains, one
 # prompt; ssmspec.speculate.generic), the probe having found it exact on their tiny configs.
-GENERIC_FAMILIES: tuple[str, ...] = ("zamba", "rwkv", "xlstm", "glm5_next", "qwen4_exp", "zaya")
+GENERIC_FAMILIES: tuple[str, ...] = ("zamba", "rwkv", "xlstm", "glm5_next", "qwen4_exp", "zaya", "minimax")
 
 # Families transform refuses: HF's forward of several tokens after a cached state differs from its one-token steps
-# (recurrent_gemma's conv state is not read by a multi-token forward; minimax's first two tiny variants; deepseek_v4,
-# an attention model whose KV compressors keep a running window HF marks as not rewindable).
-UNSUPPORTED_FAMILIES: tuple[str, ...] = ("recurrent_gemma", "minimax", "deepseek_v4")
+# (recurrent_gemma's conv state is not read by a multi-token forward; deepseek_v4, an attention model whose K/V
+# compressors keep a running window HF marks as not rewindable, on some inputs).
+UNSUPPORTED_FAMILIES: tuple[str, ...] = ("recurrent_gemma", "deepseek_v4")
 
 _TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
