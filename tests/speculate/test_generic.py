@@ -91,12 +91,13 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
 def test_generic_path_equals_hf_greedy(family, data):
     """Property: on the generic path (forced on seam families), speculative greedy output equals HF's, for any
     chain drafter (adversarial ones included), left-padded batch (row by row), depth and EOS."""
-    variant = data.draw(st.integers(0, 2), label="variant")
+    variant = data.draw(st.integers(0, 2 if _THOROUGH else 1), label="variant")  # ci: two of the three shapes
     ref = cached_tiny_model(family, variant)
     model = _transformed(family, variant)
     vocab = ref.config.get_text_config().vocab_size
     batches = generic_allowed(model, batch=True)  # HF's batches are what its rows compute alone (not RWKV's)
-    ids, mask = data.draw(prompts(vocab, max_batch=3 if batches else 1, allow_all_padding=False), label="prompt")
+    max_rows = (3 if _THOROUGH else 2) if batches else 1
+    ids, mask = data.draw(prompts(vocab, max_batch=max_rows, allow_all_padding=False), label="prompt")
     _, factory = data.draw(drafter_factories(vocab, trees=False), label="drafter")
     max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
     depth = data.draw(st.integers(1, 6), label="num_draft_tokens")
