@@ -320,25 +320,32 @@ _GENERIC_SEEDS = (0, 1, 2)
 
 def probe_generic(model: nn.Module) -> str | None:
     """Check that the generic path (ssmspec.speculate.generic) reproduces HF's greedy loop on this model: on a
-    random prompt and a left-padded one (a batch, verified row by row), chains verified through HF's own
-    multi-token forward, committed whole, in part (snapshot restored, prefix fed again), one node, nothing, each
-    node's logits compared with HF's loop feeding the same tokens one at a time after the same prefill (HF's decode
-    step, which is what its generate computes: on some models, MiniMax's lightning attention for one, its prefill
-    and decode paths differ). Returns None where it does on each of three random inputs, else why not.
-    bfloat16/float16 models are checked in float32 (semantics do not depend on the dtype)."""
+    random prompt, chains verified through HF's own multi-token forward, committed whole, in part (snapshot
+    restored, prefix fed again), one node, nothing, each node's logits compared with HF's loop feeding the same
+    tokens one at a time after the same prefill, its cache exactly as HF keeps it (HF's decode step, which is what
+    its generate computes: on some models a multi-token forward after a cache differs, HF's Mamba ignoring the
+    cached state for one). Returns None where it does on each of three random inputs, else why not.
+    bfloat16/float16 models are checked in float32 (semantics do not depend on the dtype). Batches:
+    `probe_generic_batches`."""
+    return _generic_probe(
+        model, _generic_once, _GENERIC_SEEDS, "HF's forward cannot continue a cached state with several tokens"
+    )
+
+
+def _generic_probe(model: nn.Module, once, seeds, cannot: str) -> str | None:
+    """Run `once(model, seed)` for every seed (eval mode, low precision upcast); the first mismatch's message, or
+    `cannot` with the exception where HF's forward fails; None where every seed agreed."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with _upcast(model) if _low_precision(model) else contextlib.nullcontext():
-            for seed in _GENERIC_SEEDS:
+            for seed in seeds:
                 try:
-                    _generic_once(model, seed)
+                    once(model, seed)
                 except _Mismatch as exc:
                     return str(exc)
                 except Exception as exc:  # noqa: BLE001 - any failure means the path cannot run this model
-                    return (
-                        f"HF's forward cannot continue a cached state with several tokens ({type(exc).__name__}: {exc})"
-                    )
+                    return f"{cannot} ({type(exc).__name__}: {exc})"
             return None
     finally:
         for m, mode in modes:
@@ -393,21 +400,7 @@ def probe_generic_batches(model: nn.Module) -> str | None:
     state of its own (what the generic path verifies row by row), chains committed in part and whole. Returns
     None where they agree on two random inputs, else why not (HF's RWKV, for one, broadcasts every row's token
     shift over the whole batch in a one-token step)."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with _upcast(model) if _low_precision(model) else contextlib.nullcontext():
-            for seed in _GENERIC_SEEDS[:2]:
-                try:
-                    _generic_batch_once(model, seed)
-                except _Mismatch as exc:
-                    return str(exc)
-                except Exception as exc:  # noqa: BLE001 - any failure means batches cannot run this way
-                    return f"HF's forward cannot run a batch of prompts ({type(exc).__name__}: {exc})"
-            return None
-    finally:
-        for m, mode in modes:
-            m.training = mode
+    return _generic_probe(model, _generic_batch_once, _GENERIC_SEEDS[:2], "HF's forward cannot run a batch of prompts")
 
 
 @torch.no_grad()

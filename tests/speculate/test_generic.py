@@ -192,17 +192,25 @@ def _qwen3_5_vl() -> torch.nn.Module:
     return model
 
 
-def test_a_multimodal_model_speculates_on_text_and_on_prompts_with_images():
-    """The conditional-generation class of a supported backbone: text prompts on the seams (trees, batches);
-    a prompt with an image through the generic path, the pixels and grids going to HF's prefill, positions
-    (3-D rotary, shifted by the image) and token types continued as HF's generate continues them."""
-    ref = _qwen3_5_vl()
+def _speculates_on_text(ref: torch.nn.Module) -> torch.nn.Module:
+    """A multimodal model transformed: its backbone's seams, trees and batches, a left-padded text batch equal to
+    HF greedy through them. Returns the transformed model."""
     model = ssmspec.transform(copy.deepcopy(ref))
     assert model.ssmspec_info.path == "seams" and model.ssmspec_info.trees and model.ssmspec_info.batches
     text = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8], [0, 0, 9, 10, 11, 9, 10, 11]])
     mask = (text != 0).long()
     want = ref.generate(text, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    assert torch.equal(model.generate(text, attention_mask=mask, max_new_tokens=12), want)
+    out = model.generate(text, attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want) and out.spec_stats["path"] == "seams"
+    return model
+
+
+def test_a_multimodal_model_speculates_on_text_and_on_prompts_with_images():
+    """The conditional-generation class of a supported backbone: text prompts on the seams (trees, batches);
+    a prompt with an image through the generic path, the pixels and grids going to HF's prefill, positions
+    (3-D rotary, shifted by the image) and token types continued as HF's generate continues them."""
+    ref = _qwen3_5_vl()
+    model = _speculates_on_text(ref)
     # an 8 x 8 image: 4 patches of 4 x 4 (2 frames), merged 2 x 2 into one image token (id 90)
     ids = torch.tensor([[5, 6, 92, 90, 93, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]])
     image = {"pixel_values": torch.randn(4, 3 * 2 * 4 * 4, dtype=torch.float64,
@@ -246,12 +254,7 @@ def test_another_multimodal_family_speculates_on_prompts_with_images():
     torch.manual_seed(0)
     ref = transformers.Lfm2VlForConditionalGeneration(config).double().eval()
     ref.generation_config.pad_token_id, ref.generation_config.eos_token_id = 0, 2
-    model = ssmspec.transform(copy.deepcopy(ref))
-    assert model.ssmspec_info.path == "seams" and model.ssmspec_info.trees and model.ssmspec_info.batches
-    text = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8], [0, 0, 9, 10, 11, 9, 10, 11]])
-    mask = (text != 0).long()
-    want = ref.generate(text, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    assert torch.equal(model.generate(text, attention_mask=mask, max_new_tokens=12), want)
+    model = _speculates_on_text(ref)
     # a 16 x 16 image: 16 patches of 4 x 4, unshuffled 2 x 2 into four image tokens (id 90)
     ids = torch.tensor([[5, 6, 90, 90, 90, 90, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]])
     pixels = torch.randn(1, 16, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
