@@ -144,12 +144,18 @@ def _generic_info(model: nn.Module, refused: UnsupportedModelError) -> Transform
 def _generic_batches(model: nn.Module, info: TransformInfo) -> bool:
     """Whether the generic path's row-by-row batches are HF's batches on this model (probed once, kept on
     `info.generic_batches`; the reason it is not in `info.limits["generic_batches"]`)."""
-    if info.generic_batches is None:
-        why = probe_generic_batches(model)
-        info.generic_batches = why is None
+    return _probed_once(model, info, "generic_batches", probe_generic_batches)
+
+
+def _probed_once(model: nn.Module, info: TransformInfo, field: str, probe_fn) -> bool:
+    """`info.<field>`, set from `probe_fn(model)` the first time it is asked for (None: not probed yet); the
+    probe's reason for a False kept in `info.limits[field]`."""
+    if getattr(info, field) is None:
+        why = probe_fn(model)
+        setattr(info, field, why is None)
         if why is not None:
-            info.limits["generic_batches"] = why
-    return info.generic_batches
+            info.limits[field] = why
+    return getattr(info, field)
 
 
 def generic_allowed(model: nn.Module, batch: bool = False) -> bool:
@@ -157,12 +163,7 @@ def generic_allowed(model: nn.Module, batch: bool = False) -> bool:
     its generic probes, run the first time they are asked for on a model transform gave seams (the reasons kept
     in `info.limits["generic"]` and `info.limits["generic_batches"]`)."""
     info = model.ssmspec_info
-    if info.generic is None:
-        why = probe_generic(model)
-        info.generic = why is None
-        if why is not None:
-            info.limits["generic"] = why
-    return info.generic and (not batch or _generic_batches(model, info))
+    return _probed_once(model, info, "generic", probe_generic) and (not batch or _generic_batches(model, info))
 
 
 class SpecGenerationMixin:

@@ -11,8 +11,9 @@ state computes what single-token steps compute. The transform-time probe (ssmspe
 that by value before the path is used (HF's Mamba, for one, ignores the cached state in a multi-token forward:
 refused). Chains only (a tree's paths do not share one sequence). A batch is verified row by row, each row in a
 state of its own that HF prefilled from the row as padded in the batch (HF's handling of left padding in a
-recurrence is the model's own, so each row is exactly what HF's batched loop computes for it); a prompt with
-inputs besides token ids (a multimodal prompt's pixel values) runs one prompt at a time.
+recurrence is the model's own); that is HF's batch where a second probe (ssmspec.probe.probe_generic_batches)
+finds HF's batched loop computing what its rows compute alone, and refused elsewhere (HF's RWKV, MiniMax). A
+prompt with inputs besides token ids (a multimodal prompt's pixel values) runs one prompt at a time.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class _Row:
         self.padding = padding
         self.max_carry = max_carry
         self.carry = state.ids[:, :0]
-        self.pending: tuple[int, Snapshot | None, torch.Tensor] | None = None
+        self.pending: tuple[torch.Tensor, Snapshot | None, torch.Tensor] | None = None  # (chain, snapshot, carry)
 
     @property
     def n_real(self) -> int:
