@@ -243,6 +243,8 @@ def _gpu() -> str:
 
 
 def _fmt(v) -> str:
+    if v is None:  # not measured for that row (a default call that ran HF's own generate has no acceptance)
+        return "–"
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 

@@ -2,11 +2,12 @@
 
 It verifies random branching trees on a random prompt (one row, then a left-padded batch of two), commits
 a path and verifies a second tree on top of it, and compares every node's logits and every decoder layer's
-output with HF's own forward of the node's root-to-node path (the same model outside verification, where
-every seam is HF's own function). A difference beyond the dtype's tolerance on two independent random
-inputs raises UnsupportedModelError naming the first layer that differs: a model whose semantics ssmspec
-does not reproduce (a position bias keyed on cache slots, an unknown mixer path) is refused at transform
-time, never run with wrong tokens.
+output with what HF's generate computes for the node's root-to-node path: the prompt in one forward, every
+later token in a one-token decode step (the same model outside verification, where every seam is HF's own
+function). A difference beyond the dtype's tolerance on two independent random inputs raises
+UnsupportedModelError naming the first layer that differs: a model whose semantics ssmspec does not reproduce
+(a position bias keyed on cache slots, an unknown mixer path) is refused at transform time, never run with
+wrong tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf.generic import HFState
 from ssmspec.speculate.generic import GenericRunner
-from ssmspec.speculate.runner import ModelRunner, positions_from_mask, takes_position_ids
+from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
 # relative tolerance (max |difference| / max |reference|, per layer output and for the logits) per dtype:
@@ -96,24 +97,32 @@ class _Probe:
         found = decoder_layers(model)
         self.layers_path, self.layers = found if found else ("", None)
         self.tol = TOLERANCE.get(self.dtype, 8e-2)
-        self.takes_positions = takes_position_ids(model)
         self.max_logit = self.max_layer = 0.0
 
     def tokens(self, n: int) -> list[int]:
         return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
 
     @torch.no_grad()
-    def reference(self, ids: list[int], pad: int) -> tuple[torch.Tensor, list]:
-        """HF's own forward of one left-padded sequence: logits [L, V] and each layer's output [L, H]."""
+    def reference(self, ids: list[int], pad: int, prompt: int) -> tuple[torch.Tensor, list]:
+        """What HF's generate computes for one left-padded sequence: the first `prompt` tokens in one forward (its
+        prefill), every later one in a one-token decode step on HF's cache, as its loop feeds the tokens it
+        generates. Logits [L, V] and each layer's output [L, H]. (HF's decode step and its multi-token forward
+        may differ: Zamba2's and Nemotron-H's decode steps do not clamp dt to the config's `time_step_min`, their
+        chunked forward does; speculation must equal the decode steps.)"""
         full = torch.tensor([[0] * pad + ids], device=self.device)
         mask = torch.tensor([[0] * pad + [1] * len(ids)], device=self.device)
-        kwargs = {"attention_mask": mask}
-        if self.takes_positions:
-            kwargs["position_ids"] = positions_from_mask(mask)
-        outs: list = []
-        with _capture(self.layers, outs):
-            logits = self.model(input_ids=full, **kwargs).logits
-        return logits[0, pad:], [o[0, pad:] if o is not None else None for o in outs]
+        state = HFState(self.model, full[:, : pad + prompt], mask[:, : pad + prompt], as_hf=True)
+        logits, layers = [], []
+        for t in range(prompt, len(ids) + 1):
+            outs: list = []
+            with _capture(self.layers, outs):
+                step = state.forward(None if t == prompt else full[:, pad + t - 1 : pad + t])
+            skip = pad if t == prompt else 0
+            logits.append(step[0, skip:])
+            layers.append([o[0, skip:] if o is not None else None for o in outs])
+        per_layer = [None if any(x[i] is None for x in layers) else torch.cat([x[i] for x in layers])
+                     for i in range(len(layers[0]))]  # fmt: skip
+        return torch.cat(logits), per_layer
 
     def compare(self, what: str, got_logits, got_layers, want_logits, want_layers) -> None:
         diffs = []
@@ -131,7 +140,7 @@ class _Probe:
             worst = diffs[0][1] if diffs else d_logits
             raise _Mismatch(
                 where,
-                f"{what}: output differs from HF's forward of the same path by {worst:.3g} "
+                f"{what}: output differs from what HF's generate computes for the same path by {worst:.3g} "
                 f"(relative; tolerance {self.tol:g} for {self.dtype}); logits differ by {d_logits:.3g}",
             )
 
@@ -152,7 +161,7 @@ class _Probe:
                 logits = runner.verify(tree)
             slot_positions |= runner.cache.reads_slot_positions
             what = f"{'tree' if trees else 'chain'} verification, step {step + 1}"
-            self._check_nodes(what, tree, 0, history, 0, logits, got_layers)
+            self._check_nodes(what, tree, 0, history, 0, len(prompt), logits, got_layers)
             last = torch.tensor([tree.num_nodes - 1], device=self.device)
             path, length = tree.paths(last)
             runner.commit(last)
@@ -164,6 +173,7 @@ class _Probe:
         runner = ModelRunner(self.model, decode_single_nodes=False)
         runner.level_aligned = slot_positions
         rows = [self.tokens(6), self.tokens(4)]
+        prompts = [6, 4]
         ids = torch.tensor([rows[0], [0, 0] + rows[1]], device=self.device)
         mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], device=self.device)
         runner.prefill(ids, mask)
@@ -176,15 +186,16 @@ class _Probe:
                 logits = runner.verify(tree)
             for r in range(2):
                 self._check_nodes(f"batched verification, row {r}, step {step + 1}", tree, r, rows[r], 2 * r,
-                                  logits, got_layers)  # fmt: skip
+                                  prompts[r], logits, got_layers)  # fmt: skip
             last = tree.depth.masked_fill(~tree.acceptable, -1).argmax(1)  # each row's deepest real node
             path, length = tree.paths(last)
             runner.commit(last)
             for r in range(2):
                 rows[r] = rows[r] + tree.tokens[r, path[r, : int(length[r])]].tolist()
 
-    def _check_nodes(self, what, tree, row, history, pad, logits, got_layers) -> None:
-        """Compare each acceptable node of one row with HF's forward of history + its root-to-node path."""
+    def _check_nodes(self, what, tree, row, history, pad, prompt, logits, got_layers) -> None:
+        """Compare each acceptable node of one row with what HF's generate computes for history + its root-to-node
+        path (the first `prompt` tokens of history prefilled, the rest decoded)."""
         ok = tree.acceptable[row].tolist()
         leaves = [t for t in range(tree.num_nodes) if ok[t] and not any(
             ok[c] and int(tree.parents[row, c]) == t for c in range(tree.num_nodes))]  # fmt: skip
@@ -192,7 +203,7 @@ class _Probe:
             path, length = tree.paths(torch.full((tree.batch_size,), leaf, device=self.device))
             nodes = path[row, : int(length[row])].tolist()
             seq = history + tree.tokens[row, nodes].tolist()
-            want_logits, want_layers = self.reference(seq, pad)
+            want_logits, want_layers = self.reference(seq, pad, prompt)
             at = len(history) + torch.arange(len(nodes))
             got = [g[row, nodes] if g is not None else None for g in got_layers]
             want = [w[at] if w is not None else None for w in want_layers]

@@ -72,17 +72,18 @@ class Verification:
         self.cache = cache
         self.tree = tree
         self.commit_strategy = commit
-        self.records: dict[tuple[int, int, bool], Record] = {}
+        self.records: dict[tuple[int, int, bool, int | None], Record] = {}
         self.kv_start = cache.kv_widths()  # attention slots per layer before the tree's K/V were appended
         self.buffers: dict[tuple, torch.Tensor] = {}  # records of all layers stacked (the cache's to fill)
         self.done = False
 
     def record(self, module: str, seam: str, rec: Record) -> None:
         """Remember what commit needs for (layer, state index); one recurrence call per state and forward."""
-        key = (rec.layer, rec.state_idx, rec.kind == "conv")
+        key = (rec.layer, rec.state_idx, rec.kind == "conv", rec.part)
         if key in self.records:
+            part = "" if rec.part is None else f", part {rec.part}"
             raise UnsupportedModelError(
-                module, f"calls `{seam}` more than once per forward on layer {rec.layer}, state {rec.state_idx}"
+                module, f"calls `{seam}` more than once per forward on layer {rec.layer}, state {rec.state_idx}{part}"
             )
         self.records[key] = rec
 

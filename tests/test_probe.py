@@ -170,7 +170,7 @@ def test_deep_bfloat16_model_is_not_refused_for_its_own_rounding():
     before = {k: v.clone() for k, v in ref.state_dict().items()}
     model = ssmspec.transform(ref)
     info = model.ssmspec_info
-    assert info.trees and info.batches and "differs from HF's forward" in info.probe_rounding
+    assert info.trees and info.batches and "differs from what HF's generate computes" in info.probe_rounding
     after = model.state_dict()
     assert all(v.dtype == after[k].dtype and torch.equal(v, after[k]) for k, v in before.items())
 
@@ -197,3 +197,22 @@ def test_semantic_differences_are_still_refused_in_bfloat16():
         ssmspec.transform(model)
     after = model.state_dict()
     assert all(v.dtype == after[k].dtype and torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_the_probe_compares_with_hf_s_decode_steps(monkeypatch):
+    """Zamba2's chunked forward clamps dt to `time_step_min`, its decode step does not, and HF's generate decodes
+    every generated token: a tree op that clamps as the chunked forward does (ssmspec's SSD adapter did) computes
+    something else than generate, and the probe, comparing with the decode steps, refuses it. Unclamped, it passes."""
+    from ssmspec.ops import ssd
+
+    ref = cached_tiny_model("zamba2", 1)
+    assert ref.config.time_step_min > 0
+    assert ssmspec.transform(copy.deepcopy(ref)).ssmspec_info.trees
+    unclamped = ssd._tree_ssd
+
+    def clamped(x, dt, A, Bm, Cm, D, bias, h0, mask, softplus, lo, hi, keep):
+        return unclamped(x, dt, A, Bm, Cm, D, bias, h0, mask, softplus, ref.config.time_step_min, hi, keep)
+
+    monkeypatch.setattr(ssd, "_tree_ssd", clamped)
+    with pytest.raises(UnsupportedModelError, match="differs from what HF's generate computes"):
+        ssmspec.transform(copy.deepcopy(ref))

@@ -85,3 +85,50 @@ def test_outside_verification_the_seam_is_hf_s_own():
     x = torch.ones(1, 2, 3)
     assert wrapper(x, None, seq_idx=None, anything=1) is x
     assert calls == [{"seq_idx": None, "anything": 1}]
+
+
+class _Verification:
+    """What a MixerCall reads of a verification: a layer's committed state; the records left."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state, self.records, self.tree, self.commit_strategy = state, [], None, "replay"
+
+    def committed_state(self, layer: int, state_idx: int = 0) -> torch.Tensor:
+        return self.state
+
+    def record(self, module: str, seam: str, rec) -> None:
+        self.records.append(rec)
+
+
+def test_a_seam_called_per_head_owns_one_slice_of_the_state_per_call():
+    """Zamba v1 calls `selective_scan_fn` once per head on a [B, D, S] slice of its [B, H, D, S] state: call k of a
+    forward reads slice k and its record names it; a call beyond the heads, or a shape that is no slice, is refused."""
+    state = torch.randn(2, 3, 4, 5)
+    call = seams.MixerCall(_Verification(state), layer=1, module="m.mixer")
+    for head in range(3):
+        h0 = call.committed_state("selective_scan_fn", (2, 4, 5))
+        assert torch.equal(h0, state[:, head])
+        call.record("selective_scan_fn", "selective_scan", x=h0)
+    assert [r.part for r in call.verification.records] == [0, 1, 2]
+    with pytest.raises(UnsupportedModelError, match="which part of the state"):
+        call.committed_state("selective_scan_fn", (2, 4, 5))
+    whole = seams.MixerCall(_Verification(state), layer=1, module="m.mixer")
+    assert whole.committed_state("selective_scan_fn", (2, 3, 4, 5)) is state
+    whole.record("selective_scan_fn", "selective_scan")
+    assert whole.verification.records[0].part is None
+    with pytest.raises(UnsupportedModelError, match="which part of the state"):
+        whole.committed_state("selective_scan_fn", (2, 4, 6))
+
+
+def test_a_per_head_commit_writes_its_slice_of_the_cached_state():
+    """The cache hands a per-head record's commit a view of its slice: writing it changes that head only."""
+    model = cached_tiny_model("zamba")
+    runner = ModelRunner(ssmspec.transform(copy.deepcopy(model)), decode_single_nodes=False)
+    runner.prefill(torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long))
+    cache = runner.cache
+    layer = cache.linear_layers()[0]
+    state = cache.layers[layer].recurrent_states[0]
+    before = state.clone()
+    rec = ssmspec.ops.Record("selective_scan", layer, 0, part=1)
+    cache.state_tensor(rec).fill_(7.0)
+    assert torch.equal(state[:, 0], before[:, 0]) and bool((state[:, 1] == 7.0).all())

@@ -207,9 +207,10 @@ class SpecCache(DynamicCache):
         return hf_layers.recurrent_state(self.layers[layer_idx], state_idx)
 
     def state_tensor(self, rec: Record) -> torch.Tensor:
-        """The committed tensor a commit record overwrites."""
+        """The committed tensor a commit record overwrites (a view of the slice it owns, for a per-head record)."""
         layer = self.layers[rec.layer]
-        return layer.conv_states[rec.state_idx] if rec.kind == "conv" else layer.recurrent_states[rec.state_idx]
+        state = layer.conv_states[rec.state_idx] if rec.kind == "conv" else layer.recurrent_states[rec.state_idx]
+        return state if rec.part is None else state[:, rec.part]
 
     # ---------------------------------------------------------------- HF Cache API overrides
     # While verifying, mixers are told there is no previous state: then every family takes its multi-token

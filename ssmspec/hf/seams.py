@@ -18,7 +18,7 @@ import inspect
 import threading
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -90,6 +90,8 @@ class MixerCall:
     verification: Verification
     layer: int
     module: str
+    parts: dict[str, int] = field(default_factory=dict)  # per seam: slices of the state called on so far
+    part: int | None = None  # the slice the seam call in progress owns (None: the whole state)
 
     @property
     def tree(self):
@@ -100,20 +102,30 @@ class MixerCall:
         return self.verification.commit_strategy
 
     def committed_state(self, seam: str, expected: tuple[int, ...]) -> torch.Tensor | None:
-        """This mixer's committed recurrent state, checked against the shape the seam call implies."""
+        """This mixer's committed recurrent state, checked against the shape the seam call implies. A mixer that
+        calls the seam once per head on a slice of its state [B, H, ...] (Zamba v1's per-head scans: its cache
+        holds [B, H, D, S], each call a [B, D, S] slice) owns slice k of it on its k-th call in a forward, HF's
+        order of heads (the transform-time probe checks the result by value)."""
         h0 = self.verification.committed_state(self.layer)
-        if h0 is not None and tuple(h0.shape) != tuple(expected):
-            raise UnsupportedModelError(
-                self.module,
-                f"calls `{seam}` on a state of shape {tuple(expected)} but its cached recurrent state is "
-                f"{tuple(h0.shape)} (e.g. one call per head on a slice of the state); ssmspec cannot tell which "
-                "part of the state a call owns",
-            )
-        return h0
+        self.part = None
+        if h0 is None or tuple(h0.shape) == tuple(expected):
+            return h0
+        if h0.dim() == len(expected) + 1 and h0.shape[0] == expected[0] and tuple(h0.shape[2:]) == tuple(expected[1:]):
+            part = self.parts.get(seam, 0)
+            if part < h0.shape[1]:
+                self.parts[seam] = part + 1
+                self.part = part
+                return h0[:, part]
+        raise UnsupportedModelError(
+            self.module,
+            f"calls `{seam}` on a state of shape {tuple(expected)} but its cached recurrent state is "
+            f"{tuple(h0.shape)}; ssmspec cannot tell which part of the state a call owns",
+        )
 
     def record(self, seam: str, kind: str, *, states: torch.Tensor | None = None, **replay: Any) -> None:
-        """Leave what commit needs for this mixer's recurrent state."""
-        self.verification.record(self.module, seam, Record(kind, self.layer, 0, states, replay))
+        """Leave what commit needs for this mixer's recurrent state (or the slice the call owns)."""
+        rec = Record(kind, self.layer, 0, states, replay, part=self.part)
+        self.verification.record(self.module, seam, rec)
 
 
 class MixerForward:

@@ -161,13 +161,15 @@ class SeamAdapter:
 @dataclass
 class Record:
     """What a tree op left for commit, for one (layer, state index): every node's state (materialize) or
-    the recurrence inputs to replay along the accepted path (replay)."""
+    the recurrence inputs to replay along the accepted path (replay). `part`: the slice [:, part] of the state
+    that the op owns, where a mixer runs one op per head on a slice of its state (Zamba v1); None: all of it."""
 
     kind: str
     layer: int
     state_idx: int
     states: torch.Tensor | None = None
     replay: dict[str, Any] = field(default_factory=dict)
+    part: int | None = None
 
 
 # commit(items: [(committed state tensor to overwrite, Record)], path [B, M], lengths [B], last [B])

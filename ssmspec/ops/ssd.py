@@ -232,8 +232,11 @@ BATCH_REPLAY_MAX_STATE = 65536
 )
 def verify_ssd(call: SeamCall, a: dict[str, Any]):
     """Mamba2 chunk scan on the tree: outputs of every node from the committed state; records the replay
-    inputs (or, for materialize, every node's state)."""
-    lo, hi = a.get("dt_limit", (0.0, float("inf")))
+    inputs (or, for materialize, every node's state). The nodes are tokens HF's generate would feed one at a time
+    to its decode step (`selective_state_update`), which takes no `dt_limit`: the chunked forward's clamp of dt
+    (Zamba2 and Nemotron-H clamp it to `time_step_min`) is not HF's decode semantics, so it is not applied here
+    (the probe compares with HF's decode steps)."""
+    lo, hi = 0.0, float("inf")
     keep = call.commit_strategy == "materialize"
     x, dt, A, Bm, Cm = a["hidden_states"], a["dt"], a["A"], a["B"], a["C"]
     seam = "mamba_chunk_scan_combined"

@@ -56,16 +56,25 @@ SUPPORTED_FAMILIES: tuple[str, ...] = (
     "inkling2",
     "bailing_hybrid",
     "qwen3_5_moe",
+    "zamba",
 )
 
 # Families without kernel seams that speculate through the generic path (HF's own forward and cache: chains, one
 # prompt; ssmspec.speculate.generic), the probe having found it exact on their tiny configs.
-GENERIC_FAMILIES: tuple[str, ...] = ("zamba", "rwkv", "xlstm", "glm5_next", "qwen4_exp", "zaya", "minimax")
+GENERIC_FAMILIES: tuple[str, ...] = ("rwkv", "xlstm", "glm5_next", "qwen4_exp", "zaya", "minimax")
 
 # Families transform refuses: HF's forward of several tokens after a cached state differs from its one-token steps
 # (recurrent_gemma's conv state is not read by a multi-token forward; deepseek_v4, an attention model whose K/V
 # compressors keep a running window HF marks as not rewindable, on some inputs).
 UNSUPPORTED_FAMILIES: tuple[str, ...] = ("recurrent_gemma", "deepseek_v4")
+
+# Weight scale of the tiny models of these families. At HF's default (0.02) the recurrent state of their random tiny
+# SSM mixers moved the next token's logits by 1e-8 to 1e-6 (relative): far below the probe's float64 tolerance
+# (1e-5), so a state committed wrongly, or a forward that ignores the cached state (HF's Zamba v1 in a multi-token
+# forward), went unseen. At 0.2 the state moves them by 1e-3 to 0.3 (tests/test_tiny_configs.py checks it; the
+# other families' states move them by 2e-5 to 0.5 at HF's default).
+STRONG_STATE_FAMILIES = frozenset({"bamba", "nemotron_h", "granitemoehybrid", "zamba2", "falcon_h1", "zamba"})
+INIT_RANGE = 0.2
 
 _TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -706,7 +715,8 @@ def _qwen3_5_moe(v: int) -> dict[str, Any]:
 
 
 def _zamba(v: int) -> dict[str, Any]:
-    """Kwargs for :class:`transformers.ZambaConfig` (unsupported: Zamba v1).
+    """Kwargs for :class:`transformers.ZambaConfig` (Zamba v1: one selective scan per Mamba head, on a slice of the
+    layer's state).
 
     Two "hybrid" layers are required: with a single one, transformers 5.23 fails in
     ``tie_weights`` (the shared-transformer tying regex has nothing to tie into).
@@ -919,6 +929,8 @@ def tiny_config(family: str, *, vocab_size: int = 96, seed_variant: int = 0) -> 
     config_name, make_kwargs = _BUILDERS[family]
     config_cls = getattr(transformers, config_name)
     kwargs = make_kwargs(seed_variant)
+    if family in STRONG_STATE_FAMILIES:
+        kwargs.setdefault("initializer_range", INIT_RANGE)
     kwargs.update(_TOKEN_IDS)
     if family == "rwkv":
         kwargs.pop("pad_token_id")  # RwkvConfig has no pad token field

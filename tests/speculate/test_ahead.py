@@ -34,9 +34,9 @@ class Checked(AheadDrafter):
         return out
 
 
-@pytest.mark.parametrize("family,tree,corpus", [("bamba", True, False), ("mamba2", False, True)])
+@pytest.mark.parametrize("family,tree,corpus", [("jamba", True, False), ("mamba2", False, True)])
 def test_ahead_drafts_equal_the_drafters_and_outputs_equal_hf(family, tree, corpus):
-    """bamba's tiny model repeats itself (context drafts), mamba2's does not: a corpus holds its output."""
+    """jamba's tiny model repeats itself (context drafts), mamba2's does not: a corpus holds its output."""
     ref = cached_tiny_model(family, dtype=torch.float64)
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4]])
     want = ref.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)

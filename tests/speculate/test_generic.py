@@ -25,10 +25,10 @@ from ssmspec.tree import TokenTree
 
 _THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 # seam families the generic path is forced on: in the ci profile an SSD hybrid, the gated delta rule and short
-# convs; in thorough every one but the Mamba1 mixers' (HF's ignores the cached state in a multi-token forward:
-# the generic probe refuses them, test_forcing_a_path_is_checked_and_refused_where_inexact)
+# convs; in thorough every one but the Mamba1 mixers' (HF's, Zamba v1's too, ignore the cached state in a
+# multi-token forward: the generic probe refuses them, test_forcing_a_path_is_checked_and_refused_where_inexact)
 FORCED = (
-    tuple(f for f in SUPPORTED_FAMILIES if f not in ("mamba", "falcon_mamba", "jamba"))
+    tuple(f for f in SUPPORTED_FAMILIES if f not in ("mamba", "falcon_mamba", "jamba", "zamba"))
     if _THOROUGH
     else ("bamba", "qwen3_next", "lfm2")
 )
@@ -115,8 +115,8 @@ def test_generic_path_equals_hf_greedy(family, data):
 
 
 def test_forcing_a_path_is_checked_and_refused_where_inexact():
-    """SpecConfig(path="generic") on a seam family runs the generic probe once; HF's Mamba ignores the cached
-    state in a multi-token forward, so the generic path is refused there, with the probe's reason."""
+    """SpecConfig(path="generic") on a seam family runs the generic probe once; HF's Mamba and Zamba v1 ignore the
+    cached state in a multi-token forward, so the generic path is refused there, with the probe's reason."""
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
     model = _transformed("mamba2")
     assert model.ssmspec_info.path == "seams" and model.ssmspec_info.generic is None
@@ -126,10 +126,11 @@ def test_forcing_a_path_is_checked_and_refused_where_inexact():
     assert torch.equal(out.sequences, want) and model.ssmspec_info.generic is True  # probed, then run
     with pytest.raises(UnsupportedModelError, match="verifies chains"):
         model.generate(ids, max_new_tokens=4, speculation=SpecConfig(path="generic"))
-    mamba = copy.deepcopy(_transformed("mamba"))
-    with pytest.raises(UnsupportedModelError, match="the generic path: .*one-token steps"):
-        mamba.generate(ids, max_new_tokens=4, speculation=spec)
-    assert mamba.ssmspec_info.generic is False and "one-token steps" in mamba.ssmspec_info.limits["generic"]
+    for family in ("mamba", "zamba"):  # Zamba v1's per-head scans start from a zero state too
+        mamba = copy.deepcopy(_transformed(family))
+        with pytest.raises(UnsupportedModelError, match="the generic path: .*one-token steps"):
+            mamba.generate(ids, max_new_tokens=4, speculation=spec)
+        assert mamba.ssmspec_info.generic is False and "one-token steps" in mamba.ssmspec_info.limits["generic"]
     with pytest.raises(ValueError, match="path must be one of"):
         SpecConfig(path="fast")
 
