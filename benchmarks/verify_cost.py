@@ -1,7 +1,8 @@
 """Verification cost curve: time(verify an N-node tree + commit) / time(one HF decode step), side by side.
 
 `--model random`: a random-init model of `--layers` / `--hidden` (the ratio depends on shapes, not weights): a
-Mamba2 (`--family mamba2`) or a Bamba-style hybrid with one attention layer in six (`--family bamba`);
+Mamba2 (`--family mamba2`), a Bamba-style hybrid with one attention layer in six (`--family bamba`), or a Zamba v1
+(`--family zamba`: one scan per Mamba head, the shared attention block every third layer);
 `--model mamba2-target` or `bamba-hybrid`: an embedded trained model. Chains and random trees of N nodes
 (N = 1 uses HF's own decode path, as ssmspec does); the commit keeps a path of about half the tree's depth.
 Per repeat, HF's decode step on the untransformed model, ssmspec's own decode step (the transformed model's
@@ -13,7 +14,7 @@ Inductor's C++ wrapper (the fastest compiled configuration on CPU, ssmspec.bench
 verifies with static shapes, as a compiled model does in `generate`. Compiling takes minutes on 2 cores.
 `--generic`: the generic path (ssmspec.speculate.generic: HF's own forward with a snapshot of its cache, the
 accepted prefix fed again) timed beside the seams in the same repeats, on chains (columns `generic`, `g.ratio`).
-A model without seams (`--family rwkv | zamba`) runs the generic path only, chains: its commit keeps half the
+A model without seams (`--family rwkv | xlstm`) runs the generic path only, chains: its commit keeps half the
 chain, so the next verify feeds that prefix ahead of its own chain: `verify` is timed in that steady state
 (the chain plus the n // 2 + 1 tokens the previous step carried), `commit` is the snapshot's restore.
 `--profile`: where a step goes (torch.profiler): for HF's decode, ssmspec's decode, verify(2) and verify(8)
@@ -46,6 +47,8 @@ from transformers import (
     RwkvForCausalLM,
     ZambaConfig,
     ZambaForCausalLM,
+    xLSTMConfig,
+    xLSTMForCausalLM,
 )
 
 import ssmspec
@@ -110,8 +113,8 @@ def rwkv(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def zamba(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-init Zamba v1 (no kernel seam: the generic path): Mamba layers, the shared attention block every
-    third layer (HF's weight tying needs two such layers: `layers` >= 6)."""
+    """A random-init Zamba v1 (one selective scan per Mamba head, on a slice of the state): Mamba layers, the shared
+    attention block every third layer (HF's weight tying needs two such layers: `layers` >= 6)."""
     torch.manual_seed(0)
     types = ["hybrid" if i % 3 == 2 else "mamba" for i in range(layers)]
     cfg = ZambaConfig(vocab_size=32000, hidden_size=hidden, attention_hidden_size=2 * hidden,
@@ -119,6 +122,16 @@ def zamba(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, n_mamba_heads=2,
                       mamba_d_state=16)  # fmt: skip
     return ZambaForCausalLM(cfg).to(dtype).eval()
+
+
+def xlstm(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-init xLSTM (mLSTM blocks, no kernel seam: the generic path), heads of 192 (HF sizes its cache for
+    q/k/v widths rounded up to 64, its blocks do not round: full-width q/k/v keep the two equal)."""
+    torch.manual_seed(0)
+    cfg = xLSTMConfig(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers, num_heads=max(1, hidden // 192),
+                      qk_dim_factor=1.0, v_dim_factor=1.0,
+                      chunk_size=64, autocast_kernel_dtype="float32", inference_state_dtype="float32")  # fmt: skip
+    return xLSTMForCausalLM(cfg).to(dtype).eval()
 
 
 def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
@@ -131,7 +144,7 @@ def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
 def hf_decode_step(ref: torch.nn.Module, ids: torch.Tensor):
     """Prefill an HF cache with `ids` on the untransformed model; returns one decode step as a closure (a model
     with a cache of its own, RWKV's state: as HF's generate loop drives it, ssmspec.hf.generic)."""
-    if ref.config.model_type in ("rwkv", "zamba"):
+    if ref.config.model_type in ("rwkv", "zamba", "xlstm"):
         state = HFState(ref, ids, torch.ones_like(ids))
         state.forward()
         return lambda: state.forward(ids[:, -1:])
@@ -146,9 +159,9 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     """(untransformed model, description)."""
     if args.model == "random":
         dtype = getattr(torch, args.dtype)
-        build = {"mamba2": mamba2, "bamba": bamba, "rwkv": rwkv, "zamba": zamba}[args.family]
+        build = {"mamba2": mamba2, "bamba": bamba, "rwkv": rwkv, "zamba": zamba, "xlstm": xlstm}[args.family]
         what = {"mamba2": "Mamba2", "bamba": "Bamba hybrid (attention every 6th layer)", "rwkv": "RWKV",
-                "zamba": "Zamba v1 (shared attention every 3rd layer)"}[args.family]  # fmt: skip
+                "zamba": "Zamba v1 (shared attention every 3rd layer)", "xlstm": "xLSTM"}[args.family]  # fmt: skip
         return build(args.layers, args.hidden, dtype), (
             f"random-init {what}, {args.layers} layers, d_model {args.hidden}, {args.dtype}"
         )
@@ -327,8 +340,8 @@ def main() -> None:
     p.add_argument(
         "--family",
         default="mamba2",
-        choices=["mamba2", "bamba", "rwkv", "zamba"],
-        help="the random model's family (rwkv, zamba: no seams, the generic path)",
+        choices=["mamba2", "bamba", "rwkv", "zamba", "xlstm"],
+        help="the random model's family (rwkv, xlstm: no seams, the generic path; zamba: Zamba v1, per-head scans)",
     )
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=768)
