@@ -103,26 +103,45 @@ class _Probe:
         return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
 
     @torch.no_grad()
-    def reference(self, ids: list[int], pad: int, prompt: int) -> tuple[torch.Tensor, list]:
-        """What HF's generate computes for one left-padded sequence: the first `prompt` tokens in one forward (its
-        prefill), every later one in a one-token decode step on HF's cache, as its loop feeds the tokens it
-        generates. Logits [L, V] and each layer's output [L, H]. (HF's decode step and its multi-token forward
-        may differ: Zamba2's and Nemotron-H's decode steps do not clamp dt to the config's `time_step_min`, their
-        chunked forward does; speculation must equal the decode steps.)"""
-        full = torch.tensor([[0] * pad + ids], device=self.device)
-        mask = torch.tensor([[0] * pad + [1] * len(ids)], device=self.device)
-        state = HFState(self.model, full[:, : pad + prompt], mask[:, : pad + prompt], as_hf=True)
-        logits, layers = [], []
-        for t in range(prompt, len(ids) + 1):
-            outs: list = []
-            with _capture(self.layers, outs):
-                step = state.forward(None if t == prompt else full[:, pad + t - 1 : pad + t])
-            skip = pad if t == prompt else 0
-            logits.append(step[0, skip:])
-            layers.append([o[0, skip:] if o is not None else None for o in outs])
-        per_layer = [None if any(x[i] is None for x in layers) else torch.cat([x[i] for x in layers])
-                     for i in range(len(layers[0]))]  # fmt: skip
-        return torch.cat(logits), per_layer
+    def reference(self, tree: TokenTree, row: int, history: list[int], pad: int, prompt: int) -> dict[int, tuple]:
+        """What HF's generate computes for every acceptable node of one row's tree, after `history`: the first
+        `prompt` tokens of history in one forward (its prefill, `pad` pads ahead), every later token, and each node
+        after its parent, in a one-token decode step on HF's cache, as its loop feeds the tokens it generates
+        (depth first: each node is decoded once, the state copied at branches). Per node: logits [V] and each
+        layer's output [H]. (HF's decode step and its multi-token forward may differ: Zamba2's and Nemotron-H's
+        decode steps do not clamp dt to the config's `time_step_min`, their chunked forward does; speculation must
+        equal the decode steps.)"""
+        ids = torch.tensor([[0] * pad + history], device=self.device)
+        mask = torch.tensor([[0] * pad + [1] * len(history)], device=self.device)
+        state = HFState(self.model, ids[:, : pad + prompt], mask[:, : pad + prompt], as_hf=True)
+        state.forward(None)
+        for t in range(pad + prompt, ids.shape[1]):
+            state.forward(ids[:, t : t + 1])
+        ok = tree.acceptable[row].tolist()
+        parents = tree.parents[row].tolist()
+        children = {t: [c for c in range(tree.num_nodes) if ok[c] and parents[c] == t] for t in range(tree.num_nodes)}
+        tokens = tree.tokens[row]
+        out: dict[int, tuple] = {}
+
+        def visit(node: int) -> None:
+            layers: list = []
+            with _capture(self.layers, layers):
+                logits = state.forward(tokens[node].view(1, 1))
+            out[node] = (logits[0, -1], [o[0, -1] if o is not None else None for o in layers])
+            kids = children[node]
+            for k, child in enumerate(kids):
+                snap = state.snapshot() if k < len(kids) - 1 else None
+                visit(child)
+                if snap is not None:
+                    state.restore(snap)
+
+        roots = [t for t in range(tree.num_nodes) if ok[t] and parents[t] < 0]
+        for k, root in enumerate(roots):
+            snap = state.snapshot() if k < len(roots) - 1 else None
+            visit(root)
+            if snap is not None:
+                state.restore(snap)
+        return out
 
     def compare(self, what: str, got_logits, got_layers, want_logits, want_layers) -> None:
         diffs = []
@@ -194,20 +213,14 @@ class _Probe:
                 rows[r] = rows[r] + tree.tokens[r, path[r, : int(length[r])]].tolist()
 
     def _check_nodes(self, what, tree, row, history, pad, prompt, logits, got_layers) -> None:
-        """Compare each acceptable node of one row with what HF's generate computes for history + its root-to-node
+        """Compare every acceptable node of one row with what HF's generate computes for history + its root-to-node
         path (the first `prompt` tokens of history prefilled, the rest decoded)."""
-        ok = tree.acceptable[row].tolist()
-        leaves = [t for t in range(tree.num_nodes) if ok[t] and not any(
-            ok[c] and int(tree.parents[row, c]) == t for c in range(tree.num_nodes))]  # fmt: skip
-        for leaf in leaves:
-            path, length = tree.paths(torch.full((tree.batch_size,), leaf, device=self.device))
-            nodes = path[row, : int(length[row])].tolist()
-            seq = history + tree.tokens[row, nodes].tolist()
-            want_logits, want_layers = self.reference(seq, pad, prompt)
-            at = len(history) + torch.arange(len(nodes))
-            got = [g[row, nodes] if g is not None else None for g in got_layers]
-            want = [w[at] if w is not None else None for w in want_layers]
-            self.compare(what, logits[row, nodes], got, want_logits[at], want)
+        want = self.reference(tree, row, history, pad, prompt)
+        nodes = sorted(want)
+        got = [g[row, nodes] if g is not None else None for g in got_layers]
+        layers = [None if any(want[t][1][i] is None for t in nodes) else torch.stack([want[t][1][i] for t in nodes])
+                  for i in range(len(got_layers))]  # fmt: skip
+        self.compare(what, logits[row, nodes], got, torch.stack([want[t][0] for t in nodes]), layers)
 
 
 class _Mismatch(Exception):

@@ -54,12 +54,12 @@ def _compiled_vs_eager(family: str, options: dict, device: str = "cpu") -> None:
 
 
 _THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
-# one family per kind of tree op and layout in the `ci` profile (CI time: compiling a family costs 10-80 s on 2
-# cores): selective scan (pure, hybrid), SSD (pure, hybrid), gated delta rule, KDA, short convs (trees) and the
-# chain-only short-conv family; every supported family with HYPOTHESIS_PROFILE=thorough
+# one family per kind of tree op in the `ci` profile (CI time: compiling a family costs 10-100 s on 2 cores):
+# selective scan, SSD (pure, hybrid with attention), gated delta rule, KDA, short convs; every supported family
+# (the chain-only inkling2, 99 s, among them) with HYPOTHESIS_PROFILE=thorough
 _COMPILED_FAMILIES = (
     SUPPORTED_FAMILIES if _THOROUGH
-    else ["mamba", "jamba", "mamba2", "bamba", "qwen3_5", "kimi_linear", "lfm2", "inkling2"]
+    else ["mamba", "mamba2", "bamba", "qwen3_5", "kimi_linear", "lfm2"]
 )  # fmt: skip
 
 

@@ -31,12 +31,13 @@ def test_generic_path_benchmarks_run_and_agree_with_hf(tmp_path):
     """benchmarks/generic.py (end to end, every output checked against HF's) and verify_cost.py on a model
     without seams (its generic path) run at tiny shapes and write their JSON."""
     out = tmp_path / "generic.json"
-    args = ["--layers", "6", "--hidden", "64", "--new", "12", "--repeats", "1", "--json", str(out)]
+    args = ["--layers", "6", "--hidden", "64", "--new", "12", "--repeats", "1", "--batch", "2", "--json", str(out)]
     subprocess.run([sys.executable, "generic.py", *args], cwd=ROOT / "benchmarks", check=True, timeout=600,
                    capture_output=True)  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert {(r["model"], r["prompt"]) for r in rows} == {
-        (m, p) for m in ("rwkv", "zamba") for p in ("repeat", "random")
+        *((m, p) for m in ("rwkv", "xlstm") for p in ("repeat", "random")),
+        ("xlstm", "repeat x2"),  # RWKV: no batches
     }
     assert all(r["exact"] and r["default_speedup"] > 0 for r in rows)
     cost = tmp_path / "cost.json"
