@@ -132,3 +132,21 @@ def test_a_per_head_commit_writes_its_slice_of_the_cached_state():
     rec = ssmspec.ops.Record("selective_scan", layer, 0, part=1)
     cache.state_tensor(rec).fill_(7.0)
     assert torch.equal(state[:, 0], before[:, 0]) and bool((state[:, 1] == 7.0).all())
+
+
+def test_the_probe_refuses_per_head_scans_that_read_the_wrong_slice(monkeypatch):
+    """The slice a per-head call owns is checked by value: with the heads' slices swapped, Zamba v1 is refused."""
+    ref = cached_tiny_model("zamba")
+    owned = seams.MixerCall.committed_state
+
+    def swapped(self, seam, expected):
+        h0 = owned(self, seam, expected)
+        if self.part is None:
+            return h0
+        state = self.verification.committed_state(self.layer)
+        self.part = state.shape[1] - 1 - self.part
+        return state[:, self.part]
+
+    monkeypatch.setattr(seams.MixerCall, "committed_state", swapped)
+    with pytest.raises(UnsupportedModelError, match="differs from what HF's generate computes"):
+        ssmspec.transform(copy.deepcopy(ref))
