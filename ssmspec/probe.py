@@ -118,29 +118,25 @@ class _Probe:
         for t in range(pad + prompt, ids.shape[1]):
             state.forward(ids[:, t : t + 1])
         ok = tree.acceptable[row].tolist()
-        parents = tree.parents[row].tolist()
-        children = {t: [c for c in range(tree.num_nodes) if ok[c] and parents[c] == t] for t in range(tree.num_nodes)}
+        parents = [max(p, -1) for p in tree.parents[row].tolist()]  # the roots under -1
+        children = {t: [c for c, p in enumerate(parents) if ok[c] and p == t] for t in range(-1, tree.num_nodes)}
         tokens = tree.tokens[row]
         out: dict[int, tuple] = {}
 
         def visit(node: int) -> None:
-            layers: list = []
-            with _capture(self.layers, layers):
-                logits = state.forward(tokens[node].view(1, 1))
-            out[node] = (logits[0, -1], [o[0, -1] if o is not None else None for o in layers])
+            if node >= 0:
+                layers: list = []
+                with _capture(self.layers, layers):
+                    logits = state.forward(tokens[node].view(1, 1))
+                out[node] = (logits[0, -1], [o[0, -1] if o is not None else None for o in layers])
             kids = children[node]
             for k, child in enumerate(kids):
-                snap = state.snapshot() if k < len(kids) - 1 else None
+                snap = state.snapshot() if k < len(kids) - 1 else None  # the last child needs no way back
                 visit(child)
                 if snap is not None:
                     state.restore(snap)
 
-        roots = [t for t in range(tree.num_nodes) if ok[t] and parents[t] < 0]
-        for k, root in enumerate(roots):
-            snap = state.snapshot() if k < len(roots) - 1 else None
-            visit(root)
-            if snap is not None:
-                state.restore(snap)
+        visit(-1)
         return out
 
     def compare(self, what: str, got_logits, got_layers, want_logits, want_layers) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ssmspec.hf.generic import HFState
-from ssmspec.probe import TOLERANCE
+from ssmspec.probe import TOLERANCE, _rel
 from ssmspec.testing.configs import STRONG_STATE_FAMILIES, SUPPORTED_FAMILIES, build_tiny_model
 
 # families whose mixers keep a recurrent state in HF's cache layers (the rest keep conv windows only)
@@ -31,15 +31,14 @@ def _state_effect(family: str, variant: int) -> float:
     before = state.snapshot()
     want = state.forward(ids[:, 12:])
     state.restore(before)
-    scaled = 0
+    zeroed = 0
     for layer in state._cache()[1].layers:
         for tensor in getattr(layer, "recurrent_states", {}).values():
             if tensor is not None:
                 tensor.zero_()
-                scaled += 1
-    assert scaled, f"{family}: no recurrent state in the cache"
-    got = state.forward(ids[:, 12:])
-    return float((got - want).abs().max() / want.abs().max())
+                zeroed += 1
+    assert zeroed, f"{family}: no recurrent state in the cache"
+    return _rel(state.forward(ids[:, 12:]), want)
 
 
 @pytest.mark.parametrize("family", _RECURRENT if _THOROUGH else _CI)
