@@ -14,9 +14,12 @@ Inductor's C++ wrapper (the fastest compiled configuration on CPU, ssmspec.bench
 verifies with static shapes, as a compiled model does in `generate`. Compiling takes minutes on 2 cores.
 `--generic`: the generic path (ssmspec.speculate.generic: HF's own forward with a snapshot of its cache, the
 accepted prefix fed again) timed beside the seams in the same repeats, on chains (columns `generic`, `g.ratio`).
-A model without seams (`--family rwkv | xlstm`) runs the generic path only, chains: its commit keeps half the
+A model without seams (`--family rwkv | xlstm`) runs the generic path only. RWKV: chains; its commit keeps half the
 chain, so the next verify feeds that prefix ahead of its own chain: `verify` is timed in that steady state
-(the chain plus the n // 2 + 1 tokens the previous step carried), `commit` is the snapshot's restore.
+(the chain plus the n // 2 + 1 tokens the previous step carried), `commit` is the snapshot's restore. xLSTM: its
+recurrence module's tree form (ssmspec.hf.tree_modules: chains and trees in one forward, each node stepped from its
+parent's state; the commit replays the accepted path into the cache); with `--generic`, the chain form (snapshot,
+prefix carried) timed beside it.
 `--profile`: where a step goes (torch.profiler): for HF's decode, ssmspec's decode, verify(2) and verify(8)
 (+ commit), the top operations by self time and the share of the step outside them (Python and dispatch).
 
@@ -199,8 +202,8 @@ class Bench:
                                       max_nodes=depth + 1)  # fmt: skip
         self.runner.prefill(ids, torch.ones_like(ids))
         self.generic = None
-        if args.generic and isinstance(self.runner, ModelRunner):
-            self.generic = GenericRunner(self.model)
+        if args.generic and (isinstance(self.runner, ModelRunner) or self.runner.trees):  # beside: the chain form
+            self.generic = GenericRunner(self.model, trees=False)
             self.generic.prefill(ids, torch.ones_like(ids))
         self.root = TokenTree.chain(ids[:, -1:])
         self.desc = desc + f", CPU {torch.get_num_threads()} threads, commit={args.commit}, {args.mode}"
@@ -237,7 +240,7 @@ def measure(args: argparse.Namespace, bench: Bench) -> dict:
     rows = []
     for n in args.nodes:
         for shape in ("chain", "tree"):
-            if shape == "tree" and (n < 3 or isinstance(bench.runner, GenericRunner)):
+            if shape == "tree" and (n < 3 or not getattr(bench.runner, "trees", True)):
                 continue
             tree, last = bench.tree(n, shape)
             t0 = time.perf_counter()

@@ -401,6 +401,46 @@ def _generic_once(model: nn.Module, seed: int) -> None:
             reference.commit(torch.zeros(1, dtype=torch.long))
 
 
+def probe_generic_trees(model: nn.Module) -> str | None:
+    """Check the generic path's tree form (ssmspec.hf.tree_modules, installed on the model) against HF's decode
+    steps: on a random prompt, branching trees and chains verified in one forward each and committed in part,
+    whole, at a branch, discarded, one node; every node's logits compared with HF's loop decoding that node's
+    path on its cache as HF keeps it (`_Probe.reference`). Returns None where it agrees on three random inputs,
+    else why not."""
+    return _generic_probe(model, _generic_tree_once, _GENERIC_SEEDS, "HF's forward cannot verify a tree")
+
+
+# (tree shape, node to keep; None: discarded) per step of the tree probe
+_GENERIC_TREE_STEPS = [(_TREE_A, 4), (_CHAIN_4, 3), (_TREE_B, None), (_TREE_B, 3), ([-1], 0), (_TREE_A, 6),
+                       (_CHAIN, 0)]  # fmt: skip
+
+
+@torch.no_grad()
+def _generic_tree_once(model: nn.Module, seed: int) -> None:
+    p = _Probe(model, seed)
+    history = p.tokens(6)
+    runner = GenericRunner(model, trees=True)
+    if not runner.trees:
+        raise RuntimeError("no recurrence module of the model has a tree form")
+    runner.prefill(torch.tensor([history], device=p.device), torch.ones(1, len(history), dtype=torch.long))
+    for step, (parents, keep) in enumerate(_GENERIC_TREE_STEPS):
+        tree = TokenTree(torch.tensor([p.tokens(len(parents))], device=p.device),
+                         torch.tensor([parents], device=p.device))  # fmt: skip
+        got = runner.verify(tree)[0]
+        want = p.reference(tree, 0, history, 0, 6)
+        nodes = sorted(want)
+        kind = "a chain" if tree.depth_is_index else "a tree"
+        _generic_compare(p, f"{kind} of {len(parents)} nodes, step {step + 1}", got[nodes],
+                         torch.stack([want[t][0] for t in nodes]),
+                         "HF's forward verifying a tree (each node after its parent's state) differs from its decode "
+                         "steps")  # fmt: skip
+        if keep is None:
+            runner.discard()
+            continue
+        runner.commit(torch.tensor([keep]))
+        history = history + tree.tokens[0, tree.path_nodes(0, keep)].tolist()
+
+
 _SEVERAL_TOKENS = "HF's forward of several tokens after its cache gives logits that differ from its one-token steps"
 
 

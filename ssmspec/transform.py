@@ -29,8 +29,9 @@ from ssmspec.compile.backend import region_options
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import layers as hf_layers
 from ssmspec.hf import seams as hf_seams
+from ssmspec.hf import tree_modules
 from ssmspec.ops import using_kernel_policy
-from ssmspec.probe import probe, probe_generic, probe_generic_batches
+from ssmspec.probe import probe, probe_generic, probe_generic_batches, probe_generic_trees
 from ssmspec.speculate import generate as spec_generate
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import check_vocab
@@ -70,6 +71,9 @@ class TransformInfo:
     # for a batch of prompts, row by row (limits["generic_batches"])
     generic: bool | None = None
     generic_batches: bool | None = None
+    # whether the generic path verifies branching trees (its recurrence modules' tree form, ssmspec.hf.tree_modules,
+    # installed and found exact by its probe)
+    generic_trees: bool = False
 
 
 def _describe(model: nn.Module) -> str:
@@ -131,14 +135,30 @@ def _generic_info(model: nn.Module, refused: UnsupportedModelError) -> Transform
         raise UnsupportedModelError(
             refused.module_path, f"{refused.reason}; and the generic path (HF's own forward) is not exact: {why}"
         )
-    limits = {"seams": f"{refused.module_path}: {refused.reason}", "trees": CHAINS_ONLY}
-    info = TransformInfo(mixers={}, recurrent_layers=[], attention_layers=[], trees=False, limits=limits,
-                         path="generic", generic=True)  # fmt: skip
+    limits = {"seams": f"{refused.module_path}: {refused.reason}"}
+    trees = _generic_trees(model)
+    if trees is not None:
+        limits["trees"] = trees
+    info = TransformInfo(mixers={}, recurrent_layers=[], attention_layers=[], trees=trees is None, limits=limits,
+                         path="generic", generic=True, generic_trees=trees is None)  # fmt: skip
     info.batches = _generic_batches(model, info)
     # batches run row by row (`limits["batches"]` says so, or why HF's batched loop is not what its rows compute);
     # a call without speculation kwargs runs HF's own batched loop for them (one forward a token for all rows)
     limits["batches"] = ROW_BY_ROW if info.batches else limits["generic_batches"]
     return info
+
+
+def _generic_trees(model: nn.Module) -> str | None:
+    """Install the tree form of the model's recurrence modules on the generic path (ssmspec.hf.tree_modules) and
+    probe it; None where trees are exact, else why the generic path verifies chains only (the tree form then
+    removed again)."""
+    if not tree_modules.install(model):
+        return CHAINS_ONLY
+    why = probe_generic_trees(model)
+    if why is None:
+        return None
+    tree_modules.uninstall(model)
+    return f"{CHAINS_ONLY} (its recurrence modules' tree form is not exact: {why})"
 
 
 def _generic_batches(model: nn.Module, info: TransformInfo) -> bool:
@@ -365,6 +385,7 @@ def transform(
         hf_model.ssmspec_config = config
     except BaseException:
         hf_seams.uninstall(changed)
+        tree_modules.uninstall(hf_model)
         packed_linear.uninstall(linears)
         hf_model.__class__ = original_class
         for name in ("ssmspec_info", "ssmspec_config"):

@@ -75,22 +75,7 @@ class HFState:
         """Feed `tokens` [B, n] after what was fed so far (None: the prompt, the first call); returns their
         logits [B, n, V]."""
         if tokens is not None:
-            n = tokens.shape[1]
-            self.ids = torch.cat([self.ids[:, : self.length], tokens.to(self.ids.device)], dim=1)
-            mask = self.kwargs["attention_mask"][:, : self.length]
-            self.kwargs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], n)], dim=1)
-            if (positions := self.kwargs.get("position_ids")) is not None:
-                positions = positions[..., : self.length]
-                step = torch.arange(1, n + 1, dtype=positions.dtype, device=positions.device)
-                self.kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + step], dim=-1)
-            # token types as HF's _update_model_kwargs_for_generation extends them: the last type repeated; multimodal
-            # types 0 (text) for generated tokens
-            if (types := self.kwargs.get("token_type_ids")) is not None:
-                types = types[:, : self.length]
-                self.kwargs["token_type_ids"] = torch.cat([types, types[:, -1:].expand(-1, n)], dim=-1)
-            if (types := self.kwargs.get("mm_token_type_ids")) is not None:
-                types = types[:, : self.length]
-                self.kwargs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], n)], dim=-1)
+            self._feed(self.length, tokens)
         n = self.ids.shape[1] - self.length
         inputs = self.model.prepare_inputs_for_generation(
             self.ids, next_sequence_length=n, is_first_iteration=self.length == 0, **self.kwargs
@@ -105,6 +90,39 @@ class HFState:
                 break
         self.length = self.ids.shape[1]
         return out.logits[:, -n:]
+
+    def _feed(self, length: int, tokens: torch.Tensor) -> None:
+        """The ids, attention mask, positions and token types as HF's loop has them after `tokens` [B, n] follow
+        the first `length` tokens (what the cache absorbs at the next forward)."""
+        n = tokens.shape[1]
+        self.ids = torch.cat([self.ids[:, :length], tokens.to(self.ids.device)], dim=1)
+        mask = self.kwargs["attention_mask"][:, :length]
+        self.kwargs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], n)], dim=1)
+        if (positions := self.kwargs.get("position_ids")) is not None:
+            positions = positions[..., :length]
+            step = torch.arange(1, n + 1, dtype=positions.dtype, device=positions.device)
+            self.kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + step], dim=-1)
+        # token types as HF's _update_model_kwargs_for_generation extends them: the last type repeated; multimodal
+        # types 0 (text) for generated tokens
+        if (types := self.kwargs.get("token_type_ids")) is not None:
+            types = types[:, :length]
+            self.kwargs["token_type_ids"] = torch.cat([types, types[:, -1:].expand(-1, n)], dim=-1)
+        if (types := self.kwargs.get("mm_token_type_ids")) is not None:
+            types = types[:, :length]
+            self.kwargs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], n)], dim=-1)
+
+    def keep(self, length: int, tokens: torch.Tensor) -> None:
+        """After a forward that fed more tokens than the cache keeps (a tree verified on the generic path, its
+        cache set to the accepted path's state by the caller): the state as if `tokens` [B, n] had been fed after
+        its first `length` tokens."""
+        self._feed(length, tokens)
+        self.length = self.ids.shape[1]
+
+    @property
+    def cache(self) -> Any:
+        """The model's cache object (None before the prefill, for a model whose forward makes none)."""
+        found = self._cache()
+        return None if found is None else found[1]
 
     def snapshot(self) -> Snapshot:
         """This state, to go back to (`restore`)."""

@@ -167,7 +167,7 @@ def speculative_generate(
             budget = tree_budget + max(0, depth - num_draft_tokens)
             if adaptive:
                 rates = [acceptance.rate(r) for r in range(b) if not done[r]]
-                chosen = choose_depth(rates, cost, max(depth, 0), per_depth, reruns=isinstance(runner, GenericRunner))
+                chosen = choose_depth(rates, cost, max(depth, 0), per_depth, reruns=getattr(runner, "reruns", False))
                 # plain decoding: the drafter's first token still tells how accurate it is now
                 shadow = drafter.propose(contexts, 1, 1) if chosen == 0 and depth > 0 else None
                 depth, budget = chosen, max(1, min(tree_budget, int(round(per_depth * chosen))))

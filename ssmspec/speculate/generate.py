@@ -77,7 +77,7 @@ def _generic(
     if found != "generic" and not exact(False):
         raise UnsupportedModelError(name, f"the generic path{' (inputs besides token ids)' if inputs else ''}: "
                                     f"{info.limits['generic']}")  # fmt: skip
-    if spec.tree and spec.drafter != "none":
+    if spec.tree and spec.drafter != "none" and not (found == "generic" and getattr(info, "generic_trees", False)):
         raise UnsupportedModelError(name, CHAINS_ONLY)
     if batch > 1 and inputs:
         raise UnsupportedModelError(name, ONE_PROMPT)

@@ -9,8 +9,11 @@ the marginal tokens of one forward: docs, "The generic path"). Every forward is 
 sequence, so exactness needs one property of the model only: a multi-token forward that continues a cached
 state computes what single-token steps compute. The transform-time probe (ssmspec.probe.probe_generic) checks
 that by value before the path is used (HF's Mamba, for one, ignores the cached state in a multi-token forward:
-refused). Chains only (a tree's paths do not share one sequence). A batch is verified row by row, each row in a
-state of its own that HF prefilled from the row as padded in the batch (HF's handling of left padding in a
+refused). Chains only (a tree's paths do not share one sequence), except where the model's only token-mixing
+module has a tree form (ssmspec.hf.tree_modules: xLSTM's mLSTM backend): there a tree's nodes are fed as one
+sequence, each node stepped from its parent's state, and the commit writes the accepted node's state into the cache
+(no snapshot, nothing carried; its own probe, ssmspec.probe.probe_generic_trees). A batch is verified row by row,
+each row in a state of its own that HF prefilled from the row as padded in the batch (HF's handling of left padding in a
 recurrence is the model's own); that is HF's batch where a second probe (ssmspec.probe.probe_generic_batches)
 finds HF's batched loop computing what its rows compute alone, and refused elsewhere (HF's RWKV, MiniMax). A
 prompt with inputs besides token ids (a multimodal prompt's pixel values) runs one prompt at a time.
@@ -25,6 +28,7 @@ from torch import nn
 
 from ssmspec import linear as packed_linear
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import tree_modules
 from ssmspec.hf.generic import HFState, Snapshot
 from ssmspec.tree import TokenTree
 
@@ -54,6 +58,7 @@ class _Row:
         self.max_carry = max_carry
         self.carry = state.ids[:, :0]
         self.pending: tuple[torch.Tensor, Snapshot | None, torch.Tensor] | None = None  # (chain, snapshot, carry)
+        self.pending_tree: tuple | None = None  # (tokens, replays, length, counters) of a tree verified
 
     @property
     def n_real(self) -> int:
@@ -70,6 +75,25 @@ class _Row:
         self.pending = (tokens, snap, carry)
         return logits
 
+    def verify_tree(self, tokens: torch.Tensor, parents: list[int], steps: list, forward) -> torch.Tensor:
+        """Logits [1, n, V] of a tree's nodes `tokens` [1, n] (`parents`: the root's -1) in one forward, its
+        recurrence modules stepping each node from its parent's state (ssmspec.hf.tree_modules); the cache keeps
+        the committed state until `commit_path`."""
+        length, before = self.state.length, tree_modules.counters(self.state.cache)
+        with tree_modules.verifying(steps, parents) as replays:
+            logits = forward(self.state, tokens)
+        self.pending_tree = (tokens, replays, length, before)
+        return logits
+
+    def commit_path(self, path: list[int]) -> None:
+        """Keep the verified tree's root-to-node `path` (node indices, root first): each module's state replayed
+        over it into the cache, the fed tokens those of the path."""
+        tokens, replays, length, before = self.pending_tree
+        self.pending_tree = None
+        tree_modules.commit(replays, path)
+        self.state.keep(length, tokens[:, path])
+        tree_modules.set_counters(self.state.cache, before, len(path))
+
     def commit(self, keep: int) -> None:
         tokens, snap, carry = self.pending
         self.pending = None
@@ -78,6 +102,11 @@ class _Row:
             self.carry = torch.cat([carry, tokens[:, :keep]], dim=1)
 
     def discard(self) -> None:
+        if self.pending_tree is not None:
+            tokens, _, length, before = self.pending_tree
+            self.pending_tree = None
+            self.state.keep(length, tokens[:, :0])
+            tree_modules.set_counters(self.state.cache, before, 0)
         if self.pending is not None:
             _, snap, carry = self.pending
             self.pending = None
@@ -94,15 +123,19 @@ class _Row:
 
 class GenericRunner:
     """ModelRunner's interface (prefill / verify / commit / discard / snapshot / restore) over HF's forward, for
-    chains; a batch row by row."""
+    chains (trees with the tree form); a batch row by row."""
 
     path = "generic"
     static_shapes = False
 
     def __init__(
-        self, model: nn.Module, *, max_depth: int = 0, max_nodes: int | None = None, as_hf: bool = False, **_: object
-    ) -> None:
-        """`as_hf`: HF's cache exactly as its loop keeps it (ssmspec.hf.generic.HFState; the probes' reference)."""
+        self, model: nn.Module, *, max_depth: int = 0, max_nodes: int | None = None, as_hf: bool = False,
+        trees: bool | None = None, **_: object,
+    ) -> None:  # fmt: skip
+        """`as_hf`: HF's cache exactly as its loop keeps it (ssmspec.hf.generic.HFState; the probes' reference).
+        `trees`: verify trees (and chains) through the model's recurrence modules' one-token form
+        (ssmspec.hf.tree_modules), where transform installed it; None: where its probe found that exact
+        (`model.ssmspec_info.generic_trees`)."""
         self.model = model
         self.as_hf = as_hf
         self.max_depth = max_depth
@@ -110,6 +143,11 @@ class GenericRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.prepack = packed_linear.is_packed(model)
+        if trees is None:
+            trees = bool(getattr(getattr(model, "ssmspec_info", None), "generic_trees", False))
+        # the tree form: every multi-node step one forward, its commit a replay of the accepted path (no snapshot,
+        # no tokens carried into the next forward)
+        self.steps = tree_modules.installed(model) if trees and not as_hf else []
         self.rows: list[_Row] = []
         self.cache: _Progress | None = None
         self._pending: TokenTree | None = None
@@ -117,6 +155,17 @@ class GenericRunner:
         # accepted drafts to the next verify's forward (one forward a step, the prefix's cost the marginal cost
         # of a few more tokens); fed alone first where they would make that forward longer than `max_carry`
         self.max_carry = max(2 * (max_nodes or 0), 16)
+
+    @property
+    def trees(self) -> bool:
+        """Whether this runner verifies branching trees (the tree form), or chains only."""
+        return bool(self.steps)
+
+    @property
+    def reruns(self) -> bool:
+        """Whether a partial commit feeds the accepted prefix again in the next forward (the chain form's cost,
+        which the adaptive depth weighs)."""
+        return not self.steps
 
     def _forward(self, state: HFState, tokens: torch.Tensor | None) -> torch.Tensor:
         with packed_linear.prepacked(self.prepack):
@@ -153,25 +202,29 @@ class GenericRunner:
         return nodes
 
     def prepare(self, tree: TokenTree) -> TokenTree:
-        if not tree.depth_is_index:
+        if not self.trees and not tree.depth_is_index:
             raise UnsupportedModelError(type(self.model).__name__, CHAINS_ONLY)
         return tree.to(self.device)
 
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> torch.Tensor:
         """Logits [B, N, V] of the chains' nodes (root first), each row's real nodes fed after its carried tokens
-        in one forward (padding nodes, never accepted, read zeros)."""
+        in one forward (padding nodes, never accepted, read zeros); with the tree form, a tree's nodes in one
+        forward."""
         if self._pending is not None:
             raise RuntimeError("commit or discard the previous tree before verifying another")
         tree = self.prepare(tree)
-        if len(self.rows) == 1:
-            logits = self.rows[0].verify(tree.tokens, self._forward)
+        out = []
+        for r, (row, ok) in enumerate(zip(self.rows, tree._acceptable_list)):
+            n = sum(ok)  # a row's real nodes come first (padding follows them)
+            tokens = tree.tokens[r : r + 1, :n]
+            if self.trees and n > 1:
+                out.append(row.verify_tree(tokens, tree._parents_list[r][:n], self.steps, self._forward))
+            else:
+                out.append(row.verify(tokens, self._forward))
+        if len(out) == 1 and out[0].shape[1] == tree.num_nodes:
+            logits = out[0]
         else:
-            out = []
-            for row, ok in zip(self.rows, tree._acceptable_list):
-                r = len(out)
-                n = sum(ok)  # a chain's real nodes come first (padding continues it)
-                out.append(row.verify(tree.tokens[r : r + 1, :n], self._forward))
             logits = out[0].new_zeros(len(out), tree.num_nodes, out[0].shape[-1])
             for r, part in enumerate(out):
                 logits[r, : part.shape[1]] = part[0]
@@ -184,8 +237,11 @@ class GenericRunner:
         """Keep each row's chain up to node `last[b]`: as verified when it is the whole chain, else back to the
         snapshot, the carried and accepted tokens carried into the next forward."""
         tree, self._pending = self._pending, None
-        for row, keep in zip(self.rows, last.tolist()):
-            row.commit(int(keep) + 1)
+        for r, (row, keep) in enumerate(zip(self.rows, last.tolist())):
+            if row.pending_tree is not None:
+                row.commit_path(tree.path_nodes(r, int(keep)))
+            else:
+                row.commit(int(keep) + 1)
         self._sync()
         return tree.paths(last.to(tree.tokens.device))
 

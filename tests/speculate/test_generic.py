@@ -47,8 +47,10 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
     ref = cached_tiny_model(family)
     model = _transformed(family)
     info = model.ssmspec_info
-    assert info.path == "generic" and info.generic and not info.trees and info.limits["seams"]
-    assert info.limits["trees"] == CHAINS_ONLY and info.generic_batches == info.batches
+    trees = family == "xlstm"  # the one family here whose recurrence module has a tree form (hf.tree_modules)
+    assert info.path == "generic" and info.generic and info.limits["seams"]
+    assert info.trees == info.generic_trees == trees
+    assert info.limits.get("trees") == (None if trees else CHAINS_ONLY) and info.generic_batches == info.batches
     # HF's RWKV broadcasts each row's token shift over the whole batch in a one-token step, and HF's MiniMax cache
     # hides the cached positions from its decode masks (pads are attended to): their batches are not what their rows
     # compute alone, so the probe refuses them
@@ -79,8 +81,14 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
     else:
         with pytest.raises(UnsupportedModelError, match="the generic path on a batch: .*verified alone"):
             model.generate(batch, attention_mask=mask, max_new_tokens=12, speculation=spec)
-    with pytest.raises(UnsupportedModelError, match="verifies chains"):
-        model.generate(ids, max_new_tokens=5, speculation=SpecConfig(tree=True))
+    if trees:
+        want = ref.generate(ids, max_new_tokens=24, do_sample=False)
+        out = model.generate(ids, max_new_tokens=24, speculation=SpecConfig(tree=True, adaptive=False, tree_budget=8),
+                             return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(out.sequences, want) and max(out.spec_stats["tree_nodes_per_step"]) > 1
+    else:
+        with pytest.raises(UnsupportedModelError, match="verifies chains"):
+            model.generate(ids, max_new_tokens=5, speculation=SpecConfig(tree=True))
     with pytest.raises(UnsupportedModelError, match="path='seams'"):
         model.generate(ids, max_new_tokens=5, speculation=SpecConfig(tree=False, path="seams"))
 
@@ -90,7 +98,8 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
 @given(data=st.data())
 def test_generic_path_equals_hf_greedy(family, data):
     """Property: on the generic path (forced on seam families), speculative greedy output equals HF's, for any
-    chain drafter (adversarial ones included), left-padded batch (row by row), depth and EOS."""
+    drafter (adversarial ones included; trees where the path verifies them), left-padded batch (row by row), depth
+    and EOS."""
     variant = data.draw(st.integers(0, 2 if _THOROUGH else 1), label="variant")  # ci: two of the three shapes
     ref = cached_tiny_model(family, variant)
     model = _transformed(family, variant)
@@ -98,9 +107,11 @@ def test_generic_path_equals_hf_greedy(family, data):
     batches = generic_allowed(model, batch=True)  # HF's batches are what its rows compute alone (not RWKV's)
     max_rows = (3 if _THOROUGH else 2) if batches else 1
     ids, mask = data.draw(prompts(vocab, max_batch=max_rows, allow_all_padding=False), label="prompt")
-    _, factory = data.draw(drafter_factories(vocab, trees=False), label="drafter")
+    trees = model.ssmspec_info.path == "generic" and model.ssmspec_info.generic_trees
+    _, factory = data.draw(drafter_factories(vocab, trees=trees), label="drafter")
     max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
     depth = data.draw(st.integers(1, 6), label="num_draft_tokens")
+    budget = data.draw(st.integers(depth, 2 * depth), label="tree_budget") if trees else depth
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False)
     eos, pad = eos_and_pad(ref.generation_config)
     if data.draw(st.booleans(), label="eos from reference"):  # stop on a token the model really emits
@@ -109,9 +120,82 @@ def test_generic_path_equals_hf_greedy(family, data):
     rows = [ids[r][mask[r].bool()].tolist() + want[r, ids.shape[1] :].tolist() for r in range(ids.shape[0])]
     got, _, _ = speculative_generate(
         model, ids, mask, max_new_tokens=max_new, eos_token_ids=eos, pad_token_id=pad, drafter=factory(rows),
-        tree_budget=depth, num_draft_tokens=depth, generic=True,
+        tree_budget=budget, num_draft_tokens=depth, generic=True,
     )  # fmt: skip
     assert torch.equal(got, want)
+
+
+def _hf_states(ref: torch.nn.Module, tokens: list[int]) -> HFState:
+    """HF's loop after `tokens`: the first four prefilled, then one token per forward (its cache as HF keeps it)."""
+    ids = torch.tensor([tokens[:4]])
+    state = HFState(ref, ids, torch.ones_like(ids), as_hf=True)
+    state.forward()
+    for t in tokens[4:]:
+        state.forward(torch.tensor([[t]]))
+    return state
+
+
+@pytest.mark.parametrize("kept", [None, 0, 2])
+def test_tree_form_verifies_each_node_on_its_path_and_commits_hfs_state(kept, monkeypatch):
+    """xLSTM on the generic path: a branching tree in one forward gives every node the logits HF's loop computes
+    for the node's path, the cache keeps its committed state while verifying, a commit leaves the state (every
+    layer's C, n, m and the token counter) HF's loop reaches over the accepted path (nodes' states kept from the
+    verification: all, none or the first two, the rest replayed), a discard leaves it as it was."""
+    from ssmspec.hf import tree_modules
+
+    ref = cached_tiny_model("xlstm")
+    model = _transformed("xlstm")
+    runner = GenericRunner(model)
+    assert runner.trees and not runner.reruns
+    prompt = [5, 6, 7, 8]
+    runner.prefill(torch.tensor([prompt]), torch.ones(1, 4, dtype=torch.long))
+    cache = runner.rows[0].state.cache
+    if kept is not None:  # the budget for `kept` nodes' float32 states in every layer
+        layer = sum(s.numel() * 4 for s in cache.rnn_state[0])
+        monkeypatch.setattr(tree_modules, "KEEP_BYTES", kept * layer * len(cache.rnn_state))
+    before = [tuple(s.clone() for s in cache.rnn_state[i]) for i in cache.rnn_state]
+    tree = TokenTree.from_lists([[9, 10, 11, 12, 13, 14]], [[-1, 0, 0, 1, 2, 2]])
+    logits = runner.verify(tree)
+    for node in range(tree.num_nodes):
+        path = prompt + tree.tokens[0, tree.path_nodes(0, node)].tolist()
+        want = _hf_states(ref, path[:-1]).forward(torch.tensor([path[-1:]]))[0, -1]
+        torch.testing.assert_close(logits[0, node], want, rtol=1e-9, atol=1e-9)
+    for i, state in enumerate(before):  # verifying changed nothing in the cache
+        assert all(torch.equal(a, b) for a, b in zip(cache.rnn_state[i], state))
+    runner.discard()
+    assert all(torch.equal(a, b) for i, s in enumerate(before) for a, b in zip(cache.rnn_state[i], s))
+    assert int(cache.seqlen_offset) == 4 and runner.rows[0].state.length == 4
+    runner.verify(tree)
+    runner.commit(torch.tensor([5]))  # the path 0 -> 2 -> 5
+    want = _hf_states(ref, prompt + [9, 11, 14])
+    for i in cache.rnn_state:
+        for got, exp in zip(cache.rnn_state[i], want.cache.rnn_state[i]):
+            torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+    assert int(cache.seqlen_offset) == int(want.cache.seqlen_offset) == 7
+    assert runner.rows[0].state.ids.tolist() == [prompt + [9, 11, 14]] and runner.n_real.tolist() == [7]
+
+
+def test_an_inexact_tree_form_is_refused_and_chains_stay(monkeypatch):
+    """The tree form is probed by value: one that steps each node from the node before it (not its parent) is
+    refused at transform, which then leaves the model with chains (its tree form removed, chains exact)."""
+    from ssmspec.hf import tree_modules
+
+    real = tree_modules.verifying
+
+    def wrong_parents(steps, parents):
+        return real(steps, [t - 1 for t in range(len(parents))])
+
+    monkeypatch.setattr(tree_modules, "verifying", wrong_parents)
+    ref = cached_tiny_model("xlstm")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    info = model.ssmspec_info
+    assert not info.trees and not info.generic_trees and not tree_modules.installed(model)
+    assert info.limits["trees"].startswith(CHAINS_ONLY) and "tree form is not exact" in info.limits["trees"]
+    assert "differs from its decode steps" in info.limits["trees"]
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    assert torch.equal(model.generate(ids, max_new_tokens=16), ref.generate(ids, max_new_tokens=16, do_sample=False))
+    with pytest.raises(UnsupportedModelError, match="verifies chains"):
+        model.generate(ids, max_new_tokens=5, speculation=SpecConfig(tree=True))
 
 
 def test_forcing_a_path_is_checked_and_refused_where_inexact():

@@ -1,0 +1,210 @@
+"""Trees on the generic path: a model whose only token-mixing module is a recurrence module with a one-token form
+verifies a whole draft tree in one forward of HF's own code, the tree's nodes fed as a sequence.
+
+Every other module of such a model works token by token, so only the recurrence has to know the tree: in a tree
+verification its instance forward runs the module's own forward once per node, on that node's slice of the
+inputs and its parent's state, cast to the cache's dtype as HF's loop stores every step's state in its cache.
+Node for node that is HF's decode step on the node's path. The module then hands the cache its committed state
+back unchanged; the commit writes the accepted node's state into the cache's own tensors: kept from the
+verification where the nodes' states fit in `KEEP_BYTES` (all layers together, the first nodes first), else
+replayed from the deepest kept node of the accepted path (one step per node and layer). The transform-time
+probe checks trees by value against HF's decode steps before they are used (ssmspec.probe.probe_generic_trees).
+
+Coupling to transformers, and only here: the class `xLSTMBackend` of transformers' xLSTM (its forward's argument
+names: per-token `query`, `key`, `value`, `igate`, `fgate` along dim 2, the state `c_initial`, `n_initial`,
+`m_initial`, returning `(h, (c, n, m))`), and `xLSTMCache.seqlen_offset` (a token counter its forward advances).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A recurrence module class with a one-token form: which forward arguments are per-token inputs (and along
+    which dim), which are the initial state, and which cache attributes count tokens fed."""
+
+    module: str  # the module's class, "module.path:ClassName"
+    inputs: dict[str, int]  # per-token argument -> its sequence dim
+    state: tuple[str, ...]  # initial-state arguments, in the order the forward returns the final state
+    counters: tuple[str, ...] = ()  # cache attributes (tensors) that count the tokens a forward fed
+
+
+KINDS = (
+    Kind(
+        "transformers.models.xlstm.modeling_xlstm:xLSTMBackend",
+        inputs={"query": 2, "key": 2, "value": 2, "igate": 2, "fgate": 2},
+        state=("c_initial", "n_initial", "m_initial"),
+        counters=("seqlen_offset",),
+    ),
+)
+
+
+def kind_of(module: nn.Module) -> Kind | None:
+    cls = type(module)
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    return next((k for k in KINDS if k.module == name), None)
+
+
+# the nodes' states a tree verification keeps for its commit, all layers together (beyond: replayed at the commit)
+KEEP_BYTES = 256 * 2**20
+
+
+@dataclass
+class Replay:
+    """What one module call of a tree verification leaves for the commit: the committed state (the cache's own
+    tensors, handed in by the model), the per-token inputs of every node, the other arguments, the states of
+    the nodes kept."""
+
+    step: TreeStepForward
+    arguments: dict[str, Any]
+    state: tuple[torch.Tensor, ...]
+    kept: dict[int, tuple] = field(default_factory=dict)
+
+
+@dataclass
+class _Verifying:
+    """The tree being verified on this thread: each fed token's parent (-1: the committed state) and the module
+    calls that saw it."""
+
+    parents: list[int]
+    steps: set[int]  # id() of the model's TreeStepForward objects this context is for
+    replays: list[Replay] = field(default_factory=list)
+
+
+_LOCAL = threading.local()
+
+
+class TreeStepForward:
+    """A recurrence module's instance forward: the class's own outside a tree verification; inside, one call of it
+    per tree node on its parent's state (HF's decode step, node for node). Picklable (no closures)."""
+
+    def __init__(self, module: nn.Module, kind: Kind) -> None:
+        self.module = module
+        self.kind = kind
+
+    def _bind(self, args, kwargs) -> dict[str, Any]:
+        bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop(next(iter(arguments)))  # self
+        return arguments
+
+    def call(self, arguments: dict[str, Any], t: int, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple]:
+        """The class's forward on node t's slice of the inputs after `state`; returns (its output, its state)."""
+        one = dict(arguments)
+        for name, dim in self.kind.inputs.items():
+            one[name] = arguments[name].narrow(dim, t, 1)
+        one.update(zip(self.kind.state, state))
+        out = type(self.module).forward(self.module, **one)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple)):
+            raise RuntimeError(f"{type(self.module).__name__}.forward returned no state to verify a tree with")
+        return out
+
+    def __call__(self, *args, **kwargs):
+        ctx: _Verifying | None = getattr(_LOCAL, "verifying", None)
+        if ctx is None or id(self) not in ctx.steps:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        arguments = self._bind(args, kwargs)
+        committed = tuple(arguments[name] for name in self.kind.state)
+        if any(s is None for s in committed):
+            raise RuntimeError(f"{type(self.module).__name__}: a tree verification needs the committed state")
+        n = arguments[next(iter(self.kind.inputs))].shape[self.kind.inputs[next(iter(self.kind.inputs))]]
+        if n != len(ctx.parents):
+            raise RuntimeError(f"{type(self.module).__name__}: {n} tokens for a tree of {len(ctx.parents)} nodes")
+        last_child = {p: t for t, p in enumerate(ctx.parents)}  # where a node's state is no longer needed
+        states: dict[int, tuple] = {-1: committed}
+        replay = Replay(self, arguments, committed)
+        size = sum(s.numel() * 4 for s in committed)  # a step's state: float32 at least
+        keep = KEEP_BYTES // max(1, size * len(ctx.steps))  # the first `keep` nodes' states stay for the commit
+        outs = []
+        dim = self.kind.inputs[next(iter(self.kind.inputs))]
+        for t, p in enumerate(ctx.parents):
+            h, state = self.call(arguments, t, cast_like(states[p], committed))
+            outs.append(h)
+            if t in last_child:
+                states[t] = state
+            if t < keep:
+                replay.kept[t] = state
+            if p >= 0 and last_child[p] == t:
+                del states[p]
+        ctx.replays.append(replay)
+        # the cache keeps the committed state until the commit: the model copies what it is handed back into it
+        return torch.cat(outs, dim=dim), committed
+
+
+def cast_like(state: tuple, like: tuple[torch.Tensor, ...]) -> tuple:
+    """`state` in the cache's dtypes: what HF's loop stores after each step and reads at the next."""
+    return tuple(s.to(c.dtype) for s, c in zip(state, like))
+
+
+def install(model: nn.Module) -> list[TreeStepForward]:
+    """Give every module of a known kind (KINDS) a TreeStepForward; returns them (none: the model has no tree
+    form on the generic path). A module whose forward is already replaced on the instance is left alone."""
+    steps = []
+    for module in model.modules():
+        kind = kind_of(module)
+        current = module.__dict__.get("forward")
+        if isinstance(current, TreeStepForward):
+            steps.append(current)
+        elif kind is not None and current is None:
+            module.forward = TreeStepForward(module, kind)
+            steps.append(module.forward)
+    return steps
+
+
+def uninstall(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), TreeStepForward):
+            del module.forward
+
+
+def installed(model: nn.Module) -> list[TreeStepForward]:
+    return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), TreeStepForward)]
+
+
+@contextlib.contextmanager
+def verifying(steps: list[TreeStepForward], parents: list[int]) -> Iterator[list[Replay]]:
+    """Within: the model's forward verifies the tree `parents` (its tokens fed in node order, each parent before
+    its children; -1: the committed state). Yields the replays the commit needs."""
+    outer = getattr(_LOCAL, "verifying", None)
+    ctx = _Verifying(list(parents), {id(s) for s in steps})
+    _LOCAL.verifying = ctx
+    try:
+        yield ctx.replays
+    finally:
+        _LOCAL.verifying = outer
+
+
+@torch.no_grad()
+def commit(replays: list[Replay], path: list[int]) -> None:
+    """Advance every verified module's committed state over the accepted `path` (node indices, root first) and
+    write it into the cache's own tensors: from the deepest node of the path whose state was kept, the rest
+    replayed."""
+    for r in replays:
+        start = max((i + 1 for i, t in enumerate(path) if t in r.kept), default=0)
+        state = r.kept[path[start - 1]] if start else r.state
+        for t in path[start:]:
+            _, state = r.step.call(r.arguments, t, cast_like(state, r.state))
+        for target, new in zip(r.state, state):
+            target.copy_(new)
+
+
+def counters(cache: Any) -> dict[str, torch.Tensor]:
+    """The token counters of `cache` (KINDS' `counters`), copied: what `set_counters` puts back."""
+    names = {n for k in KINDS for n in k.counters}
+    return {n: v.clone() for n in names if isinstance(v := getattr(cache, n, None), torch.Tensor)}
+
+
+def set_counters(cache: Any, before: dict[str, torch.Tensor], fed: int) -> None:
+    """The counters as if `fed` tokens were fed after `before` (the accepted path, not the whole tree)."""
+    for name, value in before.items():
+        getattr(cache, name).copy_(value + fed)
