@@ -1,18 +1,21 @@
 """Trees on the generic path: a model whose only token-mixing module is a recurrence module with a one-token form
 verifies a whole draft tree in one forward of HF's own code, the tree's nodes fed as a sequence.
 
-Every other module of such a model works token by token, so only the recurrence has to know the tree: in a tree
-verification its instance forward runs the module's own forward once per node, on that node's slice of the
-inputs and its parent's state, cast to the cache's dtype as HF's loop stores every step's state in its cache.
-Node for node that is HF's decode step on the node's path. The module then hands the cache its committed state
-back unchanged; the commit writes the accepted node's state into the cache's own tensors: kept from the
+Every other module of such a model works token by token, so only the recurrence has to know the tree. In a tree
+verification its instance forward computes every node after its own path: with the module's tree op where it has
+one (xLSTM: ssmspec.ops.mlstm, all nodes in one set of masked products, in the module's inference mode), else by
+running the module's own forward once per node, on that node's slice of the inputs and its parent's state, cast
+to the cache's dtype as HF's loop stores every step's state in its cache (node for node HF's decode step). The
+module then hands the cache its committed state back unchanged; the commit writes the accepted node's state into
+the cache's own tensors: the tree op's state at that node, or for the stepping form the state kept from the
 verification where the nodes' states fit in `KEEP_BYTES` (all layers together, the first nodes first), else
 replayed from the deepest kept node of the accepted path (one step per node and layer). The transform-time
 probe checks trees by value against HF's decode steps before they are used (ssmspec.probe.probe_generic_trees).
 
 Coupling to transformers, and only here: the class `xLSTMBackend` of transformers' xLSTM (its forward's argument
 names: per-token `query`, `key`, `value`, `igate`, `fgate` along dim 2, the state `c_initial`, `n_initial`,
-`m_initial`, returning `(h, (c, n, m))`), and `xLSTMCache.seqlen_offset` (a token counter its forward advances).
+`m_initial`, returning `(h, (c, n, m))`; its config's `mode`, `eps` and `inference_state_dtype`, which its decode
+step uses), and `xLSTMCache.seqlen_offset` (a token counter its forward advances).
 """
 
 from __future__ import annotations
@@ -20,12 +23,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from ssmspec.ops.mlstm import run_mlstm_state_at, run_tree_mlstm
+
+# a tree op for a module kind: (module, bound arguments, committed state, ancestors [1, N, N] bool) -> (every
+# node's output, the state at a path [1, N] bool -> the state tuple), or None where it does not apply to this call
+TreeOp = Callable[..., "tuple[torch.Tensor, Callable] | None"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,29 @@ class Kind:
     inputs: dict[str, int]  # per-token argument -> its sequence dim
     state: tuple[str, ...]  # initial-state arguments, in the order the forward returns the final state
     counters: tuple[str, ...] = ()  # cache attributes (tensors) that count the tokens a forward fed
+    tree_op: TreeOp | None = None  # all nodes at once (else the module's forward once per node)
+
+
+def _xlstm_tree_op(module: nn.Module, arguments: dict[str, Any], state: tuple, ancestors: torch.Tensor):
+    """xLSTM's backend in its inference mode (its decode step `mlstm_recurrent_step_native` with the config's eps,
+    its state kept in `inference_state_dtype`): ssmspec.ops.mlstm for every node, the state at the accepted node
+    in the decode step's state dtype. Not for a float64 model whose decode step rounds its state to a narrower
+    dtype after every token (the config's default float32): the tree op does not round between nodes, so it would
+    differ from HF's steps at that rounding, and float64 speculation is exact (the module's own steps run it)."""
+    config = module.config
+    if "inference" not in str(arguments.get("mode") or config.mode):
+        return None
+    q, k, v, i, f = (arguments[n] for n in ("query", "key", "value", "igate", "fgate"))
+    dtype = getattr(torch, config.inference_state_dtype)
+    if q.dtype == torch.float64 and dtype != torch.float64:
+        return None
+    c0, n0, m0 = state
+    h = run_tree_mlstm(q, k, v, i, f, c0, n0, m0, ancestors, float(config.eps))
+
+    def state_at(path: torch.Tensor) -> tuple:
+        return tuple(s.to(dtype) for s in run_mlstm_state_at(k, v, i, f, c0, n0, m0, path))
+
+    return h, state_at
 
 
 KINDS = (
@@ -45,6 +77,7 @@ KINDS = (
         inputs={"query": 2, "key": 2, "value": 2, "igate": 2, "fgate": 2},
         state=("c_initial", "n_initial", "m_initial"),
         counters=("seqlen_offset",),
+        tree_op=_xlstm_tree_op,
     ),
 )
 
@@ -69,6 +102,7 @@ class Replay:
     arguments: dict[str, Any]
     state: tuple[torch.Tensor, ...]
     kept: dict[int, tuple] = field(default_factory=dict)
+    state_at: Callable | None = None  # the tree op's state at a path (then nothing is kept or replayed)
 
 
 @dataclass
@@ -79,6 +113,18 @@ class _Verifying:
     parents: list[int]
     steps: set[int]  # id() of the model's TreeStepForward objects this context is for
     replays: list[Replay] = field(default_factory=list)
+    _ancestors: torch.Tensor | None = None
+
+    def ancestors(self, device: torch.device) -> torch.Tensor:
+        """[1, N, N] bool: node t's root-to-node path in row t (t included)."""
+        if self._ancestors is None:
+            rows: list[list[bool]] = []
+            for t, p in enumerate(self.parents):
+                row = list(rows[p]) if p >= 0 else [False] * len(self.parents)
+                row[t] = True
+                rows.append(row)
+            self._ancestors = torch.tensor([rows], dtype=torch.bool)
+        return self._ancestors.to(device)
 
 
 _LOCAL = threading.local()
@@ -120,6 +166,12 @@ class TreeStepForward:
         n = arguments[next(iter(self.kind.inputs))].shape[self.kind.inputs[next(iter(self.kind.inputs))]]
         if n != len(ctx.parents):
             raise RuntimeError(f"{type(self.module).__name__}: {n} tokens for a tree of {len(ctx.parents)} nodes")
+        if self.kind.tree_op is not None:
+            fast = self.kind.tree_op(self.module, arguments, committed, ctx.ancestors(committed[0].device))
+            if fast is not None:
+                h, state_at = fast
+                ctx.replays.append(Replay(self, arguments, committed, state_at=state_at))
+                return h, committed
         last_child = {p: t for t, p in enumerate(ctx.parents)}  # where a node's state is no longer needed
         states: dict[int, tuple] = {-1: committed}
         replay = Replay(self, arguments, committed)
@@ -190,6 +242,12 @@ def commit(replays: list[Replay], path: list[int]) -> None:
     write it into the cache's own tensors: from the deepest node of the path whose state was kept, the rest
     replayed."""
     for r in replays:
+        if r.state_at is not None:
+            on_path = torch.zeros(1, r.arguments[next(iter(r.step.kind.inputs))].shape[2], dtype=torch.bool)
+            on_path[0, path] = True
+            for target, new in zip(r.state, r.state_at(on_path.to(r.state[0].device))):
+                target.copy_(new)
+            continue
         start = max((i + 1 for i, t in enumerate(path) if t in r.kept), default=0)
         state = r.kept[path[start - 1]] if start else r.state
         for t in path[start:]:

@@ -19,6 +19,7 @@ from torch import nn
 from ssmspec.hf import layers as hf_layers
 from ssmspec.speculate.drafters import Drafter, NoDrafter
 from ssmspec.speculate.engine import eos_and_pad, speculative_generate
+from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.transform import transform
 
@@ -40,8 +41,8 @@ class CheckReport:
         mean_accepted_per_step: per run, tokens gained per verify step and row.
         seams: the kernel seams transform made tree-aware.
         path: how the model verifies: "seams" (ssmspec's tree-aware mixers) or "generic" (HF's own forward and
-            cache, chains, batches row by row: ssmspec.speculate.generic; its committed states are HF's own, so
-            `max_state_diff` stays 0 and the tokens and logits carry the proof).
+            cache, batches row by row: ssmspec.speculate.generic; chains, or trees through a recurrence module's
+            tree form, whose commit writes the state: `max_state_diff` compares every tensor of each row's cache).
     """
 
     runs: int = 0
@@ -61,11 +62,45 @@ def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y).abs().max() / (1.0 + y.abs().max()))
 
 
-def state_diff(a: ModelRunner, b: ModelRunner, rows: Sequence[int]) -> float:
+def _tensors(obj: object, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor held by a cache object (its attributes, lists, tuples and dicts, depth first, in order)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, seen)]
+
+
+def _generic_state_diff(a: GenericRunner, b: GenericRunner, rows: Sequence[int]) -> float:
+    """`state_diff` on the generic path: every tensor of each row's HF cache (tokens carried into a next forward
+    fed first)."""
+    a.flush()
+    worst = 0.0
+    for r in rows:
+        ta, tb = _tensors(a.rows[r].state.cache), _tensors(b.rows[r].state.cache)
+        if [t.shape for t in ta] != [t.shape for t in tb]:
+            return float("inf")
+        worst = max([worst] + [_rel(x, y) for x, y in zip(ta, tb) if x.is_floating_point() and x.numel()])
+    return worst
+
+
+def state_diff(a: ModelRunner | GenericRunner, b: ModelRunner | GenericRunner, rows: Sequence[int]) -> float:
     """Largest relative difference (max |a - b| / (1 + max |b|), per tensor) of the committed conv/recurrent
     states and valid K/V of two runners, on rows."""
     if not rows:
         return 0.0
+    if isinstance(a, GenericRunner):
+        return _generic_state_diff(a, b, rows)
     idx = torch.tensor(list(rows))
     worst = 0.0
     for i, (la, lb) in enumerate(zip(a.cache.layers, b.cache.layers)):
@@ -224,8 +259,6 @@ def check_model(
                 flips = _compare(seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "speculative")
                 if not torch.equal(seq, ar_seq) and not flips:
                     raise EquivalenceError(f"speculative output differs from ssmspec autoregressive ({commit})")
-                if generic:  # HF's own states, advanced by HF's own forward: nothing of ssmspec's to compare
-                    continue
                 same = [r for r in range(seq.shape[0]) if int(runner.n_real[r]) == int(ar_runner.n_real[r])]
                 sd = state_diff(runner, ar_runner, same)
                 report.max_state_diff = max(report.max_state_diff, sd)

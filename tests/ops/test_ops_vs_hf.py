@@ -3,6 +3,7 @@ sequential per-node evaluation; and the commit ops pick the right states."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.mamba.modeling_mamba import mamba_selective_scan
@@ -189,3 +190,44 @@ def test_chunked_prefill_from_initial_state_matches_hf_and_one_chunk():
     o, st = delta_rule_chunked_prefill(q, k, v, gate, beta, hd, chunk_size=4)
     torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st, last, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(D64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_mlstm_tree_and_state_equal_hfs_decode_steps_on_every_path(dtype, tol):
+    """The tree mLSTM (every node at once, masked by its ancestors) against HF's xLSTM decode step run node by node
+    from each node's parent's state (kept in its state dtype, as HF's loop keeps it), on a batch of two trees with
+    gates wide enough to move the stabilizer; the state at every node against the same steps. bfloat16: HF's step
+    computes in bfloat16, the tree op in float32."""
+    from transformers.models.xlstm.modeling_xlstm import mlstm_recurrent_step_native
+
+    from ssmspec.ops.mlstm import mlstm_state_at, tree_mlstm
+
+    g = torch.Generator().manual_seed(3)
+    tree = _tree()
+    b, n = tree.tokens.shape
+    h, dk, dv = 3, 8, 6
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=D64) * scale).to(dtype)
+
+    q, k, v = rand(b, h, n, dk), rand(b, h, n, dk), rand(b, h, n, dv)
+    ig, fg = rand(b, h, n, scale=3), rand(b, h, n, scale=3)
+    c0, n0, m0 = rand(b, h, dk, dv), rand(b, h, dk), rand(b, h, 1)
+    state_dtype = D64 if dtype == D64 else torch.float32
+    got = tree_mlstm(q, k, v, ig, fg, c0, n0, m0, tree.ancestor_mask, 1e-6)
+    assert got.dtype == dtype
+    for r in range(b):
+        parents = tree.parents[r].tolist()
+        states = {-1: (c0[r : r + 1], n0[r : r + 1], m0[r : r + 1])}
+        for t in range(n):
+            c, nn_, m = (s.to(dtype) for s in states[parents[t] if t else -1])
+            want, states[t] = mlstm_recurrent_step_native(
+                q[r : r + 1, :, t], k[r : r + 1, :, t], v[r : r + 1, :, t], ig[r : r + 1, :, t, None],
+                fg[r : r + 1, :, t, None], c, nn_, m, eps=1e-6, dtype_state=state_dtype,
+            )  # fmt: skip
+            scale = want.double().abs().max()
+            assert (got[r, :, t].double() - want[0].double()).abs().max() <= tol * scale, (r, t)
+            path = tree.ancestor_mask[r : r + 1, t]
+            at = mlstm_state_at(k[r : r + 1], v[r : r + 1], ig[r : r + 1], fg[r : r + 1], *states[-1], path)
+            for x, y in zip(at, states[t]):
+                assert (x.double() - y.double()).abs().max() <= tol * y.double().abs().max().clamp(min=1), (r, t)
