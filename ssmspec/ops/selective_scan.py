@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from ssmspec.ops._common import (
     Record,
     SeamCall,
-    chain_structure,
     commit_materialized,
     commits,
     compute_dtype,
@@ -109,15 +108,51 @@ def _along(x: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 2, path[:, None, :].expand(x.shape[0], x.shape[1], path.shape[1]))
 
 
+def replay_chains(x, dt, A, Bm, dt_bias, h0, lengths, dt_softplus: bool) -> torch.Tensor:
+    """The state after each row's chain of `lengths[b]` nodes, for R stacked records at once: x/dt [R, B, D, M],
+    A [R, D, S], Bm [R, B, S, M], dt_bias [R, D] or None, h0 [R, B, D, S]; returns [R, B, D, S] in the compute
+    dtype. Each node's update is the tree scan's own (the same products in the same order), so a replayed state
+    equals the verified node's up to the last bit of `exp` (vectorised and scalar paths round apart)."""
+    cd = compute_dtype(x, dt, Bm, h0)
+    dtc = dt.to(cd)
+    if dt_bias is not None:
+        dtc = dtc + dt_bias.to(cd)[:, None, :, None]
+    if dt_softplus:
+        dtc = F.softplus(dtc)
+    a, bm, xc = A.to(cd)[:, None], Bm.to(cd), x.to(cd)
+    h = h0.to(cd)
+    for m in range(x.shape[-1]):
+        step = dtc[..., m, None]  # [R, B, D, 1]
+        new = torch.exp(step * a) * h + step * bm[:, :, None, :, m] * xc[..., m, None]
+        h = torch.where((m < lengths).view(1, -1, 1, 1), new, h)
+    return h
+
+
 @commits("selective_scan")
 def commit_selective_scan(items: list[tuple[torch.Tensor, Record]], path, lengths, last: torch.Tensor) -> None:
-    """Replay: run the scan on each row's accepted path (a chain) from the committed state; keep its last state."""
-    rows = torch.arange(path.shape[0], device=path.device)
-    chain_parents, chain_depth = chain_structure(*path.shape, path.device)
+    """Replay: run the scan on each row's accepted path (a chain) from the committed state and keep its last
+    state; the records of every layer (and head) alike in shape replayed together, stacked."""
+    groups: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}
     for target, rec in commit_materialized(items, last):
         a = rec.replay
-        states = _tree_scan(
-            _along(a["x"], path), _along(a["dt"], path), a["A"], _along(a["Bm"], path), _along(a["Cm"], path),
-            None, None, a["dt_bias"], a["h0"], chain_parents, chain_depth, a["dt_softplus"], True,
-        )[1]  # fmt: skip
-        target.copy_(states[rows, lengths - 1].to(target.dtype))
+        key = tuple(
+            (k, v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else (k, v) for k, v in sorted(a.items())
+        )
+        groups.setdefault(key, []).append((target, a))
+    for group in groups.values():
+        replays = [a for _, a in group]
+
+        def stack(name: str, along: bool = False) -> torch.Tensor:
+            return torch.stack([_along(a[name], path) if along else a[name] for a in replays])
+
+        first = replays[0]
+        h0 = (
+            torch.stack([a["h0"] for a in replays])
+            if first["h0"] is not None
+            else first["x"].new_zeros(len(replays), first["x"].shape[0], first["x"].shape[1], first["A"].shape[-1])
+        )
+        bias = None if first["dt_bias"] is None else stack("dt_bias")
+        states = replay_chains(stack("x", True), stack("dt", True), stack("A"), stack("Bm", True), bias, h0, lengths,
+                               first["dt_softplus"])  # fmt: skip
+        for (target, _), state in zip(group, states):
+            target.copy_(state.to(target.dtype))

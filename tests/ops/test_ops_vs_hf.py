@@ -106,6 +106,34 @@ def test_selective_scan_chain_matches_hf():
     torch.testing.assert_close(states[:, -1], last, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_selective_scan_replay_equals_the_tree_scans_state_at_each_rows_accepted_node(dtype):
+    """The commit replays every record of one shape at once: the state after row b's first `lengths[b]` path
+    nodes equals the tree scan's own state at that node: the same products in the same order, so up to the last
+    bit of a float32 `exp` (its vectorised and scalar paths may round differently)."""
+    from ssmspec.ops.selective_scan import _along, replay_chains
+
+    g = torch.Generator().manual_seed(6)
+    tree, r, d, s = _tree(), 3, 5, 4
+    b, n = tree.parents.shape
+    x, dt = torch.randn(r, b, d, n, generator=g).to(dtype), torch.randn(r, b, d, n, generator=g).to(dtype)
+    A, Bm = -torch.rand(r, d, s, generator=g), torch.randn(r, b, s, n, generator=g).to(dtype)
+    bias, h0 = torch.randn(r, d, generator=g), torch.randn(r, b, d, s, generator=g)
+    path = torch.stack([torch.tensor([0, 2, 5, 6]), torch.tensor([0, 3, 4, 0])])  # root-to-node paths
+    lengths = torch.tensor([4, 3])
+    got = replay_chains(
+        torch.stack([_along(x[i], path) for i in range(r)]), torch.stack([_along(dt[i], path) for i in range(r)]),
+        A, torch.stack([_along(Bm[i], path) for i in range(r)]), bias, h0, lengths, True,
+    )  # fmt: skip
+    for i in range(r):
+        _, states = tree_selective_scan(
+            x[i], dt[i], A[i], Bm[i], Bm[i], None, None, bias[i], h0[i], tree.parents, tree.depth, True, True
+        )
+        for row in range(b):
+            want = states[row, path[row, lengths[row] - 1]]
+            torch.testing.assert_close(got[i, row], want, rtol=2e-6, atol=2e-6, msg=f"record {i}, row {row}")
+
+
 def test_delta_rule_chain_matches_hf():
     g = torch.Generator().manual_seed(5)
     b, n, hk, h, k, v = 2, 5, 2, 4, 4, 3
