@@ -14,12 +14,12 @@ Inductor's C++ wrapper (the fastest compiled configuration on CPU, ssmspec.bench
 verifies with static shapes, as a compiled model does in `generate`. Compiling takes minutes on 2 cores.
 `--generic`: the generic path (ssmspec.speculate.generic: HF's own forward with a snapshot of its cache, the
 accepted prefix fed again) timed beside the seams in the same repeats, on chains (columns `generic`, `g.ratio`).
-A model without seams (`--family rwkv | xlstm`) runs the generic path only. RWKV: chains; its commit keeps half the
-chain, so the next verify feeds that prefix ahead of its own chain: `verify` is timed in that steady state
-(the chain plus the n // 2 + 1 tokens the previous step carried), `commit` is the snapshot's restore. xLSTM: its
-recurrence module's tree form (ssmspec.hf.tree_modules: chains and trees in one forward, each node stepped from its
-parent's state; the commit replays the accepted path into the cache); with `--generic`, the chain form (snapshot,
-prefix carried) timed beside it.
+A model without seams (`--family rwkv | xlstm`) runs the generic path only, through its recurrence modules' tree
+forms (ssmspec.hf.tree_modules: chains and trees in one forward of HF's code, each node computed after its own
+path; the commit writes the accepted node's state into the cache). With `--generic`, the chain form (a snapshot of
+the cache, the accepted prefix carried) is timed beside it; its commit keeps half the chain, so the next verify
+feeds that prefix ahead of its own chain: `generic` is timed in that steady state (the chain plus the n // 2 + 1
+tokens the previous step carried), its restore included.
 `--profile`: where a step goes (torch.profiler): for HF's decode, ssmspec's decode, verify(2) and verify(8)
 (+ commit), the top operations by self time and the share of the step outside them (Python and dispatch).
 

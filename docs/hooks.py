@@ -65,6 +65,7 @@ def _generic_families() -> list[tuple[str, str, str, str]]:
     """(family, HF class, why it has no seams, what is exact) for the families transform runs on the generic path."""
     from transformers.utils import logging as hf_logging
 
+    from ssmspec.hf import tree_modules
     from ssmspec.testing.configs import GENERIC_FAMILIES, build_tiny_model
     from ssmspec.transform import transform
 
@@ -75,7 +76,9 @@ def _generic_families() -> list[tuple[str, str, str, str]]:
         info = model.ssmspec_info
         if info.path != "generic":
             raise ValueError(f"{fam} is listed for the generic path but transform gave it {info.path!r}")
-        exact = "chains, batches (row by row)" if info.batches else "chains, one prompt at a time"
+        forms = sorted({type(step.module).__name__ for step in tree_modules.installed(model)})
+        shapes = f"trees (the tree form of `{'`, `'.join(forms)}`)" if info.trees else "chains"
+        exact = f"{shapes}, batches (row by row)" if info.batches else f"{shapes}, one prompt at a time"
         out.append((fam, type(model).__name__, info.limits["seams"], exact))
     return out
 
@@ -137,7 +140,8 @@ def _families() -> str:
            "Refused, with the error `ssmspec.transform` raises (computed while building these docs):", "",
            "| family | refused: the module and why |", "|---|---|"]  # fmt: skip
     out += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
-    out += ["", "Through the generic path (HF's own forward and cache: chains; batches row by row where a second probe "
+    out += ["", "Through the generic path (HF's own forward and cache: chains, trees where the model's recurrence "
+            "module has a tree form; batches row by row where a second probe "
             "finds HF's batched loop equal to its rows run alone; the transform found no kernel seam and the generic "
             "probe found HF's multi-token forward exact; computed while building these docs; "
             "`tests/speculate/test_generic.py` holds them to HF greedy in float64):", "",
@@ -170,8 +174,9 @@ def _limitations() -> str:
     lines += [f"| `{n}` | {_cell(note)} |" for n, note in refused]
     lines += ["", "### Model families refused", "", "| family | the module and why |", "|---|---|"]
     lines += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
-    lines += ["", "### Families on the generic path: chains", "",
-              "No kernel seam, so no trees: HF's own forward verifies chains (see How it works, \"The generic path\"); "
+    lines += ["", "### Families on the generic path", "",
+              "No kernel seam: HF's own forward verifies chains (see How it works, \"The generic path\"), and trees "
+              "only where the model's recurrence modules have tree forms (xLSTM, RWKV); elsewhere "
               "`SpecConfig(tree=True)` is refused naming the path. A batch is verified row by row where HF's batched "
               "loop computes what its rows compute alone (HF's RWKV does not: it is refused there); a default call on "
               "a batch runs HF's own batched generate.", "", "| family | why no seams | exact for |",

@@ -195,8 +195,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     t0 = time.perf_counter()
     print(f"model: {what} ({args.dtype})")
-    narrowed = "; ".join(f"{k}: {v}" for k, v in info.limits.items() if k in ("trees", "batches"))
-    print(f"path: {info.path}" + (f" ({narrowed})" if narrowed else " (trees and batches)"))
+    exact = "; ".join(f"{k}: {info.limits[k]}" if k in info.limits else k for k in ("trees", "batches"))
+    print(f"path: {info.path} ({exact})")
     # one-node steps through the tree path too (every state from ssmspec's ops: strict), then through HF's decode
     # path (generate takes whichever measured faster on the model)
     for decode, label in ((False, "tree path only"), (True, "with HF decode steps")):

@@ -29,7 +29,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 
 from ssmspec.hf import layers as hf_layers
 from ssmspec.ops import Record
@@ -53,7 +53,12 @@ class SpecCache(DynamicCache):
     """
 
     def __init__(
-        self, config, *, commit: str = "replay", state_dtype: torch.dtype | None = None, capacity: int | None = None
+        self,
+        config: PretrainedConfig,
+        *,
+        commit: str = "replay",
+        state_dtype: torch.dtype | None = None,
+        capacity: int | None = None,
     ) -> None:
         if commit not in COMMIT_STRATEGIES:
             raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")

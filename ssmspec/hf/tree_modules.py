@@ -12,10 +12,18 @@ verification where the nodes' states fit in `KEEP_BYTES` (all layers together, t
 replayed from the deepest kept node of the accepted path (one step per node and layer). The transform-time
 probe checks trees by value against HF's decode steps before they are used (ssmspec.probe.probe_generic_trees).
 
+A module whose state is not handed in and out of its forward has a whole verification forward of its own
+(`Kind.tree_forward`): RWKV's time mixing and channel mixing, whose token shift reads the parent's input and
+whose WKV recurrence runs as a tree op (ssmspec.ops.wkv), the shared state list written only at the commit.
+
 Coupling to transformers, and only here: the class `xLSTMBackend` of transformers' xLSTM (its forward's argument
 names: per-token `query`, `key`, `value`, `igate`, `fgate` along dim 2, the state `c_initial`, `n_initial`,
 `m_initial`, returning `(h, (c, n, m))`; its config's `mode`, `eps` and `inference_state_dtype`, which its decode
-step uses), and `xLSTMCache.seqlen_offset` (a token counter its forward advances).
+step uses), and `xLSTMCache.seqlen_offset` (a token counter its forward advances); RWKV's `RwkvSelfAttention`
+and `RwkvFeedForward` (`forward(hidden, state)`, their `time_shift` submodule, whose first position HF's code
+overwrites with the cached shift state, `extract_key_value`, `output`, `time_decay`, `time_first`, `layer_id`,
+and the model's state list: [0] channel-mixing shift, [1] time-mixing shift, [2:5] the WKV numerator,
+denominator and log scale, each [B, C, layers]).
 """
 
 from __future__ import annotations
@@ -31,10 +39,14 @@ import torch
 from torch import nn
 
 from ssmspec.ops.mlstm import run_mlstm_state_at, run_tree_mlstm
+from ssmspec.ops.wkv import run_tree_wkv
 
 # a tree op for a module kind: (module, bound arguments, committed state, ancestors [1, N, N] bool) -> (every
 # node's output, the state at a path [1, N] bool -> the state tuple), or None where it does not apply to this call
 TreeOp = Callable[..., "tuple[torch.Tensor, Callable] | None"]
+# a module's whole forward in a tree verification: (module, bound arguments, the tree being verified) -> (what its
+# forward returns, a function that writes the state at a path [node indices, root first] into the model's cache)
+TreeForward = Callable[..., "tuple[Any, Callable[[list[int]], None]]"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class Kind:
     state: tuple[str, ...]  # initial-state arguments, in the order the forward returns the final state
     counters: tuple[str, ...] = ()  # cache attributes (tensors) that count the tokens a forward fed
     tree_op: TreeOp | None = None  # all nodes at once (else the module's forward once per node)
+    tree_forward: TreeForward | None = None  # the module's own verification forward (its state not handed in)
 
 
 def _xlstm_tree_op(module: nn.Module, arguments: dict[str, Any], state: tuple, ancestors: torch.Tensor):
@@ -71,6 +84,72 @@ def _xlstm_tree_op(module: nn.Module, arguments: dict[str, Any], state: tuple, a
     return h, state_at
 
 
+class _ParentShift(nn.Module):
+    """RWKV's token shift inside a tree: each node's previous input is its parent's (the root's, node 0, is the
+    cached shift state, which HF's code writes over position 0)."""
+
+    def __init__(self, parents: torch.Tensor) -> None:
+        super().__init__()
+        self.parents = parents
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, self.parents.clamp(min=0)]
+
+
+@contextlib.contextmanager
+def _rwkv_tree_call(module: nn.Module, arguments: dict[str, Any], tree: _Verifying, slot: int):
+    """Within: `module.time_shift` shifts along the tree, and the shift state `state[slot]` that HF's code
+    overwrites with the last fed input is put back after (the cache keeps its committed state until the commit)."""
+    state = arguments.get("state")
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+    if any(p < 0 for p in tree.parents[1:]) or tree.parents[0] != -1:
+        raise RuntimeError(f"{type(module).__name__}: a tree verification needs one root, fed first")
+    layer = module.layer_id
+    saved, shift = state[slot][:, :, layer].clone(), module.time_shift
+    module.time_shift = _ParentShift(tree.tensors(arguments["hidden"].device)[0][0])
+    try:
+        yield state
+    finally:
+        module.time_shift = shift
+        state[slot][:, :, layer] = saved
+
+
+def _rwkv_channel_mixing(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
+    """RwkvFeedForward on a tree: HF's forward with the tree's token shift; the commit writes the accepted node's
+    input as the shift state."""
+    hidden, layer = arguments["hidden"], module.layer_id
+    with _rwkv_tree_call(module, arguments, tree, 0) as state:
+        out = type(module).forward(module, **arguments)
+
+    def write(path: list[int]) -> None:
+        state[0][:, :, layer] = hidden[:, path[-1]]
+
+    return out, write
+
+
+def _rwkv_time_mixing(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
+    """RwkvSelfAttention on a tree: HF's key / value / receptance with the tree's token shift, the WKV recurrence
+    as a tree op (ssmspec.ops.wkv: HF's decode step node by node, level by level); the commit writes the accepted
+    node's input as the shift state and its WKV state."""
+    hidden, layer = arguments["hidden"], module.layer_id
+    with _rwkv_tree_call(module, arguments, tree, 1) as state:
+        receptance, key, value, _ = module.extract_key_value(hidden, state=state)
+    parents, depth = tree.tensors(hidden.device)
+    b = hidden.shape[0]
+    start = torch.stack([s[:, :, layer] for s in state[2:5]], dim=1)  # [B, 3, C]
+    wkv, nodes = run_tree_wkv(
+        key, value, module.time_decay, module.time_first, start, parents.expand(b, -1), depth.expand(b, -1)
+    )
+
+    def write(path: list[int]) -> None:
+        state[1][:, :, layer] = hidden[:, path[-1]]
+        for i in range(3):
+            state[2 + i][:, :, layer] = nodes[:, path[-1], i]
+
+    return (module.output(receptance * wkv), state), write
+
+
 KINDS = (
     Kind(
         "transformers.models.xlstm.modeling_xlstm:xLSTMBackend",
@@ -79,6 +158,18 @@ KINDS = (
         counters=("seqlen_offset",),
         tree_op=_xlstm_tree_op,
     ),
+    Kind(
+        "transformers.models.rwkv.modeling_rwkv:RwkvSelfAttention",
+        inputs={"hidden": 1},
+        state=(),
+        tree_forward=_rwkv_time_mixing,
+    ),  # fmt: skip
+    Kind(
+        "transformers.models.rwkv.modeling_rwkv:RwkvFeedForward",
+        inputs={"hidden": 1},
+        state=(),
+        tree_forward=_rwkv_channel_mixing,
+    ),  # fmt: skip
 )
 
 
@@ -103,6 +194,7 @@ class Replay:
     state: tuple[torch.Tensor, ...]
     kept: dict[int, tuple] = field(default_factory=dict)
     state_at: Callable | None = None  # the tree op's state at a path (then nothing is kept or replayed)
+    write: Callable[[list[int]], None] | None = None  # a tree forward's commit (then nothing else is done)
 
 
 @dataclass
@@ -114,6 +206,16 @@ class _Verifying:
     steps: set[int]  # id() of the model's TreeStepForward objects this context is for
     replays: list[Replay] = field(default_factory=list)
     _ancestors: torch.Tensor | None = None
+    _tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parents, depth), each [1, N] long."""
+        if self._tensors is None:
+            depth: list[int] = []
+            for p in self.parents:
+                depth.append(depth[p] + 1 if p >= 0 else 0)
+            self._tensors = torch.tensor([self.parents]), torch.tensor([depth])
+        return self._tensors[0].to(device), self._tensors[1].to(device)
 
     def ancestors(self, device: torch.device) -> torch.Tensor:
         """[1, N, N] bool: node t's root-to-node path in row t (t included)."""
@@ -160,12 +262,16 @@ class TreeStepForward:
         if ctx is None or id(self) not in ctx.steps:
             return type(self.module).forward(self.module, *args, **kwargs)
         arguments = self._bind(args, kwargs)
-        committed = tuple(arguments[name] for name in self.kind.state)
-        if any(s is None for s in committed):
-            raise RuntimeError(f"{type(self.module).__name__}: a tree verification needs the committed state")
         n = arguments[next(iter(self.kind.inputs))].shape[self.kind.inputs[next(iter(self.kind.inputs))]]
         if n != len(ctx.parents):
             raise RuntimeError(f"{type(self.module).__name__}: {n} tokens for a tree of {len(ctx.parents)} nodes")
+        if self.kind.tree_forward is not None:
+            out, write = self.kind.tree_forward(self.module, arguments, ctx)
+            ctx.replays.append(Replay(self, arguments, (), write=write))
+            return out
+        committed = tuple(arguments[name] for name in self.kind.state)
+        if any(s is None for s in committed):
+            raise RuntimeError(f"{type(self.module).__name__}: a tree verification needs the committed state")
         if self.kind.tree_op is not None:
             fast = self.kind.tree_op(self.module, arguments, committed, ctx.ancestors(committed[0].device))
             if fast is not None:
@@ -242,6 +348,9 @@ def commit(replays: list[Replay], path: list[int]) -> None:
     write it into the cache's own tensors: from the deepest node of the path whose state was kept, the rest
     replayed."""
     for r in replays:
+        if r.write is not None:
+            r.write(path)
+            continue
         if r.state_at is not None:
             on_path = torch.zeros(1, r.arguments[next(iter(r.step.kind.inputs))].shape[2], dtype=torch.bool)
             on_path[0, path] = True

@@ -104,26 +104,36 @@ def levelwise_states(
     b, n = parents.shape
     states = h0.new_empty(b, n, *h0.shape[1:])
     rows = torch.arange(b, device=parents.device)[:, None]
-    order = torch.argsort(depth, dim=1, stable=True)  # nodes sorted by level
-    sorted_depth = torch.gather(depth, 1, order)
-    max_depth = int(depth.max())
-    counts = torch.stack([(depth == d).sum(1) for d in range(max_depth + 1)], 1)  # [B, D+1]
-    starts = torch.cumsum(counts, 1) - counts
-    for d in range(max_depth + 1):
-        k = int(counts[:, d].max())
-        slot = torch.arange(k, device=parents.device)[None, :].expand(b, k)
-        slot = torch.minimum(slot, counts[:, d : d + 1] - 1).clamp(min=0)  # repeat within the level
-        pos = starts[:, d : d + 1] + slot
-        idx = torch.gather(order, 1, pos.clamp(max=n - 1))
-        valid = torch.gather(sorted_depth, 1, pos.clamp(max=n - 1)) == d  # rows with no node at this level
-        if d == 0:
-            prev = h0.unsqueeze(1).expand(b, k, *h0.shape[1:])
-        else:
-            prev = states[rows, parents[rows, idx].clamp(min=0)]
+    for d, (idx, up, valid) in enumerate(_level_plan(parents, depth)):
+        prev = h0.unsqueeze(1).expand(b, idx.shape[1], *h0.shape[1:]) if d == 0 else states[rows, up]
         new = step(prev, idx)
-        keep = valid.view(b, k, *([1] * (h0.ndim - 1)))
-        states[rows, idx] = torch.where(keep, new, states[rows, idx])
+        if valid is not None:
+            new = torch.where(valid.view(*valid.shape, *([1] * (h0.ndim - 1))), new, states[rows, idx])
+        states[rows, idx] = new
     return states
+
+
+def _level_plan(
+    parents: torch.Tensor, depth: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per tree level: its nodes in each row [B, K] (a row with fewer repeats its last one), their parents, and
+    which are real (None: all; a row without a node on the level points at node 0 and is masked). Planned on the
+    host in one read of the tree: a level then costs its recurrence step and two index operations."""
+    par, dep = parents.tolist(), depth.tolist()
+    levels: dict[int, list[list[int]]] = {}
+    for r, row in enumerate(dep):
+        for t, d in enumerate(row):
+            levels.setdefault(d, [[] for _ in par])[r].append(t)
+    plan = []
+    for d in sorted(levels):
+        nodes = levels[d]
+        k = max(len(x) for x in nodes)
+        idx = [x + x[-1:] * (k - len(x)) if x else [0] * k for x in nodes]
+        up = [[max(par[r][t], 0) for t in row] for r, row in enumerate(idx)]
+        missing = [not x for x in nodes]
+        valid = None if not any(missing) else torch.tensor([[not m] * k for m in missing], device=parents.device)
+        plan.append((torch.tensor(idx, device=parents.device), torch.tensor(up, device=parents.device), valid))
+    return plan
 
 
 # ------------------------------------------------------------------------------------------ seam adapters

@@ -134,6 +134,42 @@ def test_stacked_selective_scan_replay_equals_the_tree_scans_state_at_each_rows_
             torch.testing.assert_close(got[i, row], want, rtol=2e-6, atol=2e-6, msg=f"record {i}, row {row}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_tree_wkv_equals_hfs_rwkv_decode_steps_on_every_path(dtype):
+    """Every node's WKV output and state equal HF's one-token step (`rwkv_linear_attention_cpu`) run along the
+    node's root-to-node path from the committed state, the state stored in float32 between tokens as HF's
+    RWKV state list keeps it (its time_decay / time_first in float32 for a bf16 model, as HF loads them)."""
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+    from ssmspec.ops.wkv import run_tree_wkv, tree_wkv
+
+    g = torch.Generator().manual_seed(7)
+    tree, c = _tree(), 8
+    b, n = tree.parents.shape
+    key, value = (3 * torch.randn(b, n, c, generator=g)).to(dtype), torch.randn(b, n, c, generator=g).to(dtype)
+    params = torch.float32 if dtype == torch.bfloat16 else dtype
+    decay, first = torch.randn(c, generator=g).to(params), torch.randn(c, generator=g).to(params)
+    a0, b0, p0 = torch.randn(b, c, generator=g), torch.rand(b, c, generator=g) + 0.5, torch.randn(b, c, generator=g)
+    out, states = run_tree_wkv(key, value, decay, first, torch.stack([a0, b0, p0], 1), tree.parents, tree.depth)
+    op_out, op_states = tree_wkv(key, value, decay, first, torch.stack([a0, b0, p0], 1), tree.parents, tree.depth)
+    assert torch.equal(out, op_out) and torch.equal(states, op_states)  # the eager fast path is the op
+    assert out.dtype == dtype and states.dtype == torch.float32
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype != torch.bfloat16 else {}
+    for row, size in enumerate((7, 5)):
+        for node in range(size):
+            path, t = [], node
+            while t >= 0:
+                path, t = [t, *path], int(tree.parents[row, t])
+            state = [a0[row : row + 1], b0[row : row + 1], p0[row : row + 1]]
+            for t in path:
+                y, new = rwkv_linear_attention_cpu(
+                    decay, first, key[row : row + 1, t : t + 1], value[row : row + 1, t : t + 1], state, True
+                )
+                state = [s.to(torch.float32) for s in new]  # what HF's state list stores
+            torch.testing.assert_close(out[row, node], y[0, 0], **tol)
+            torch.testing.assert_close(states[row, node], torch.cat(state), rtol=1e-6, atol=1e-6)
+
+
 def test_delta_rule_chain_matches_hf():
     g = torch.Generator().manual_seed(5)
     b, n, hk, h, k, v = 2, 5, 2, 4, 4, 3

@@ -48,7 +48,7 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
     ref = cached_tiny_model(family)
     model = _transformed(family)
     info = model.ssmspec_info
-    trees = family == "xlstm"  # the one family here whose recurrence module has a tree form (hf.tree_modules)
+    trees = family in ("xlstm", "rwkv")  # the families here whose recurrence modules have tree forms (hf.tree_modules)
     assert info.path == "generic" and info.generic and info.limits["seams"]
     assert info.trees == info.generic_trees == trees
     assert info.limits.get("trees") == (None if trees else CHAINS_ONLY) and info.generic_batches == info.batches
@@ -190,6 +190,44 @@ def test_tree_form_verifies_each_node_on_its_path_and_commits_hfs_state(form, mo
     assert int(cache.seqlen_offset) == int(want.cache.seqlen_offset) == 7
     assert runner.rows[0].state.ids.tolist() == [prompt + [9, 11, 14]] and runner.n_real.tolist() == [7]
     assert bool(calls) == (form == "tree op")  # which form ran
+
+
+def test_rwkv_tree_form_shifts_and_recurs_along_each_path_and_commits_hfs_state():
+    """RWKV on the generic path: in a branching tree each node's token shift reads its parent's input and its WKV
+    recurrence (ssmspec.ops.wkv) its parent's state, so every node gets the logits HF's loop computes for its
+    path; the state list keeps its committed values while verifying and after a discard, and a commit leaves
+    what HF's loop reaches over the accepted path (both shift states and the WKV state of every layer)."""
+    from torch import nn
+
+    from ssmspec.hf import tree_modules
+
+    ref = cached_tiny_model("rwkv")
+    model = _transformed("rwkv")
+    steps = tree_modules.installed(model)
+    assert {type(s.module).__name__ for s in steps} == {"RwkvSelfAttention", "RwkvFeedForward"}
+    runner = GenericRunner(model)
+    assert runner.trees and not runner.reruns
+    prompt = [5, 6, 7, 8]
+    runner.prefill(torch.tensor([prompt]), torch.ones(1, 4, dtype=torch.long))
+    state = runner.rows[0].state.cache
+    assert isinstance(state, list) and len(state) == 5
+    before = [s.clone() for s in state]
+    tree = TokenTree.from_lists([[9, 10, 11, 12, 13, 14]], [[-1, 0, 0, 1, 2, 2]])
+    logits = runner.verify(tree)
+    for node in range(tree.num_nodes):
+        path = prompt + tree.tokens[0, tree.path_nodes(0, node)].tolist()
+        want = _hf_states(ref, path[:-1]).forward(torch.tensor([path[-1:]]))[0, -1]
+        torch.testing.assert_close(logits[0, node], want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+    assert all(torch.equal(a, b) for a, b in zip(state, before))  # verifying changed nothing in the state
+    assert all(isinstance(s.module.time_shift, nn.ZeroPad2d) for s in steps)  # HF's shift back in place
+    runner.discard()
+    assert all(torch.equal(a, b) for a, b in zip(state, before)) and runner.rows[0].state.length == 4
+    runner.verify(tree)
+    runner.commit(torch.tensor([5]))  # the path 0 -> 2 -> 5
+    want = _hf_states(ref, prompt + [9, 11, 14]).cache
+    for got, exp in zip(state, want, strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-9, atol=1e-9 * float(exp.abs().max().clamp(min=1)))
+    assert runner.rows[0].state.ids.tolist() == [prompt + [9, 11, 14]] and runner.n_real.tolist() == [7]
 
 
 def test_an_inexact_tree_form_is_refused_and_chains_stay(monkeypatch):
