@@ -44,6 +44,12 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # at 2+ rows (where MKL reads the weight at half speed)
 PACK_MIN_BYTES = 2 << 20
 PACK_MIN_BYTES_ROWS = 3 << 18
+# oneDNN's packed linear reads a weight slower for 2 rows than for 3 (another kernel below 3 rows): on the 2-core
+# CI machine, float32, weights too big for its caches, a 3072 x 768 weight 557 us for 2 rows, 434 for 3 (1 row
+# 508), a 32000 x 768 head 8.1 ms / 5.9 ms (1 row 6.7); a 2-node verify on a random 24 x 768 Mamba2 40.6 ms
+# unpadded, 35.4 padded to 3 rows (1 node 37.1 -> 36.0, 3 nodes 35.2). Fewer rows are padded with zero rows to
+# this many (a row's result does not depend on the row count: the weight is packed for PACK_BATCH rows)
+PAD_ROWS = 3
 
 
 class _Active(threading.local):
@@ -125,7 +131,12 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:  # moved or cast: the copy is stale
             weight.__dict__.pop("_ssmspec_packed", None)
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
+    rows = x.numel() // x.shape[-1]
+    if rows >= PAD_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
+    padded = torch.cat([x.reshape(rows, x.shape[-1]), x.new_zeros(PAD_ROWS - rows, x.shape[-1])])
+    out = torch.ops.mkldnn._linear_pointwise(padded, packed_weight(weight), bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 @torch.library.custom_op("ssmspec::packed_linear", mutates_args=())

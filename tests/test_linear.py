@@ -56,6 +56,21 @@ def test_packed_linear_matches_f_linear_inside_the_runner_context_only(rows):
     assert got.shape == (3, rows, 40) and got.dtype == torch.float32
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1)])
+def test_one_or_two_rows_are_padded_and_get_the_bits_a_larger_batch_gives_them(shape):
+    """Fewer than PAD_ROWS rows run padded with zero rows (oneDNN's packed kernel for 1-2 rows is the slower one):
+    each row's result is the one it gets in a batch of 5 rows, bit for bit, in the input's shape."""
+    lin = _packed()
+    x = torch.randn(*shape, 24)
+    rows = shape[0] * shape[1]
+    big = torch.cat([x.reshape(rows, 24), torch.randn(5, 24)])
+    with torch.no_grad(), linear.prepacked(True):
+        got, want = lin(x), lin(big)[:rows]
+    assert linear.PAD_ROWS > rows and got.shape == (*shape, 40)
+    assert torch.equal(got.reshape(rows, 40), want)
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=0, atol=1e-5)
+
+
 def test_packed_linear_bfloat16_and_no_bias():
     """bfloat16 packs where the CPU has oneDNN's bf16 path; elsewhere (AVX2 only: packing raises there) it stays
     on F.linear, bit for bit."""
