@@ -19,11 +19,11 @@ whose WKV recurrence runs as a tree op (ssmspec.ops.wkv), the shared state list 
 Coupling to transformers, and only here: the class `xLSTMBackend` of transformers' xLSTM (its forward's argument
 names: per-token `query`, `key`, `value`, `igate`, `fgate` along dim 2, the state `c_initial`, `n_initial`,
 `m_initial`, returning `(h, (c, n, m))`; its config's `mode`, `eps` and `inference_state_dtype`, which its decode
-step uses), and `xLSTMCache.seqlen_offset` (a token counter its forward advances); RWKV's `RwkvSelfAttention`
-and `RwkvFeedForward` (`forward(hidden, state)`, their `time_shift` submodule, whose first position HF's code
-overwrites with the cached shift state, `extract_key_value`, `output`, `time_decay`, `time_first`, `layer_id`,
-and the model's state list: [0] channel-mixing shift, [1] time-mixing shift, [2:5] the WKV numerator,
-denominator and log scale, each [B, C, layers]).
+step uses), and `xLSTMCache.seqlen_offset` (a token counter its forward advances); RWKV's `RwkvSelfAttention` and
+`RwkvFeedForward` (`forward(hidden, state)`, their `time_shift` submodule, which `install` wraps in one that follows
+the tree inside a verification and whose first position HF's code overwrites with the cached shift state,
+`extract_key_value`, `output`, `time_decay`, `time_first`, `layer_id`, and the model's state list: [0] channel-
+mixing shift, [1] time-mixing shift, [2:5] the WKV numerator, denominator and log scale, each [B, C, layers]).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class Kind:
     counters: tuple[str, ...] = ()  # cache attributes (tensors) that count the tokens a forward fed
     tree_op: TreeOp | None = None  # all nodes at once (else the module's forward once per node)
     tree_forward: TreeForward | None = None  # the module's own verification forward (its state not handed in)
+    on_install: Callable[[nn.Module, Any], None] | None = None  # (module, its TreeStepForward): at install
+    on_uninstall: Callable[[nn.Module], None] | None = None  # undoes on_install
 
 
 def _xlstm_tree_op(module: nn.Module, arguments: dict[str, Any], state: tuple, ancestors: torch.Tensor):
@@ -85,33 +87,49 @@ def _xlstm_tree_op(module: nn.Module, arguments: dict[str, Any], state: tuple, a
 
 
 class _ParentShift(nn.Module):
-    """RWKV's token shift inside a tree: each node's previous input is its parent's (the root's, node 0, is the
-    cached shift state, which HF's code writes over position 0)."""
+    """RWKV's token shift, given to its time and channel mixing at install: HF's own shift (`shift`) except inside a
+    tree verification of its module on this thread, where each node's previous input is its parent's (the root's,
+    node 0, is the cached shift state, which HF's code writes over position 0). Installed for good rather than
+    swapped in for a call, so that a plain forward of the same model on another thread keeps HF's shift."""
 
-    def __init__(self, parents: torch.Tensor) -> None:
+    def __init__(self, shift: nn.Module, step: TreeStepForward) -> None:
         super().__init__()
-        self.parents = parents
+        self.shift = shift
+        self.step = step  # not a module: the forward whose verification this shift follows
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden[:, self.parents.clamp(min=0)]
+        ctx: _Verifying | None = getattr(_LOCAL, "verifying", None)
+        if ctx is None or id(self.step) not in ctx.steps:
+            return self.shift(hidden)
+        return hidden[:, ctx.tensors(hidden.device)[0][0].clamp(min=0)]
+
+
+def _rwkv_install(module: nn.Module, step: TreeStepForward) -> None:
+    module.time_shift = _ParentShift(module.time_shift, step)
+
+
+def _rwkv_uninstall(module: nn.Module) -> None:
+    if isinstance(module.time_shift, _ParentShift):
+        module.time_shift = module.time_shift.shift
 
 
 @contextlib.contextmanager
 def _rwkv_tree_call(module: nn.Module, arguments: dict[str, Any], tree: _Verifying, slot: int):
-    """Within: `module.time_shift` shifts along the tree, and the shift state `state[slot]` that HF's code
-    overwrites with the last fed input is put back after (the cache keeps its committed state until the commit)."""
+    """Within: HF's code of `module` may run on the tree (its `time_shift` follows the tree); the shift state
+    `state[slot]` that HF's code overwrites with the last fed input is put back after (the cache keeps its
+    committed state until the commit)."""
     state = arguments.get("state")
     if state is None:
         raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
     if any(p < 0 for p in tree.parents[1:]) or tree.parents[0] != -1:
         raise RuntimeError(f"{type(module).__name__}: a tree verification needs one root, fed first")
+    if not isinstance(module.time_shift, _ParentShift):
+        raise RuntimeError(f"{type(module).__name__}: its token shift is not the tree form's (installed by transform)")
     layer = module.layer_id
-    saved, shift = state[slot][:, :, layer].clone(), module.time_shift
-    module.time_shift = _ParentShift(tree.tensors(arguments["hidden"].device)[0][0])
+    saved = state[slot][:, :, layer].clone()
     try:
         yield state
     finally:
-        module.time_shift = shift
         state[slot][:, :, layer] = saved
 
 
@@ -163,13 +181,17 @@ KINDS = (
         inputs={"hidden": 1},
         state=(),
         tree_forward=_rwkv_time_mixing,
-    ),  # fmt: skip
+        on_install=_rwkv_install,
+        on_uninstall=_rwkv_uninstall,
+    ),
     Kind(
         "transformers.models.rwkv.modeling_rwkv:RwkvFeedForward",
         inputs={"hidden": 1},
         state=(),
         tree_forward=_rwkv_channel_mixing,
-    ),  # fmt: skip
+        on_install=_rwkv_install,
+        on_uninstall=_rwkv_uninstall,
+    ),
 )
 
 
@@ -315,13 +337,18 @@ def install(model: nn.Module) -> list[TreeStepForward]:
             steps.append(current)
         elif kind is not None and current is None:
             module.forward = TreeStepForward(module, kind)
+            if kind.on_install is not None:
+                kind.on_install(module, module.forward)
             steps.append(module.forward)
     return steps
 
 
 def uninstall(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), TreeStepForward):
+    for module in list(model.modules()):
+        step = module.__dict__.get("forward")
+        if isinstance(step, TreeStepForward):
+            if step.kind.on_uninstall is not None:
+                step.kind.on_uninstall(module)
             del module.forward
 
 

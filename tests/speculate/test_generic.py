@@ -219,7 +219,11 @@ def test_rwkv_tree_form_shifts_and_recurs_along_each_path_and_commits_hfs_state(
         want = _hf_states(ref, path[:-1]).forward(torch.tensor([path[-1:]]))[0, -1]
         torch.testing.assert_close(logits[0, node], want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
     assert all(torch.equal(a, b) for a, b in zip(state, before))  # verifying changed nothing in the state
-    assert all(isinstance(s.module.time_shift, nn.ZeroPad2d) for s in steps)  # HF's shift back in place
+    # outside a verification the shift is HF's: a plain forward of the transformed model is HF's, bit for bit
+    assert all(isinstance(s.module.time_shift.shift, nn.ZeroPad2d) for s in steps)
+    ids = torch.tensor([prompt + [9, 11, 14]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
     runner.discard()
     assert all(torch.equal(a, b) for a, b in zip(state, before)) and runner.rows[0].state.length == 4
     runner.verify(tree)
@@ -228,6 +232,10 @@ def test_rwkv_tree_form_shifts_and_recurs_along_each_path_and_commits_hfs_state(
     for got, exp in zip(state, want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-9, atol=1e-9 * float(exp.abs().max().clamp(min=1)))
     assert runner.rows[0].state.ids.tolist() == [prompt + [9, 11, 14]] and runner.n_real.tolist() == [7]
+    copied = copy.deepcopy(model)
+    tree_modules.uninstall(copied)  # what a refused transform does: HF's modules as they were
+    assert not tree_modules.installed(copied)
+    assert all(type(m.time_shift) is nn.ZeroPad2d for m in copied.modules() if hasattr(m, "time_shift"))
 
 
 def test_an_inexact_tree_form_is_refused_and_chains_stay(monkeypatch):
