@@ -1,7 +1,7 @@
-"""Trees on the generic path: a model whose only token-mixing module is a recurrence module with a one-token form
-verifies a whole draft tree in one forward of HF's own code, the tree's nodes fed as a sequence.
+"""Trees on the generic path: a model whose token-mixing modules all have tree forms verifies a whole draft tree in
+one forward of HF's own code, the tree's nodes fed as a sequence.
 
-Every other module of such a model works token by token, so only the recurrence has to know the tree. In a tree
+Every other module of such a model works token by token, so only the token mixers have to know the tree. In a tree
 verification its instance forward computes every node after its own path: with the module's tree op where it has
 one (xLSTM: ssmspec.ops.mlstm, all nodes in one set of masked products, in the module's inference mode), else by
 running the module's own forward once per node, on that node's slice of the inputs and its parent's state, cast
@@ -14,7 +14,10 @@ probe checks trees by value against HF's decode steps before they are used (ssms
 
 A module whose state is not handed in and out of its forward has a whole verification forward of its own
 (`Kind.tree_forward`): RWKV's time mixing and channel mixing, whose token shift reads the parent's input and
-whose WKV recurrence runs as a tree op (ssmspec.ops.wkv), the shared state list written only at the commit.
+whose WKV recurrence runs as a tree op (ssmspec.ops.wkv), the shared state list written only at the commit;
+MiniMax's lightning attention (its recurrence as a tree op, ssmspec.ops.lightning) and its softmax attention (HF's
+attention function over the cached keys and the tree's, masked by the tree's ancestors, each node's rotary
+position its depth; the commit appends the accepted path's keys and values).
 
 Coupling to transformers, and only here: the class `xLSTMBackend` of transformers' xLSTM (its forward's argument
 names: per-token `query`, `key`, `value`, `igate`, `fgate` along dim 2, the state `c_initial`, `n_initial`,
@@ -23,13 +26,19 @@ step uses), and `xLSTMCache.seqlen_offset` (a token counter its forward advances
 `RwkvFeedForward` (`forward(hidden, state)`, their `time_shift` submodule, which `install` wraps in one that follows
 the tree inside a verification and whose first position HF's code overwrites with the cached shift state,
 `extract_key_value`, `output`, `time_decay`, `time_first`, `layer_id`, and the model's state list: [0] channel-
-mixing shift, [1] time-mixing shift, [2:5] the WKV numerator, denominator and log scale, each [B, C, layers]).
+mixing shift, [1] time-mixing shift, [2:5] the WKV numerator, denominator and log scale, each [B, C, layers]);
+MiniMax's `MiniMaxLightningAttention` (`qkv_proj`, `act_fn`, `norm`, `output_gate`, `out_proj`, `slope_rate`,
+`head_dim`, `num_attention_heads`, `layer_idx`; the cache's `get_linear_cache` / `set_linear_cache`) and
+`MiniMaxAttention` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `scaling`, `head_dim`, the `position_embeddings`
+argument, its modeling module's `apply_rotary_pos_emb`, `ALL_ATTENTION_FUNCTIONS`, `eager_attention_forward`;
+the cache layer's `keys` / `values` and `update`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,8 +47,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssmspec.hf import masks
+from ssmspec.ops.lightning import run_tree_lightning
 from ssmspec.ops.mlstm import run_mlstm_state_at, run_tree_mlstm
 from ssmspec.ops.wkv import run_tree_wkv
+from ssmspec.tree import TokenTree
 
 # a tree op for a module kind: (module, bound arguments, committed state, ancestors [1, N, N] bool) -> (every
 # node's output, the state at a path [1, N] bool -> the state tuple), or None where it does not apply to this call
@@ -168,6 +180,69 @@ def _rwkv_time_mixing(module: nn.Module, arguments: dict[str, Any], tree: _Verif
     return (module.output(receptance * wkv), state), write
 
 
+def _minimax_lightning(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
+    """MiniMaxLightningAttention on a tree: HF's projections, its decode step's recurrence as a tree op
+    (ssmspec.ops.lightning), HF's norm, gate and output projection; the commit writes the accepted node's state
+    as the layer's linear cache."""
+    hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
+    layer = module.layer_idx
+    start = cache.get_linear_cache(layer) if cache is not None else None
+    if not isinstance(start, torch.Tensor):
+        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+    mask = arguments.get("attention_mask")
+    if mask is not None and not bool(mask.all()):  # HF zeroes padded positions' projections
+        raise RuntimeError(f"{type(module).__name__}: a tree verification of a padded row")
+    b, n, _ = hidden.shape
+    qkv = module.act_fn(module.qkv_proj(hidden)).reshape(b, n, module.num_attention_heads, 3 * module.head_dim)
+    q, k, v = (x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))
+    parents, depth = tree.tensors(hidden.device)
+    out, nodes = run_tree_lightning(
+        q, k, v, torch.exp(-module.slope_rate), start, parents.expand(b, -1), depth.expand(b, -1)
+    )
+    out = module.norm(out.transpose(1, 2).reshape(b, n, module.num_attention_heads * module.head_dim))
+    out = module.out_proj(torch.sigmoid(module.output_gate(hidden)) * out)
+
+    def write(path: list[int]) -> None:
+        cache.set_linear_cache(layer, nodes[:, path[-1]].contiguous())
+
+    return (out, start), write
+
+
+def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
+    """A softmax attention layer (MiniMax's) on a tree: HF's projections and rotary embedding at each node's depth,
+    HF's attention function over the layer's cached keys and the tree's, masked by the tree's ancestors (and the
+    config's sliding window), the cache untouched; the commit appends the accepted path's keys and values."""
+    hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
+    config = module.config
+    if config._attn_implementation not in ("eager", "sdpa"):
+        raise RuntimeError(f"{type(module).__name__}: tree masks need eager or sdpa attention")
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    past_k, past_v = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(past_k, torch.Tensor) or past_k.numel() == 0:
+        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed keys")
+    hf = sys.modules[type(module).__module__]
+    b, n, _ = hidden.shape
+    shape = (b, n, -1, module.head_dim)
+    q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj))
+    parents, depth = tree.tensors(hidden.device)
+    cos, sin = arguments["position_embeddings"]  # positions fed in order: a node's is the committed length + depth
+    q, k = hf.apply_rotary_pos_emb(q, k, cos[:, depth[0]], sin[:, depth[0]])
+    window = getattr(config, "sliding_window", None)
+    shape_tree = TokenTree(parents.expand(b, -1), parents.expand(b, -1))
+    allow = masks.allowed(torch.ones(b, past_k.shape[2], dtype=torch.bool, device=hidden.device), shape_tree, window)
+    attention = hf.ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, hf.eager_attention_forward)
+    out, weights = attention(
+        module, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), masks.additive(allow, q.dtype),
+        dropout=0.0, scaling=module.scaling, sliding_window=window,
+    )  # fmt: skip
+    out = module.o_proj(out.reshape(b, n, -1).contiguous())
+
+    def write(path: list[int]) -> None:
+        cache.update(k[:, :, path], v[:, :, path], module.layer_idx)
+
+    return (out, weights), write
+
+
 KINDS = (
     Kind(
         "transformers.models.xlstm.modeling_xlstm:xLSTMBackend",
@@ -191,6 +266,18 @@ KINDS = (
         tree_forward=_rwkv_channel_mixing,
         on_install=_rwkv_install,
         on_uninstall=_rwkv_uninstall,
+    ),
+    Kind(
+        "transformers.models.minimax.modeling_minimax:MiniMaxLightningAttention",
+        inputs={"hidden_states": 1},
+        state=(),
+        tree_forward=_minimax_lightning,
+    ),
+    Kind(
+        "transformers.models.minimax.modeling_minimax:MiniMaxAttention",
+        inputs={"hidden_states": 1},
+        state=(),
+        tree_forward=_tree_attention,
     ),
 )
 

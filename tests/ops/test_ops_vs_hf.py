@@ -170,6 +170,36 @@ def test_tree_wkv_equals_hfs_rwkv_decode_steps_on_every_path(dtype):
             torch.testing.assert_close(states[row, node], torch.cat(state), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_tree_lightning_equals_minimaxs_decode_steps_on_every_path(dtype):
+    """Every node's output and state equal HF MiniMax's one-token lightning-attention step (its cached branch:
+    S = r S + k^T v, o = q S, in the model's dtype) run along the node's root-to-node path."""
+    from ssmspec.ops.lightning import run_tree_lightning, tree_lightning
+
+    g = torch.Generator().manual_seed(8)
+    tree, h, d = _tree(), 2, 4
+    b, n = tree.parents.shape
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(dtype) for _ in range(3))
+    ratio = torch.exp(-torch.rand(h, 1, 1, generator=g)).to(dtype)
+    s0 = torch.randn(b, h, d, d, generator=g).to(dtype)
+    out, states = run_tree_lightning(q, k, v, ratio, s0, tree.parents, tree.depth)
+    op_out, op_states = tree_lightning(q, k, v, ratio, s0, tree.parents, tree.depth)
+    assert torch.equal(out, op_out) and torch.equal(states, op_states) and out.dtype == states.dtype == dtype
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}
+    for row, size in enumerate((7, 5)):
+        for node in range(size):
+            path, t = [], node
+            while t >= 0:
+                path, t = [t, *path], int(tree.parents[row, t])
+            state = s0[row : row + 1]
+            for t in path:  # HF's loop body, one token
+                kv = torch.matmul(k[row : row + 1, :, t : t + 1].transpose(-1, -2), v[row : row + 1, :, t : t + 1])
+                state = ratio * state + kv
+                y = torch.matmul(q[row : row + 1, :, t : t + 1], state)
+            torch.testing.assert_close(out[row, :, node], y[0, :, 0], **tol)
+            torch.testing.assert_close(states[row, node], state[0], **tol)
+
+
 def test_delta_rule_chain_matches_hf():
     g = torch.Generator().manual_seed(5)
     b, n, hk, h, k, v = 2, 5, 2, 4, 4, 3
