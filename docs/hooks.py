@@ -176,7 +176,7 @@ def _limitations() -> str:
     lines += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
     lines += ["", "### Families on the generic path", "",
               "No kernel seam: HF's own forward verifies chains (see How it works, \"The generic path\"), and trees "
-              "only where the model's recurrence modules have tree forms (xLSTM, RWKV, MiniMax); elsewhere "
+              "only where the model's recurrence modules have tree forms (xLSTM, RWKV, MiniMax, ZAYA); elsewhere "
               "`SpecConfig(tree=True)` is refused naming the path. A batch is verified row by row where HF's batched "
               "loop computes what its rows compute alone (HF's RWKV does not: it is refused there); a default call on "
               "a batch runs HF's own batched generate.", "", "| family | why no seams | exact for |",

@@ -17,7 +17,8 @@ A module whose state is not handed in and out of its forward has a whole verific
 whose WKV recurrence runs as a tree op (ssmspec.ops.wkv), the shared state list written only at the commit;
 MiniMax's lightning attention (its recurrence as a tree op, ssmspec.ops.lightning) and its softmax attention (HF's
 attention function over the cached keys and the tree's, masked by the tree's ancestors, each node's rotary
-position its depth; the commit appends the accepted path's keys and values).
+position its depth; the commit appends the accepted path's keys and values); ZAYA's attention, whose q/k
+convolution reads each node's path and whose delayed values its parent's.
 
 Coupling to transformers, and only here: the class `xLSTMBackend` of transformers' xLSTM (its forward's argument
 names: per-token `query`, `key`, `value`, `igate`, `fgate` along dim 2, the state `c_initial`, `n_initial`,
@@ -31,7 +32,11 @@ MiniMax's `MiniMaxLightningAttention` (`qkv_proj`, `act_fn`, `norm`, `output_gat
 `head_dim`, `num_attention_heads`, `layer_idx`; the cache's `get_linear_cache` / `set_linear_cache`) and
 `MiniMaxAttention` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `scaling`, `head_dim`, the `position_embeddings`
 argument, its modeling module's `apply_rotary_pos_emb`, `ALL_ATTENTION_FUNCTIONS`, `eager_attention_forward`;
-the cache layer's `keys` / `values` and `update`).
+the cache layer's `keys` / `values` and `update`); ZAYA's `ZayaAttention` (its `qkv_proj`'s `q_proj`, `k_proj`,
+`v_proj_current`, `v_proj_delayed`, `conv_qk_depthwise`, `conv_qk_grouped`, `conv_kernel_size`, `head_dim`,
+`num_key_value_groups`, the residual q/k arithmetic of its forward; `qk_norm`, `o_proj`, `scaling`,
+`sliding_window`; its modeling module's `repeat_kv`; the attention mask dict's "causal" and "conv" entries; the
+cache's `get_conv_state` / `update_conv_state` / `get_recurrent_state` / `update_recurrent_state`).
 """
 
 from __future__ import annotations
@@ -180,6 +185,16 @@ def _rwkv_time_mixing(module: nn.Module, arguments: dict[str, Any], tree: _Verif
     return (module.output(receptance * wkv), state), write
 
 
+def _visible_past(mask: Any, b: int, past: int, device: torch.device) -> torch.Tensor:
+    """[B, past] which cached keys HF's own mask for this forward lets its first token (the tree's root) see: pads
+    hidden (and what a sliding window drops for the root; deeper nodes drop more, masks.allowed). HF's mask is a
+    4-D boolean (True: seen) or additive one, or None where nothing is hidden."""
+    if mask is None:
+        return torch.ones(b, past, dtype=torch.bool, device=device)
+    row = mask[:, 0, 0, :past]
+    return (row if row.dtype == torch.bool else row == 0).expand(b, past)
+
+
 def _minimax_lightning(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
     """MiniMaxLightningAttention on a tree: HF's projections, its decode step's recurrence as a tree op
     (ssmspec.ops.lightning), HF's norm, gate and output projection; the commit writes the accepted node's state
@@ -229,7 +244,8 @@ def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     q, k = hf.apply_rotary_pos_emb(q, k, cos[:, depth[0]], sin[:, depth[0]])
     window = getattr(config, "sliding_window", None)
     shape_tree = TokenTree(parents.expand(b, -1), parents.expand(b, -1))
-    allow = masks.allowed(torch.ones(b, past_k.shape[2], dtype=torch.bool, device=hidden.device), shape_tree, window)
+    seen = _visible_past(arguments.get("attention_mask"), b, past_k.shape[2], hidden.device)
+    allow = masks.allowed(seen, shape_tree, window)
     attention = hf.ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, hf.eager_attention_forward)
     out, weights = attention(
         module, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), masks.additive(allow, q.dtype),
@@ -239,6 +255,82 @@ def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
 
     def write(path: list[int]) -> None:
         cache.update(k[:, :, path], v[:, :, path], module.layer_idx)
+
+    return (out, weights), write
+
+
+def _path_windows(parents: list[int], cached: int, width: int) -> list[list[int]]:
+    """Per node, the `width` positions a causal window ending at the node reads, in a sequence of `cached` cached
+    columns followed by the tree's nodes (node u at `cached + u`): the node's path back from it, then the cache."""
+    out = []
+    for t in range(len(parents)):
+        path, u = [], t
+        while u >= 0 and len(path) < width:
+            path.append(cached + u)
+            u = parents[u]
+        path += list(range(cached - 1, cached - 1 - (width - len(path)), -1))
+        out.append(path[::-1])
+    return out
+
+
+def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
+    """ZayaAttention on a tree (its compressed convolutional attention): HF's q/k projections and residuals, the
+    q/k convolutions over each node's path (its window gathered from the path and the cached conv state), the
+    delayed half of each value head from the node's parent (the root's: the cached one), HF's q/k norm, the rotary
+    embedding of each node's depth, HF's attention function over the cached keys and the tree's, masked by the
+    tree's ancestors and the layer's sliding window; the cache untouched. The commit writes the conv state and the
+    delayed value at the accepted node and appends the accepted path's keys and values."""
+    hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
+    config, proj, layer = module.config, module.qkv_proj, module.layer_idx
+    if config._attn_implementation not in ("eager", "sdpa"):
+        raise RuntimeError(f"{type(module).__name__}: tree masks need eager or sdpa attention")
+    conv_mask = (arguments.get("attention_mask") or {}).get("conv")
+    if conv_mask is not None and not bool(conv_mask.all()):  # HF zeroes padded positions before the convolution
+        raise RuntimeError(f"{type(module).__name__}: a tree verification of a padded row")
+    cached_qk = cache.get_conv_state(layer) if cache is not None else None
+    cached_v = cache.get_recurrent_state(layer) if cache is not None else None
+    past_k, past_v = getattr(cache.layers[layer], "keys", None), getattr(cache.layers[layer], "values", None)
+    if any(not isinstance(x, torch.Tensor) or x.numel() == 0 for x in (cached_qk, cached_v, past_k)):
+        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+    hf = sys.modules[type(module).__module__]
+    b, n, _ = hidden.shape
+    shape = (b, n, -1, proj.head_dim)
+    queries, keys = proj.q_proj(hidden), proj.k_proj(hidden)
+    q_res = queries.view(*shape)
+    k_res = hf.repeat_kv(keys.view(*shape).transpose(1, 2), proj.num_key_value_groups).transpose(1, 2)
+    q_res = (q_res + k_res) * 0.5
+    k_res = q_res.view(b, n, -1, proj.num_key_value_groups, proj.head_dim).mean(dim=-2)
+    width = proj.conv_kernel_size
+    columns = torch.cat([cached_qk, torch.cat([queries, keys], dim=-1).transpose(1, 2)], dim=-1)  # [B, C, K + N]
+    windows = torch.tensor(_path_windows(tree.parents, width, width + 1), device=hidden.device)  # [N, K + 1]
+    qk = columns[:, :, windows].permute(0, 2, 1, 3).reshape(b * n, columns.shape[1], width + 1)
+    qk = proj.conv_qk_grouped(proj.conv_qk_depthwise(qk)).reshape(b, n, -1)
+    q_size = q_res.shape[-2] * q_res.shape[-1]
+    query, key = qk[..., :q_size].view(*shape) + q_res, qk[..., q_size:].view(*shape) + k_res
+    delayed = proj.v_proj_delayed(hidden)
+    parents, depth = tree.tensors(hidden.device)
+    before = torch.cat([cached_v.unsqueeze(1), delayed], dim=1)[:, parents[0] + 1]  # the parent's delayed value
+    value = torch.cat([proj.v_proj_current(hidden), before], dim=-1).view(*shape)
+    query, key = module.qk_norm(query, key)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    cos, sin = arguments["position_embeddings"]
+    q, k = hf.apply_rotary_pos_emb(q, k, cos[:, depth[0]], sin[:, depth[0]])
+    shape_tree = TokenTree(parents.expand(b, -1), parents.expand(b, -1))
+    seen = _visible_past((arguments.get("attention_mask") or {}).get("causal"), b, past_k.shape[2], hidden.device)
+    allow = masks.allowed(seen, shape_tree, module.sliding_window)
+    attention = hf.ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, hf.eager_attention_forward)
+    out, weights = attention(
+        module, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), masks.additive(allow, q.dtype),
+        dropout=0.0, scaling=module.scaling, sliding_window=module.sliding_window,
+    )  # fmt: skip
+    out = module.o_proj(out.reshape(b, n, -1))
+
+    def write(path: list[int]) -> None:
+        last = path[-1]
+        keep = _path_windows(tree.parents, width, width + 1)[last][1:]  # the window's last K columns
+        cache.update_conv_state(columns[:, :, keep].contiguous(), layer)
+        cache.update_recurrent_state(delayed[:, last].contiguous(), layer)
+        cache.update(k[:, :, path], v[:, :, path], layer)
 
     return (out, weights), write
 
@@ -278,6 +370,12 @@ KINDS = (
         inputs={"hidden_states": 1},
         state=(),
         tree_forward=_tree_attention,
+    ),
+    Kind(
+        "transformers.models.zaya.modeling_zaya:ZayaAttention",
+        inputs={"hidden_states": 1},
+        state=(),
+        tree_forward=_zaya_attention,
     ),
 )
 

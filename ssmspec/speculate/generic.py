@@ -10,9 +10,9 @@ exactness needs one property of the model only: a multi-token forward that conti
 single-token steps compute. The transform-time probe (ssmspec.probe.probe_generic) checks that by value before the
 path is used (HF's Mamba, for one, ignores the cached state in a multi-token forward: refused). Chains only (a
 tree's paths do not share one sequence), except where the model's token-mixing modules have tree forms
-(ssmspec.hf.tree_modules: xLSTM's mLSTM backend, RWKV's time and channel mixing, MiniMax's attention layers):
-there a tree's nodes are fed as one sequence, each node computed after its parent, and the commit writes the
-accepted node's state into the cache (no snapshot, nothing carried; its own probe,
+(ssmspec.hf.tree_modules: xLSTM's mLSTM backend, RWKV's time and channel mixing, MiniMax's attention layers,
+ZAYA's attention): there a tree's nodes are fed as one sequence, each node computed after its parent, and the
+commit writes the accepted node's state into the cache (no snapshot, nothing carried; its own probe,
 ssmspec.probe.probe_generic_trees). A batch is verified row by row, each row in a state of its own that HF
 prefilled from the row as padded in the batch (HF's handling of left padding in a recurrence is the model's own);
 that is HF's batch where a second probe (ssmspec.probe.probe_generic_batches) finds HF's batched loop computing

@@ -48,7 +48,7 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
     ref = cached_tiny_model(family)
     model = _transformed(family)
     info = model.ssmspec_info
-    trees = family in ("xlstm", "rwkv", "minimax")  # the families here with tree forms (hf.tree_modules)
+    trees = family in ("xlstm", "rwkv", "minimax", "zaya")  # the families here with tree forms (hf.tree_modules)
     assert info.path == "generic" and info.generic and info.limits["seams"]
     assert info.trees == info.generic_trees == trees
     assert info.limits.get("trees") == (None if trees else CHAINS_ONLY) and info.generic_batches == info.batches
@@ -194,7 +194,7 @@ def test_tree_form_verifies_each_node_on_its_path_and_commits_hfs_state(form, mo
     assert bool(calls) == (form == "tree op")  # which form ran
 
 
-@pytest.mark.parametrize("family", ["rwkv", "minimax"])
+@pytest.mark.parametrize("family", ["rwkv", "minimax", "zaya"])
 def test_tree_forms_of_whole_modules_verify_each_path_and_commit_hfs_state(family):
     """Tree forms that replace a module's forward while verifying (ssmspec.hf.tree_modules, `Kind.tree_forward`).
     RWKV: each node's token shift reads its parent's input and its WKV recurrence (ssmspec.ops.wkv) its parent's
@@ -213,6 +213,7 @@ def test_tree_forms_of_whole_modules_verify_each_path_and_commit_hfs_state(famil
     kinds = {
         "rwkv": {"RwkvSelfAttention", "RwkvFeedForward"},
         "minimax": {"MiniMaxLightningAttention", "MiniMaxAttention"},
+        "zaya": {"ZayaAttention"},
     }
     assert {type(s.module).__name__ for s in steps} == kinds[family]
     runner = GenericRunner(model)
@@ -253,6 +254,20 @@ def test_tree_forms_of_whole_modules_verify_each_path_and_commit_hfs_state(famil
     tree_modules.uninstall(copied)  # what a refused transform does: HF's modules as they were
     assert not tree_modules.installed(copied)
     assert all(type(m.time_shift) is nn.ZeroPad2d for m in copied.modules() if hasattr(m, "time_shift"))
+
+
+def test_the_batch_probe_checks_padded_rows_through_the_tree_form(monkeypatch):
+    """The tree probe feeds unpadded prompts; the batch probe verifies its left-padded rows through the tree form
+    the runner will use, so an attention tree form that lets nodes see the pads is refused for batches (and a
+    left-padded prompt), its trees kept for unpadded prompts."""
+    from ssmspec.hf import tree_modules
+
+    monkeypatch.setattr(
+        tree_modules, "_visible_past", lambda mask, b, past, device: torch.ones(b, past, dtype=torch.bool)
+    )
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model("zaya")))
+    info = model.ssmspec_info
+    assert info.generic_trees and not info.batches and "left-padded" in info.limits["batches"]
 
 
 def test_an_inexact_tree_form_is_refused_and_chains_stay(monkeypatch):
