@@ -223,6 +223,29 @@ def _minimax_lightning(module: nn.Module, arguments: dict[str, Any], tree: _Veri
     return (out, start), write
 
 
+def _attend(
+    module: nn.Module, arguments: dict[str, Any], q, k, v, past: tuple, mask: Any, tree: _Verifying, window: int | None
+) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """HF's attention function of `module`'s modeling module over the layer's cached keys `past` and the tree's
+    nodes (q, k, v [B, heads, N, head dim], before the rotary embedding, which is applied here at each node's
+    depth: the position HF's loop gives it), masked by what HF's `mask` lets the root see of the cached keys, the
+    tree's ancestors and the sliding `window`. Returns (output, HF's attention weights, the keys as rotated: what
+    the cache keeps)."""
+    hf = sys.modules[type(module).__module__]
+    parents, depth = tree.tensors(q.device)
+    cos, sin = arguments["position_embeddings"]  # positions fed in order: a node's is the committed length + depth
+    q, k = hf.apply_rotary_pos_emb(q, k, cos[:, depth[0]], sin[:, depth[0]])
+    b = q.shape[0]
+    shape = TokenTree(parents.expand(b, -1), parents.expand(b, -1))
+    allow = masks.allowed(_visible_past(mask, b, past[0].shape[2], q.device), shape, window)
+    attention = hf.ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, hf.eager_attention_forward)
+    out, weights = attention(
+        module, q, torch.cat([past[0], k], 2), torch.cat([past[1], v], 2), masks.additive(allow, q.dtype),
+        dropout=0.0, scaling=module.scaling, sliding_window=window,
+    )  # fmt: skip
+    return out, weights, k
+
+
 def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
     """A softmax attention layer (MiniMax's) on a tree: HF's projections and rotary embedding at each node's depth,
     HF's attention function over the layer's cached keys and the tree's, masked by the tree's ancestors (and the
@@ -235,22 +258,11 @@ def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     past_k, past_v = getattr(layer, "keys", None), getattr(layer, "values", None)
     if not isinstance(past_k, torch.Tensor) or past_k.numel() == 0:
         raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed keys")
-    hf = sys.modules[type(module).__module__]
     b, n, _ = hidden.shape
     shape = (b, n, -1, module.head_dim)
     q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj))
-    parents, depth = tree.tensors(hidden.device)
-    cos, sin = arguments["position_embeddings"]  # positions fed in order: a node's is the committed length + depth
-    q, k = hf.apply_rotary_pos_emb(q, k, cos[:, depth[0]], sin[:, depth[0]])
-    window = getattr(config, "sliding_window", None)
-    shape_tree = TokenTree(parents.expand(b, -1), parents.expand(b, -1))
-    seen = _visible_past(arguments.get("attention_mask"), b, past_k.shape[2], hidden.device)
-    allow = masks.allowed(seen, shape_tree, window)
-    attention = hf.ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, hf.eager_attention_forward)
-    out, weights = attention(
-        module, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), masks.additive(allow, q.dtype),
-        dropout=0.0, scaling=module.scaling, sliding_window=window,
-    )  # fmt: skip
+    out, weights, k = _attend(module, arguments, q, k, v, (past_k, past_v), arguments.get("attention_mask"), tree,
+                           getattr(config, "sliding_window", None))  # fmt: skip
     out = module.o_proj(out.reshape(b, n, -1).contiguous())
 
     def write(path: list[int]) -> None:
@@ -308,21 +320,13 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     q_size = q_res.shape[-2] * q_res.shape[-1]
     query, key = qk[..., :q_size].view(*shape) + q_res, qk[..., q_size:].view(*shape) + k_res
     delayed = proj.v_proj_delayed(hidden)
-    parents, depth = tree.tensors(hidden.device)
+    parents, _ = tree.tensors(hidden.device)
     before = torch.cat([cached_v.unsqueeze(1), delayed], dim=1)[:, parents[0] + 1]  # the parent's delayed value
     value = torch.cat([proj.v_proj_current(hidden), before], dim=-1).view(*shape)
     query, key = module.qk_norm(query, key)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    cos, sin = arguments["position_embeddings"]
-    q, k = hf.apply_rotary_pos_emb(q, k, cos[:, depth[0]], sin[:, depth[0]])
-    shape_tree = TokenTree(parents.expand(b, -1), parents.expand(b, -1))
-    seen = _visible_past((arguments.get("attention_mask") or {}).get("causal"), b, past_k.shape[2], hidden.device)
-    allow = masks.allowed(seen, shape_tree, module.sliding_window)
-    attention = hf.ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, hf.eager_attention_forward)
-    out, weights = attention(
-        module, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), masks.additive(allow, q.dtype),
-        dropout=0.0, scaling=module.scaling, sliding_window=module.sliding_window,
-    )  # fmt: skip
+    causal = (arguments.get("attention_mask") or {}).get("causal")
+    out, weights, k = _attend(module, arguments, q, k, v, (past_k, past_v), causal, tree, module.sliding_window)
     out = module.o_proj(out.reshape(b, n, -1))
 
     def write(path: list[int]) -> None:
