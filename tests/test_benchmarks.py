@@ -42,6 +42,8 @@ def test_generic_path_benchmarks_run_and_agree_with_hf(tmp_path):
     assert all(r["exact"] and r["default_speedup"] > 0 for r in rows)
     cost = tmp_path / "cost.json"
     subprocess.run([sys.executable, "verify_cost.py", "--family", "rwkv", "--layers", "2", "--hidden", "64", "--nodes",
-                    "1", "4", "--repeats", "1", "--json", str(cost)], cwd=ROOT / "benchmarks", check=True, timeout=600,
-                   capture_output=True)  # fmt: skip
-    assert [(r["nodes"], r["shape"]) for r in json.loads(cost.read_text())["rows"]] == [(1, "chain"), (4, "chain")]
+                    "1", "4", "--repeats", "1", "--generic", "--json", str(cost)], cwd=ROOT / "benchmarks", check=True,
+                   timeout=600, capture_output=True)  # fmt: skip
+    rows = json.loads(cost.read_text())["rows"]  # RWKV's tree form: trees too, the chain form beside its chains
+    assert [(r["nodes"], r["shape"]) for r in rows] == [(1, "chain"), (4, "chain"), (4, "tree")]
+    assert all(("ratio_generic" in r) == (r["shape"] == "chain") for r in rows)
