@@ -197,8 +197,8 @@ def _visible_past(mask: Any, b: int, past: int, device: torch.device) -> torch.T
 
 def _minimax_lightning(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
     """MiniMaxLightningAttention on a tree: HF's projections, its decode step's recurrence as a tree op
-    (ssmspec.ops.lightning), HF's norm, gate and output projection; the commit writes the accepted node's state
-    as the layer's linear cache."""
+    (ssmspec.ops.lightning), HF's norm, gate and output projection; the commit replays the recurrence along the
+    accepted path and writes its state as the layer's linear cache."""
     hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
     layer = module.layer_idx
     start = cache.get_linear_cache(layer) if cache is not None else None
@@ -211,14 +211,18 @@ def _minimax_lightning(module: nn.Module, arguments: dict[str, Any], tree: _Veri
     qkv = module.act_fn(module.qkv_proj(hidden)).reshape(b, n, module.num_attention_heads, 3 * module.head_dim)
     q, k, v = (x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))
     parents, depth = tree.tensors(hidden.device)
-    out, nodes = run_tree_lightning(
-        q, k, v, torch.exp(-module.slope_rate), start, parents.expand(b, -1), depth.expand(b, -1)
-    )
+    ratio = torch.exp(-module.slope_rate)
+    out, _ = run_tree_lightning(q, k, v, ratio, start, parents.expand(b, -1), depth.expand(b, -1))
     out = module.norm(out.transpose(1, 2).reshape(b, n, module.num_attention_heads * module.head_dim))
     out = module.out_proj(torch.sigmoid(module.output_gate(hidden)) * out)
 
     def write(path: list[int]) -> None:
-        cache.set_linear_cache(layer, nodes[:, path[-1]].contiguous())
+        # replayed along the path (the tree op's own products, so its node state bit for bit) rather than kept from
+        # the verification: every node's [heads, D, E] state of every layer would stay alive until the commit
+        state = start
+        for u in path:
+            state = ratio * state + torch.matmul(k[:, :, u, :, None], v[:, :, u, None, :])
+        cache.set_linear_cache(layer, state.contiguous())
 
     return (out, start), write
 
