@@ -60,9 +60,11 @@ def test_generate_with_ahead_equals_hf_and_reports_counters():
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
     want = ref.generate(ids, max_new_tokens=30, do_sample=False)
     model = ssmspec.transform(copy.deepcopy(ref))
+    # a fixed depth: the adaptive one chooses plain steps from a cost curve timed on the machine, and asks the
+    # drafter for a one-token shadow proposal on each (more proposals than verify steps, by the machine's load)
     out = model.generate(
         ids, max_new_tokens=30, return_dict_in_generate=True,
-        speculation=ssmspec.SpecConfig(num_draft_tokens=4, tree=True, tree_budget=6, ahead=3),
+        speculation=ssmspec.SpecConfig(num_draft_tokens=4, tree=True, tree_budget=6, ahead=3, adaptive=False),
     )  # fmt: skip
     assert torch.equal(out.sequences, want)
     assert out.spec_stats["drafter"]["proposals"] == out.spec_stats["verify_steps"]
