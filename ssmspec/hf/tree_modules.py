@@ -235,6 +235,8 @@ def _attend(
     depth: the position HF's loop gives it), masked by what HF's `mask` lets the root see of the cached keys, the
     tree's ancestors and the sliding `window`. Returns (output, HF's attention weights, the keys as rotated: what
     the cache keeps)."""
+    if module.config._attn_implementation not in ("eager", "sdpa"):
+        raise RuntimeError(f"{type(module).__name__}: tree masks need eager or sdpa attention")
     hf = sys.modules[type(module).__module__]
     parents, depth = tree.tensors(q.device)
     cos, sin = arguments["position_embeddings"]  # positions fed in order: a node's is the committed length + depth
@@ -255,9 +257,6 @@ def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     HF's attention function over the layer's cached keys and the tree's, masked by the tree's ancestors (and the
     config's sliding window), the cache untouched; the commit appends the accepted path's keys and values."""
     hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
-    config = module.config
-    if config._attn_implementation not in ("eager", "sdpa"):
-        raise RuntimeError(f"{type(module).__name__}: tree masks need eager or sdpa attention")
     layer = cache.layers[module.layer_idx] if cache is not None else None
     past_k, past_v = getattr(layer, "keys", None), getattr(layer, "values", None)
     if not isinstance(past_k, torch.Tensor) or past_k.numel() == 0:
@@ -266,7 +265,7 @@ def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     shape = (b, n, -1, module.head_dim)
     q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj))
     out, weights, k = _attend(module, arguments, q, k, v, (past_k, past_v), arguments.get("attention_mask"), tree,
-                           getattr(config, "sliding_window", None))  # fmt: skip
+                           getattr(module.config, "sliding_window", None))  # fmt: skip
     out = module.o_proj(out.reshape(b, n, -1).contiguous())
 
     def write(path: list[int]) -> None:
@@ -297,9 +296,7 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     tree's ancestors and the layer's sliding window; the cache untouched. The commit writes the conv state and the
     delayed value at the accepted node and appends the accepted path's keys and values."""
     hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
-    config, proj, layer = module.config, module.qkv_proj, module.layer_idx
-    if config._attn_implementation not in ("eager", "sdpa"):
-        raise RuntimeError(f"{type(module).__name__}: tree masks need eager or sdpa attention")
+    proj, layer = module.qkv_proj, module.layer_idx
     conv_mask = (arguments.get("attention_mask") or {}).get("conv")
     if conv_mask is not None and not bool(conv_mask.all()):  # HF zeroes padded positions before the convolution
         raise RuntimeError(f"{type(module).__name__}: a tree verification of a padded row")
@@ -318,8 +315,9 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     k_res = q_res.view(b, n, -1, proj.num_key_value_groups, proj.head_dim).mean(dim=-2)
     width = proj.conv_kernel_size
     columns = torch.cat([cached_qk, torch.cat([queries, keys], dim=-1).transpose(1, 2)], dim=-1)  # [B, C, K + N]
-    windows = torch.tensor(_path_windows(tree.parents, width, width + 1), device=hidden.device)  # [N, K + 1]
-    qk = columns[:, :, windows].permute(0, 2, 1, 3).reshape(b * n, columns.shape[1], width + 1)
+    windows = _path_windows(tree.parents, width, width + 1)  # per node, its K + 1 columns
+    qk = columns[:, :, torch.tensor(windows, device=hidden.device)]  # [B, C, N, K + 1]
+    qk = qk.permute(0, 2, 1, 3).reshape(b * n, columns.shape[1], width + 1)
     qk = proj.conv_qk_grouped(proj.conv_qk_depthwise(qk)).reshape(b, n, -1)
     q_size = q_res.shape[-2] * q_res.shape[-1]
     query, key = qk[..., :q_size].view(*shape) + q_res, qk[..., q_size:].view(*shape) + k_res
@@ -335,12 +333,17 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
 
     def write(path: list[int]) -> None:
         last = path[-1]
-        keep = _path_windows(tree.parents, width, width + 1)[last][1:]  # the window's last K columns
+        keep = windows[last][1:]  # the window's last K columns: the conv state after the node
         cache.update_conv_state(columns[:, :, keep].contiguous(), layer)
         cache.update_recurrent_state(delayed[:, last].contiguous(), layer)
         cache.update(k[:, :, path], v[:, :, path], layer)
 
     return (out, weights), write
+
+
+def _whole(module: str, forward: TreeForward, hidden: str = "hidden_states", **hooks: Any) -> Kind:
+    """The kind of a module with a whole verification forward of its own (its per-token input `hidden`, dim 1)."""
+    return Kind(module, inputs={hidden: 1}, state=(), tree_forward=forward, **hooks)
 
 
 KINDS = (
@@ -351,41 +354,14 @@ KINDS = (
         counters=("seqlen_offset",),
         tree_op=_xlstm_tree_op,
     ),
-    Kind(
-        "transformers.models.rwkv.modeling_rwkv:RwkvSelfAttention",
-        inputs={"hidden": 1},
-        state=(),
-        tree_forward=_rwkv_time_mixing,
-        on_install=_rwkv_install,
-        on_uninstall=_rwkv_uninstall,
-    ),
-    Kind(
-        "transformers.models.rwkv.modeling_rwkv:RwkvFeedForward",
-        inputs={"hidden": 1},
-        state=(),
-        tree_forward=_rwkv_channel_mixing,
-        on_install=_rwkv_install,
-        on_uninstall=_rwkv_uninstall,
-    ),
-    Kind(
-        "transformers.models.minimax.modeling_minimax:MiniMaxLightningAttention",
-        inputs={"hidden_states": 1},
-        state=(),
-        tree_forward=_minimax_lightning,
-    ),
-    Kind(
-        "transformers.models.minimax.modeling_minimax:MiniMaxAttention",
-        inputs={"hidden_states": 1},
-        state=(),
-        tree_forward=_tree_attention,
-    ),
-    Kind(
-        "transformers.models.zaya.modeling_zaya:ZayaAttention",
-        inputs={"hidden_states": 1},
-        state=(),
-        tree_forward=_zaya_attention,
-    ),
-)
+    _whole("transformers.models.rwkv.modeling_rwkv:RwkvSelfAttention", _rwkv_time_mixing, "hidden",
+           on_install=_rwkv_install, on_uninstall=_rwkv_uninstall),
+    _whole("transformers.models.rwkv.modeling_rwkv:RwkvFeedForward", _rwkv_channel_mixing, "hidden",
+           on_install=_rwkv_install, on_uninstall=_rwkv_uninstall),
+    _whole("transformers.models.minimax.modeling_minimax:MiniMaxLightningAttention", _minimax_lightning),
+    _whole("transformers.models.minimax.modeling_minimax:MiniMaxAttention", _tree_attention),
+    _whole("transformers.models.zaya.modeling_zaya:ZayaAttention", _zaya_attention),
+)  # fmt: skip
 
 
 def kind_of(module: nn.Module) -> Kind | None:
