@@ -14,12 +14,12 @@ Inductor's C++ wrapper (the fastest compiled configuration on CPU, ssmspec.bench
 verifies with static shapes, as a compiled model does in `generate`. Compiling takes minutes on 2 cores.
 `--generic`: the generic path (ssmspec.speculate.generic: HF's own forward with a snapshot of its cache, the
 accepted prefix fed again) timed beside the seams in the same repeats, on chains (columns `generic`, `g.ratio`). A
-model without seams (`--family rwkv | xlstm | minimax | zaya`) runs the generic path only, through its recurrence
-modules' tree forms (ssmspec.hf.tree_modules: chains and trees in one forward of HF's code, each node computed after
-its own path; the commit writes the accepted node's state into the cache). With `--generic`, the chain form (a
-snapshot of the cache, the accepted prefix carried) is timed beside it; its commit keeps half the chain, so the next
-verify feeds that prefix ahead of its own chain: `generic` is timed in that steady state (the chain plus the n // 2
-+ 1 tokens the previous step carried), its restore included.
+model without seams (`--family rwkv | xlstm | minimax | zaya | recurrent_gemma`) runs the generic path only, through
+its recurrence modules' tree forms (ssmspec.hf.tree_modules: chains and trees in one forward of HF's code, each node
+computed after its own path; the commit writes the accepted node's state into the cache). With `--generic`, the
+chain form (a snapshot of the cache, the accepted prefix carried) is timed beside it; its commit keeps half the
+chain, so the next verify feeds that prefix ahead of its own chain: `generic` is timed in that steady state (the
+chain plus the n // 2 + 1 tokens the previous step carried), its restore included.
 `--profile`: where a step goes (torch.profiler): for HF's decode, ssmspec's decode, verify(2) and verify(8)
 (+ commit), the top operations by self time and the share of the step outside them (Python and dispatch).
 
@@ -48,6 +48,8 @@ from transformers import (
     Mamba2ForCausalLM,
     MiniMaxConfig,
     MiniMaxForCausalLM,
+    RecurrentGemmaConfig,
+    RecurrentGemmaForCausalLM,
     RwkvConfig,
     RwkvForCausalLM,
     ZambaConfig,
@@ -163,6 +165,18 @@ def zaya(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
     return ZayaForCausalLM(cfg).to(dtype).eval()
 
 
+def recurrent_gemma(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-init RecurrentGemma (Griffin: two RG-LRU recurrent blocks, then a sliding-window attention layer of
+    window 2048; no kernel seam, its state on its modules: the generic path), RG-LRU width = hidden, heads of 128,
+    one key/value head, MLP 3 x hidden."""
+    torch.manual_seed(0)
+    cfg = RecurrentGemmaConfig(vocab_size=32000, hidden_size=hidden, lru_width=hidden, intermediate_size=6 * hidden,
+                               num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=1,
+                               attention_window_size=2048, block_types=("recurrent", "recurrent", "attention"),
+                               attn_implementation="sdpa")  # fmt: skip
+    return RecurrentGemmaForCausalLM(cfg).to(dtype).eval()
+
+
 def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
     """A random tree: each node hangs under one of the three nodes before it (bushy but deep)."""
     g = torch.Generator().manual_seed(seed)
@@ -173,7 +187,7 @@ def random_tree(n: int, seed: int, vocab: int) -> TokenTree:
 def hf_decode_step(ref: torch.nn.Module, ids: torch.Tensor):
     """Prefill an HF cache with `ids` on the untransformed model; returns one decode step as a closure (a model
     with a cache of its own, RWKV's state: as HF's generate loop drives it, ssmspec.hf.generic)."""
-    if ref.config.model_type in ("rwkv", "zamba", "xlstm", "minimax", "zaya"):
+    if ref.config.model_type in ("rwkv", "zamba", "xlstm", "minimax", "zaya", "recurrent_gemma"):
         state = HFState(ref, ids, torch.ones_like(ids))
         state.forward()
         return lambda: state.forward(ids[:, -1:])
@@ -189,11 +203,12 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     if args.model == "random":
         dtype = getattr(torch, args.dtype)
         build = {"mamba2": mamba2, "bamba": bamba, "rwkv": rwkv, "zamba": zamba, "xlstm": xlstm,
-                 "minimax": minimax, "zaya": zaya}[args.family]  # fmt: skip
+                 "minimax": minimax, "zaya": zaya, "recurrent_gemma": recurrent_gemma}[args.family]  # fmt: skip
         what = {"mamba2": "Mamba2", "bamba": "Bamba hybrid (attention every 6th layer)", "rwkv": "RWKV",
                 "zamba": "Zamba v1 (shared attention every 3rd layer)", "xlstm": "xLSTM",
                 "minimax": "MiniMax (softmax attention every 4th layer, 4 experts)",
-                "zaya": "ZAYA (4 experts, 1 per token)"}[args.family]  # fmt: skip
+                "zaya": "ZAYA (4 experts, 1 per token)",
+                "recurrent_gemma": "RecurrentGemma (attention every 3rd layer)"}[args.family]  # fmt: skip
         return build(args.layers, args.hidden, dtype), (
             f"random-init {what}, {args.layers} layers, d_model {args.hidden}, {args.dtype}"
         )
@@ -231,7 +246,9 @@ class Bench:
                                       max_nodes=depth + 1)  # fmt: skip
         self.runner.prefill(ids, torch.ones_like(ids))
         self.generic = None
-        if args.generic and (isinstance(self.runner, ModelRunner) or self.runner.trees):  # beside: the chain form
+        # beside: the chain form (not where HF's multi-token forward is inexact: RecurrentGemma's drops its conv state)
+        chains = "chains" not in self.model.ssmspec_info.limits
+        if args.generic and chains and (isinstance(self.runner, ModelRunner) or self.runner.trees):
             self.generic = GenericRunner(self.model, trees=False)
             self.generic.prefill(ids, torch.ones_like(ids))
         self.root = TokenTree.chain(ids[:, -1:])
@@ -372,9 +389,9 @@ def main() -> None:
     p.add_argument(
         "--family",
         default="mamba2",
-        choices=["mamba2", "bamba", "rwkv", "zamba", "xlstm", "minimax", "zaya"],
-        help="the random model's family (rwkv, xlstm, minimax, zaya: no seams, the generic path; zamba: Zamba v1, "
-        "per-head scans)",
+        choices=["mamba2", "bamba", "rwkv", "zamba", "xlstm", "minimax", "zaya", "recurrent_gemma"],
+        help="the random model's family (rwkv, xlstm, minimax, zaya, recurrent_gemma: no seams, the generic path; "
+        "zamba: Zamba v1, per-head scans)",
     )
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=768)

@@ -130,15 +130,18 @@ def _check(model: nn.Module, mixers: dict[str, list[str]]) -> TransformInfo:
 def _generic_info(model: nn.Module, refused: UnsupportedModelError) -> TransformInfo:
     """What transform found for a model the seams refused: the generic path (ssmspec.speculate.generic) where
     its probe finds it exact, else UnsupportedModelError with both reasons."""
-    why = probe_generic(model)
-    if why is not None:
+    chains = probe_generic(model)
+    trees = _generic_trees(model)
+    if chains is not None and trees is not None:
+        why = chains if trees == CHAINS_ONLY else f"{chains}; and {trees.removeprefix(CHAINS_ONLY).strip(' ()')}"
         raise UnsupportedModelError(
             refused.module_path, f"{refused.reason}; and the generic path (HF's own forward) is not exact: {why}"
         )
     limits = {"seams": f"{refused.module_path}: {refused.reason}"}
-    trees = _generic_trees(model)
     if trees is not None:
         limits["trees"] = trees
+    elif chains is not None:  # HF's multi-token forward is not exact, its tree form is: every step goes through it
+        limits["chains"] = f"chains are verified through the tree form (HF's own multi-token forward: {chains})"
     info = TransformInfo(mixers={}, recurrent_layers=[], attention_layers=[], trees=trees is None, limits=limits,
                          path="generic", generic=True, generic_trees=trees is None)  # fmt: skip
     info.batches = _generic_batches(model, info)

@@ -22,8 +22,8 @@ _CI = (*sorted(STRONG_STATE_FAMILIES), "mamba", "jamba")
 
 
 def _state_effect(family: str, variant: int) -> float:
-    """Relative change of the next token's logits when every recurrent state in the cache is zeroed (what a forward
-    that ignores the cached state would see)."""
+    """Relative change of the next token's logits when every recurrent state in the cache (and on the modules, for a
+    model that keeps it there) is zeroed (what a forward that ignores the cached state would see)."""
     model = build_tiny_model(family, seed_variant=variant)
     ids = torch.randint(3, 96, (1, 13), generator=torch.Generator().manual_seed(0))
     state = HFState(model, ids[:, :12], torch.ones(1, 12, dtype=torch.long), as_hf=True)
@@ -37,11 +37,14 @@ def _state_effect(family: str, variant: int) -> float:
             if tensor is not None:
                 tensor.zero_()
                 zeroed += 1
+    for tensor in state.held:  # RecurrentGemma's conv windows and RG-LRU states
+        tensor.zero_()
+        zeroed += 1
     assert zeroed, f"{family}: no recurrent state in the cache"
     return _rel(state.forward(ids[:, 12:]), want)
 
 
-@pytest.mark.parametrize("family", _RECURRENT if _THOROUGH else _CI)
+@pytest.mark.parametrize("family", (_RECURRENT if _THOROUGH else _CI) + ("recurrent_gemma",))
 @torch.no_grad()
 def test_recurrent_state_matters(family: str) -> None:
     """Above the probe's tolerance in every family; a hundred times above it in those whose weights were scaled."""

@@ -6,13 +6,17 @@ position ids and the model's cache object, whatever its class: a `Cache`, RWKV's
 it with HF's `prepare_inputs_for_generation` and the model's forward. Its snapshot is a deep copy of the cache
 object: nothing about the cache's layout is assumed. Private transformers API used here, and only here:
 `_prepare_cache_for_generation`, `_prepare_position_ids_for_generation`, `ALL_CACHE_NAMES`, `GenerationMode`,
-`DummyLayer` (see `_layers_without_kv`).
+`DummyLayer` (see `_layers_without_kv`), and the modules that keep their decoding state on themselves instead of in
+a cache object (`MODULE_STATE`: RecurrentGemma's recurrent block and RG-LRU), which an HFState holds as part of its
+own state (`held`) and hands to the modules for each of its forwards only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +25,26 @@ from torch import nn
 from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import ALL_CACHE_NAMES
+
+# modules whose forward keeps its decoding state on the module instead of in the cache object ("module.path:Class"
+# -> attribute names): HF's RecurrentGemma (its conv window and RG-LRU state, None before a prefill, which then
+# starts from zeros). Every HFState holds its own values of these and hands them to the modules for the length of
+# each of its forwards, so that states of several prompts, snapshots and the probes' reference loop on the same
+# model never read each other's (HF's own loop keeps one per model).
+MODULE_STATE: dict[str, tuple[str, ...]] = {
+    "transformers.models.recurrent_gemma.modeling_recurrent_gemma:RecurrentGemmaRecurrentBlock": ("conv1d_state",),
+    "transformers.models.recurrent_gemma.modeling_recurrent_gemma:RecurrentGemmaRglru": ("recurrent_states",),
+}
+
+
+def module_state_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of every decoding state `model` keeps on its modules (MODULE_STATE), in module order."""
+    slots = []
+    for module in model.modules():
+        cls = type(module)
+        slots += [(module, name) for name in MODULE_STATE.get(f"{cls.__module__}:{cls.__qualname__}", ())]
+    return slots
+
 
 # cache names under which a model's output returns its cache, as HF's loop reads them (older models' names map to
 # the forward's `past_key_values`)
@@ -34,6 +58,7 @@ class Snapshot:
 
     length: int
     cache: tuple[str, Any] | None
+    held: list[torch.Tensor | None]
     restored: bool = False
 
 
@@ -63,6 +88,8 @@ class HFState:
         )
         self.kwargs = kwargs
         self.length = 0  # tokens of `ids` the cache has absorbed
+        self.slots = module_state_slots(model)
+        self.held: list[torch.Tensor | None] = [None] * len(self.slots)  # this state's values of `slots`
 
     def _cache(self) -> tuple[str, Any] | None:
         for name in ("past_key_values", "cache_params", "state"):
@@ -82,7 +109,8 @@ class HFState:
         )
         if "logits_to_keep" in inputs:  # HF's loop keeps the last position's; every fed token's is needed here
             inputs["logits_to_keep"] = n
-        out = self.model(**inputs, return_dict=True)
+        with self.holding():
+            out = self.model(**inputs, return_dict=True)
         for name in ALL_CACHE_NAMES:
             if name in out and out[name] is not None:
                 cache = out[name] if self.as_hf else _layers_without_kv(out[name], self.model.config)
@@ -90,6 +118,20 @@ class HFState:
                 break
         self.length = self.ids.shape[1]
         return out.logits[:, -n:]
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within: the model's modules hold this state's module-held values (`slots`); after, this state keeps
+        what they hold and the modules get back what they held before (the user's model is left as it was)."""
+        before = [getattr(m, name) for m, name in self.slots]
+        for (m, name), value in zip(self.slots, self.held):
+            setattr(m, name, value)
+        try:
+            yield
+        finally:
+            self.held = [getattr(m, name) for m, name in self.slots]
+            for (m, name), value in zip(self.slots, before):
+                setattr(m, name, value)
 
     def _feed(self, length: int, tokens: torch.Tensor) -> None:
         """The ids, attention mask, positions and token types as HF's loop has them after `tokens` [B, n] follow
@@ -127,7 +169,8 @@ class HFState:
     def snapshot(self) -> Snapshot:
         """This state, to go back to (`restore`)."""
         cache = self._cache()
-        return Snapshot(self.length, None if cache is None else (cache[0], copy.deepcopy(cache[1])))
+        held = [None if v is None else v.clone() for v in self.held]
+        return Snapshot(self.length, None if cache is None else (cache[0], copy.deepcopy(cache[1])), held)
 
     def restore(self, snap: Snapshot) -> None:
         """Back to `snap`: the tokens fed since are forgotten. A snapshot restores once (its copy of the cache
@@ -147,6 +190,7 @@ class HFState:
             name, cache = snap.cache
             self.kwargs[name] = cache
             snap.cache = None
+        self.held, snap.held = snap.held, []
 
 
 # the layer types of HF's configs that keep attention K/V in the cache's layers

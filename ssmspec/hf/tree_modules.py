@@ -55,6 +55,7 @@ from torch import nn
 from ssmspec.hf import masks
 from ssmspec.ops.lightning import run_tree_lightning
 from ssmspec.ops.mlstm import run_mlstm_state_at, run_tree_mlstm
+from ssmspec.ops.rglru import run_tree_rglru
 from ssmspec.ops.wkv import run_tree_wkv
 from ssmspec.tree import TokenTree
 
@@ -228,19 +229,18 @@ def _minimax_lightning(module: nn.Module, arguments: dict[str, Any], tree: _Veri
 
 
 def _attend(
-    module: nn.Module, arguments: dict[str, Any], q, k, v, past: tuple, mask: Any, tree: _Verifying, window: int | None
+    module: nn.Module, rotary: tuple, q, k, v, past: tuple, mask: Any, tree: _Verifying, window: int | None
 ) -> tuple[torch.Tensor, Any, torch.Tensor]:
     """HF's attention function of `module`'s modeling module over the layer's cached keys `past` and the tree's
-    nodes (q, k, v [B, heads, N, head dim], before the rotary embedding, which is applied here at each node's
-    depth: the position HF's loop gives it), masked by what HF's `mask` lets the root see of the cached keys, the
-    tree's ancestors and the sliding `window`. Returns (output, HF's attention weights, the keys as rotated: what
-    the cache keeps)."""
+    nodes (q, k, v [B, heads, N, head dim], before the rotary embedding, which is applied here with `rotary`,
+    each node's (cos, sin) at the position HF's loop gives it: the committed length + its depth), masked by what
+    HF's `mask` lets the root see of the cached keys, the tree's ancestors and the sliding `window`. Returns
+    (output, HF's attention weights, the keys as rotated: what the cache keeps)."""
     if module.config._attn_implementation not in ("eager", "sdpa"):
         raise RuntimeError(f"{type(module).__name__}: tree masks need eager or sdpa attention")
     hf = sys.modules[type(module).__module__]
-    parents, depth = tree.tensors(q.device)
-    cos, sin = arguments["position_embeddings"]  # positions fed in order: a node's is the committed length + depth
-    q, k = hf.apply_rotary_pos_emb(q, k, cos[:, depth[0]], sin[:, depth[0]])
+    parents, _ = tree.tensors(q.device)
+    q, k = hf.apply_rotary_pos_emb(q, k, *rotary)
     b = q.shape[0]
     shape = TokenTree(parents.expand(b, -1), parents.expand(b, -1))
     allow = masks.allowed(_visible_past(mask, b, past[0].shape[2], q.device), shape, window)
@@ -250,6 +250,14 @@ def _attend(
         dropout=0.0, scaling=module.scaling, sliding_window=window,
     )  # fmt: skip
     return out, weights, k
+
+
+def _at_depth(arguments: dict[str, Any], tree: _Verifying) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each node's (cos, sin) from the `position_embeddings` HF's model computed for the fed positions: those of
+    a chain, so a node's position (the committed length + its depth) is fed position `depth`."""
+    cos, sin = arguments["position_embeddings"]
+    depth = tree.tensors(cos.device)[1][0]
+    return cos[:, depth], sin[:, depth]
 
 
 def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
@@ -264,8 +272,9 @@ def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     b, n, _ = hidden.shape
     shape = (b, n, -1, module.head_dim)
     q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj))
-    out, weights, k = _attend(module, arguments, q, k, v, (past_k, past_v), arguments.get("attention_mask"), tree,
-                           getattr(module.config, "sliding_window", None))  # fmt: skip
+    window = getattr(module.config, "sliding_window", None)
+    mask = arguments.get("attention_mask")
+    out, weights, k = _attend(module, _at_depth(arguments, tree), q, k, v, (past_k, past_v), mask, tree, window)
     out = module.o_proj(out.reshape(b, n, -1).contiguous())
 
     def write(path: list[int]) -> None:
@@ -328,7 +337,9 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     query, key = module.qk_norm(query, key)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     causal = (arguments.get("attention_mask") or {}).get("causal")
-    out, weights, k = _attend(module, arguments, q, k, v, (past_k, past_v), causal, tree, module.sliding_window)
+    out, weights, k = _attend(
+        module, _at_depth(arguments, tree), q, k, v, (past_k, past_v), causal, tree, module.sliding_window
+    )
     out = module.o_proj(out.reshape(b, n, -1))
 
     def write(path: list[int]) -> None:
@@ -339,6 +350,83 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
         cache.update(k[:, :, path], v[:, :, path], layer)
 
     return (out, weights), write
+
+
+def _griffin_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
+    """RecurrentGemmaAttention on a tree: HF's projections, its rotary embedding at each node's position (the
+    fed position of the root + its depth), HF's attention function over the cached keys and the tree's, masked by
+    the tree's ancestors and the layer's sliding window; the commit appends the accepted path's keys and values."""
+    hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    past_k, past_v = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(past_k, torch.Tensor) or past_k.numel() == 0:
+        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed keys")
+    b, n, _ = hidden.shape
+    shape = (b, n, -1, module.head_dim)
+    q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj))
+    rotary = module.rotary_emb(v, _node_positions(arguments["position_ids"], tree))
+    out, weights, k = _attend(module, rotary, q, k, v, (past_k, past_v), arguments.get("attention_mask"), tree,
+                              module.sliding_window)  # fmt: skip
+    out = module.o_proj(out.reshape(b, n, -1).contiguous())
+
+    def write(path: list[int]) -> None:
+        cache.update(k[:, :, path], v[:, :, path], module.layer_idx)
+
+    return (out, weights), write
+
+
+def _node_positions(positions: torch.Tensor, tree: _Verifying) -> torch.Tensor:
+    """[B, N] each node's position: the fed root's + its depth (what HF's loop gives the node's token)."""
+    return positions[:, :1] + tree.tensors(positions.device)[1]
+
+
+def _griffin_recurrent_block(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
+    """RecurrentGemmaRecurrentBlock on a tree (its state on the module: the conv window `conv1d_state` and the RG-LRU
+    state `rg_lru.recurrent_states`, handed in by ssmspec.hf.generic.HFState): HF's projections, its decode step's
+    convolution over each node's window (the node's path, then the cached columns), the RG-LRU's gates as its
+    forward computes them and its recurrence as a tree op (ssmspec.ops.rglru, float32 as HF accumulates), HF's
+    output gate and projection; the module's state untouched. The commit writes the window and the RG-LRU state
+    at the accepted node into the module's state tensors."""
+    hidden, positions = arguments["input_states"], arguments["position_ids"]
+    lru = module.rg_lru
+    conv_state, start = module.conv1d_state, lru.recurrent_states
+    b, n, _ = hidden.shape
+    if not arguments.get("use_cache", True) or conv_state is None or start is None or start.shape[0] != b:
+        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+    y = module.act_fn(module.linear_y(hidden))
+    columns = torch.cat([conv_state, module.linear_x(hidden).transpose(1, 2)], dim=-1)  # [B, C, K - 1 + N]
+    width = module.conv1d_width
+    windows = _path_windows(tree.parents, width - 1, width)  # per node, its K columns
+    taps = columns[:, :, torch.tensor(windows, device=hidden.device)]  # [B, C, N, K]
+    x = (taps * module.conv_1d.weight[:, 0, None, :]).sum(dim=-1) + module.conv_1d.bias[:, None]  # HF's decode step
+    decay, x = _rglru_inputs(lru, x.transpose(1, 2), _node_positions(positions, tree))
+    parents, depth = tree.tensors(hidden.device)
+    out, states = run_tree_rglru(decay, x, start, parents.expand(b, -1), depth.expand(b, -1))
+    out = module.linear_out(out * y)
+
+    def write(path: list[int]) -> None:
+        conv_state.copy_(columns[:, :, windows[path[-1]][1:]])
+        start.copy_(states[:, path[-1]])
+
+    return (out, None), write
+
+
+def _rglru_inputs(lru: nn.Module, activations: torch.Tensor, positions: torch.Tensor) -> tuple:
+    """RecurrentGemmaRglru's forward up to its scan, per token (no state involved): the decay a_t and the gated,
+    normalized input x_t of each token of `activations` [B, N, C] at `positions` [B, N] (a position 0 resets)."""
+    b, n, width = activations.shape
+    reset = positions[:, :, None] == 0
+    act = activations.reshape(b * n, lru.num_attention_heads, lru.block_width).permute(1, 0, 2)
+    gates = []
+    for weight, bias in ((lru.input_gate_weight, lru.input_gate_bias),
+                         (lru.recurrent_gate_weight, lru.recurrent_gate_bias)):  # fmt: skip
+        gates.append(torch.sigmoid(torch.baddbmm(bias[:, None, :], act, weight).transpose(0, 1).reshape(b, n, width)))
+    input_gate, recurrent_gate = gates
+    log_decay = -8.0 * recurrent_gate * nn.functional.softplus(lru.recurrent_param)
+    decay, decay_square = torch.exp(log_decay), torch.exp(2 * log_decay)
+    multiplier = torch.sqrt(1 - decay_square)
+    multiplier = reset + ~reset * multiplier
+    return decay * ~reset, activations * input_gate * multiplier.type(activations.dtype)
 
 
 def _whole(module: str, forward: TreeForward, hidden: str = "hidden_states", **hooks: Any) -> Kind:
@@ -361,6 +449,10 @@ KINDS = (
     _whole("transformers.models.minimax.modeling_minimax:MiniMaxLightningAttention", _minimax_lightning),
     _whole("transformers.models.minimax.modeling_minimax:MiniMaxAttention", _tree_attention),
     _whole("transformers.models.zaya.modeling_zaya:ZayaAttention", _zaya_attention),
+    _whole("transformers.models.recurrent_gemma.modeling_recurrent_gemma:RecurrentGemmaRecurrentBlock",
+           _griffin_recurrent_block, "input_states"),
+    _whole("transformers.models.recurrent_gemma.modeling_recurrent_gemma:RecurrentGemmaAttention",
+           _griffin_attention),
 )  # fmt: skip
 
 

@@ -82,12 +82,13 @@ def _tensors(obj: object, seen: set[int] | None = None) -> list[torch.Tensor]:
 
 
 def _generic_state_diff(a: GenericRunner, b: GenericRunner, rows: Sequence[int]) -> float:
-    """`state_diff` on the generic path: every tensor of each row's HF cache (tokens carried into a next forward
-    fed first)."""
+    """`state_diff` on the generic path: every tensor of each row's HF cache and module-held state (tokens carried
+    into a next forward fed first)."""
     a.flush()
     worst = 0.0
     for r in rows:
-        ta, tb = _tensors(a.rows[r].state.cache), _tensors(b.rows[r].state.cache)
+        sa, sb = a.rows[r].state, b.rows[r].state  # the cache object and the state a model keeps on its modules
+        ta, tb = _tensors([sa.cache, sa.held]), _tensors([sb.cache, sb.held])
         if [t.shape for t in ta] != [t.shape for t in tb]:
             return float("inf")
         worst = max([worst] + [_rel(x, y) for x, y in zip(ta, tb) if x.is_floating_point() and x.numel()])

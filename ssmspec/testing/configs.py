@@ -61,12 +61,13 @@ SUPPORTED_FAMILIES: tuple[str, ...] = (
 
 # Families without kernel seams that speculate through the generic path (HF's own forward and cache: chains, one
 # prompt; ssmspec.speculate.generic), the probe having found it exact on their tiny configs.
-GENERIC_FAMILIES: tuple[str, ...] = ("rwkv", "xlstm", "glm5_next", "qwen4_exp", "zaya", "minimax")
+GENERIC_FAMILIES: tuple[str, ...] = ("rwkv", "xlstm", "glm5_next", "qwen4_exp", "zaya", "minimax", "recurrent_gemma")
 
 # Families transform refuses: HF's forward of several tokens after a cached state differs from its one-token steps
-# (recurrent_gemma's conv state is not read by a multi-token forward; deepseek_v4, an attention model whose K/V
-# compressors keep a running window HF marks as not rewindable, on some inputs).
-UNSUPPORTED_FAMILIES: tuple[str, ...] = ("recurrent_gemma", "deepseek_v4")
+# and no tree form exists (deepseek_v4, an attention model whose K/V compressors keep a running window HF marks as
+# not rewindable, on some inputs). (recurrent_gemma's multi-token forward drops its conv state too; its modules'
+# tree forms verify every step instead: a generic family.)
+UNSUPPORTED_FAMILIES: tuple[str, ...] = ("deepseek_v4",)
 
 # Weight scale of the tiny models of these families. At HF's default (0.02) the recurrent state of their random tiny
 # SSM mixers moved the next token's logits by 1e-8 to 1e-6 (relative): far below the probe's float64 tolerance
@@ -814,7 +815,7 @@ def _rwkv(v: int) -> dict[str, Any]:
 
 
 def _recurrent_gemma(v: int) -> dict[str, Any]:
-    """Kwargs for :class:`transformers.RecurrentGemmaConfig` (unsupported)."""
+    """Kwargs for :class:`transformers.RecurrentGemmaConfig` (the generic path, its modules' tree forms)."""
     return {
         "hidden_size": 32,
         "intermediate_size": 64,

@@ -200,6 +200,38 @@ def test_tree_lightning_equals_minimaxs_decode_steps_on_every_path(dtype):
             torch.testing.assert_close(states[row, node], state[0], **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_tree_rglru_equals_recurrent_gemmas_decode_steps_on_every_path(dtype):
+    """Every node's RG-LRU output and state equal HF RecurrentGemma's one-token scan (`_rnn_scan` in sampling
+    mode: h = a h + x accumulated in float32, the output in the model's dtype) run along the node's path."""
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    from ssmspec.ops.rglru import run_tree_rglru, tree_rglru
+
+    g = torch.Generator().manual_seed(9)
+    tree, c = _tree(), 6
+    b, n = tree.parents.shape
+    decay, x = torch.rand(b, n, c, generator=g).to(dtype), torch.randn(b, n, c, generator=g).to(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    h0 = torch.randn(b, c, generator=g).to(acc)
+    out, states = run_tree_rglru(decay, x, h0, tree.parents, tree.depth)
+    op_out, op_states = tree_rglru(decay, x, h0, tree.parents, tree.depth)
+    assert torch.equal(out, op_out) and torch.equal(states, op_states) and out.dtype == dtype
+    scan = RecurrentGemmaRglru._rnn_scan
+    no_reset = torch.zeros(1, 1, c, dtype=torch.bool)
+    for row, size in enumerate((7, 5)):
+        for node in range(size):
+            path, t = [], node
+            while t >= 0:
+                path, t = [t, *path], int(tree.parents[row, t])
+            state = h0[row : row + 1]
+            for t in path:  # HF's decode step, one token
+                y, state = scan(
+                    None, x[row : row + 1, t : t + 1], decay[row : row + 1, t : t + 1], no_reset, state, acc
+                )
+            assert torch.equal(out[row, node], y[0, 0]) and torch.equal(states[row, node], state[0])
+
+
 def test_delta_rule_chain_matches_hf():
     g = torch.Generator().manual_seed(5)
     b, n, hk, h, k, v = 2, 5, 2, 4, 4, 3

@@ -17,9 +17,9 @@ from ssmspec.testing.strategies import cached_tiny_model, capabilities, drafter_
 TIE_TOLERANCE = 1e-3
 
 
-# xLSTM, RWKV: the generic path's tree forms (float32; 100 s each here, so in the thorough profile only)
+# xLSTM, RWKV, RecurrentGemma: the generic path's tree forms (float32; 80-100 s each here: the thorough profile only)
 _FAMILIES = ["mamba", "mamba2", "bamba", "qwen3_next", "kimi_linear", "lfm2", "lfm3", "inkling"] + (
-    ["xlstm", "rwkv"] if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else []
+    ["xlstm", "rwkv", "recurrent_gemma"] if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else []
 )
 
 

@@ -48,10 +48,14 @@ def test_families_without_seams_speculate_exactly_through_hfs_forward(family):
     ref = cached_tiny_model(family)
     model = _transformed(family)
     info = model.ssmspec_info
-    trees = family in ("xlstm", "rwkv", "minimax", "zaya")  # the families here with tree forms (hf.tree_modules)
+    # the families here with tree forms (hf.tree_modules)
+    trees = family in ("xlstm", "rwkv", "minimax", "zaya", "recurrent_gemma")
     assert info.path == "generic" and info.generic and info.limits["seams"]
     assert info.trees == info.generic_trees == trees
     assert info.limits.get("trees") == (None if trees else CHAINS_ONLY) and info.generic_batches == info.batches
+    # HF's RecurrentGemma drops its conv state in a multi-token forward: every multi-node step, chains too, goes
+    # through its modules' tree forms (the chain probe's reason kept)
+    assert ("chains" in info.limits) == (family == "recurrent_gemma")
     # HF's RWKV broadcasts each row's token shift over the whole batch in a one-token step, and HF's MiniMax cache
     # hides the cached positions from its decode masks (pads are attended to): their batches are not what their rows
     # compute alone, so the probe refuses them
@@ -194,14 +198,17 @@ def test_tree_form_verifies_each_node_on_its_path_and_commits_hfs_state(form, mo
     assert bool(calls) == (form == "tree op")  # which form ran
 
 
-@pytest.mark.parametrize("family", ["rwkv", "minimax", "zaya"])
+@pytest.mark.parametrize("family", ["rwkv", "minimax", "zaya", "recurrent_gemma"])
 def test_tree_forms_of_whole_modules_verify_each_path_and_commit_hfs_state(family):
     """Tree forms that replace a module's forward while verifying (ssmspec.hf.tree_modules, `Kind.tree_forward`).
     RWKV: each node's token shift reads its parent's input and its WKV recurrence (ssmspec.ops.wkv) its parent's
     state. MiniMax: its lightning attention's recurrence (ssmspec.ops.lightning) from the parent's state, its
-    softmax attention over the cached keys and the node's ancestors at the node's depth. Every node gets the logits
-    HF's loop computes for its path; the cache keeps its committed values while verifying and after a discard,
-    and a commit leaves what HF's loop reaches over the accepted path (every tensor of its cache)."""
+    softmax attention over the cached keys and the node's ancestors at the node's depth. RecurrentGemma: its
+    recurrent block's conv window over the node's path and its RG-LRU (ssmspec.ops.rglru) from the parent's state,
+    both kept on its modules (held per state by HFState), its sliding-window attention at each node's position.
+    Every node gets the logits HF's loop computes for its path; the cache keeps its committed values while
+    verifying and after a discard, and a commit leaves what HF's loop reaches over the accepted path (every tensor
+    of its cache and of the state its modules hold)."""
     from torch import nn
 
     from ssmspec.hf import tree_modules
@@ -214,15 +221,21 @@ def test_tree_forms_of_whole_modules_verify_each_path_and_commit_hfs_state(famil
         "rwkv": {"RwkvSelfAttention", "RwkvFeedForward"},
         "minimax": {"MiniMaxLightningAttention", "MiniMaxAttention"},
         "zaya": {"ZayaAttention"},
+        "recurrent_gemma": {"RecurrentGemmaRecurrentBlock", "RecurrentGemmaAttention"},
     }
     assert {type(s.module).__name__ for s in steps} == kinds[family]
     runner = GenericRunner(model)
     assert runner.trees and not runner.reruns
     prompt = [5, 6, 7, 8]
     runner.prefill(torch.tensor([prompt]), torch.ones(1, 4, dtype=torch.long))
-    cache = runner.rows[0].state.cache
-    before = [t.clone() for t in _tensors(cache)]
-    assert before
+    state = runner.rows[0].state
+    held = [(m, name, getattr(m, name)) for m, name in state.slots]  # what the modules held before: HF's None
+
+    def tensors(s: HFState) -> list[torch.Tensor]:  # the cache object's and the modules' state
+        return _tensors([s.cache, s.held])
+
+    before = [t.clone() for t in tensors(state)]
+    assert before and (family == "recurrent_gemma") == bool(state.held)
     tree = TokenTree.from_lists([[9, 10, 11, 12, 13, 14]], [[-1, 0, 0, 1, 2, 2]])
     logits = runner.verify(tree)
     for node in range(tree.num_nodes):
@@ -231,10 +244,11 @@ def test_tree_forms_of_whole_modules_verify_each_path_and_commit_hfs_state(famil
         torch.testing.assert_close(logits[0, node], want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
 
     def unchanged() -> bool:
-        now = _tensors(cache)
+        now = tensors(state)
         return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before))
 
     assert unchanged()  # verifying changed nothing in the cache
+    assert all(getattr(m, name) is value for m, name, value in held)  # nor in the user's modules
     if family == "rwkv":  # outside a verification the shift is HF's
         assert all(isinstance(s.module.time_shift.shift, nn.ZeroPad2d) for s in steps)
     ids = torch.tensor([prompt + [9, 11, 14]])
@@ -244,8 +258,8 @@ def test_tree_forms_of_whole_modules_verify_each_path_and_commit_hfs_state(famil
     assert unchanged() and runner.rows[0].state.length == 4
     runner.verify(tree)
     runner.commit(torch.tensor([5]))  # the path 0 -> 2 -> 5
-    want = _tensors(_hf_states(ref, prompt + [9, 11, 14]).cache)
-    got = _tensors(cache)
+    want = tensors(_hf_states(ref, prompt + [9, 11, 14]))
+    got = tensors(state)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9 * float(w.abs().max().clamp(min=1)))
