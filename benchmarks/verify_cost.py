@@ -64,6 +64,7 @@ import ssmspec
 from ssmspec import models
 from ssmspec.bench import COMPILE_OPTIONS
 from ssmspec.hf.generic import HFState
+from ssmspec.speculate.adaptive import chooses_packing, measure_cost
 from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner, cache_kwarg
 from ssmspec.tree import TokenTree
@@ -245,6 +246,14 @@ class Bench:
             self.runner = ModelRunner(self.model, commit=args.commit, static_shapes=self.compiled, max_depth=depth,
                                       max_nodes=depth + 1)  # fmt: skip
         self.runner.prefill(ids, torch.ones_like(ids))
+        packing = ""
+        if chooses_packing(self.runner) and args.packing == "measured":  # what generate does: the faster per size
+            measure_cost(self.runner, sorted({1, *args.nodes}))
+            packed = sorted(n for n, p in self.runner.packed_sizes.items() if p)
+            packing = f", packed linears measured per size: packed at {packed or 'none'}"
+        elif chooses_packing(self.runner):
+            self.runner.packed_sizes = dict.fromkeys(args.nodes, args.packing == "on")
+            packing = f", packed linears {args.packing}"
         self.generic = None
         # beside: the chain form (not where HF's multi-token forward is inexact: RecurrentGemma's drops its conv state)
         chains = "chains" not in self.model.ssmspec_info.limits
@@ -252,7 +261,7 @@ class Bench:
             self.generic = GenericRunner(self.model, trees=False)
             self.generic.prefill(ids, torch.ones_like(ids))
         self.root = TokenTree.chain(ids[:, -1:])
-        self.desc = desc + f", CPU {torch.get_num_threads()} threads, commit={args.commit}, {args.mode}"
+        self.desc = desc + f", CPU {torch.get_num_threads()} threads, commit={args.commit}, {args.mode}{packing}"
 
     def tree(self, n: int, shape: str) -> tuple[TokenTree, torch.Tensor]:
         """A chain or random tree of n nodes and the node whose path the commit keeps."""
@@ -404,6 +413,9 @@ def main() -> None:
     p.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     p.add_argument("--generic", action="store_true", help="time the generic path (HF's forward) beside the seams")
     p.add_argument("--profile", action="store_true", help="profile decode, verify(2) and verify(8) instead")
+    p.add_argument("--packing", choices=["measured", "on", "off"], default="measured",
+                   help="eager CPU: the linears on oneDNN's packed weights or F.linear per tree size as generate "
+                   "measures it (default), or always / never packed")  # fmt: skip
     p.add_argument("--json", help="write the rows (or the profile) to this file")
     p.add_argument("--plot", help="write a PNG of the curve (needs matplotlib)")
     args = p.parse_args()

@@ -182,6 +182,29 @@ def uninstall(modules: list[nn.Module]) -> None:
             module.weight.__dict__.pop("_ssmspec_packed", None)
 
 
+def packs(choice: dict[int, bool] | None, nodes: int, default: bool) -> bool:
+    """Whether a forward of `nodes` tokens per row runs on the packed weights: the choice measured for the smallest
+    measured size >= `nodes` (ssmspec.speculate.adaptive.measure_cost times both per tree size, on the running model:
+    which of oneDNN's packed weight and MKL's F.linear is faster depends on the CPU); `default` where none was (a
+    prefill, or nothing measured yet)."""
+    if choice:
+        for n in sorted(choice):
+            if nodes <= n:
+                return choice[n]
+    return default
+
+
+def packs_any(model: nn.Module) -> bool:
+    """Whether any PackedLinear of the model has a weight oneDNN would pack for several rows (PACK_MIN_BYTES_ROWS, a
+    dtype it packs): else packed or not, its forwards are the same."""
+    return any(
+        type(m) is PackedLinear
+        and m.weight.dtype in packed_dtypes()
+        and m.weight.numel() * m.weight.element_size() >= PACK_MIN_BYTES_ROWS
+        for m in model.modules()
+    )
+
+
 def is_packed(model: nn.Module) -> bool:
     """Whether any linear of the model has the class PackedLinear."""
     return any(type(m) is PackedLinear for m in model.modules())

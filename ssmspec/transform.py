@@ -285,6 +285,7 @@ class SpecGenerationMixin:
                                                                "recompile_limit") if k in kwargs}  # fmt: skip
         self.__dict__.pop("_ssmspec_compiled_commit", None)
         self.__dict__.pop("_ssmspec_cost_curves", None)  # measured on the eager model: measured again compiled
+        self.__dict__.pop("_ssmspec_packing", None)
         if policy is not None:
             self.ssmspec_kernel_policy = policy
         return super().compile(*args, **kwargs)
@@ -443,7 +444,7 @@ def _uncompile(model: nn.Module) -> None:
     """Undo `model.compile` (nn.Module internals, named here): the eager forward and no static shapes."""
     model._compiled_call_impl = None
     for name in ("ssmspec_static_shapes", "ssmspec_compile_call", "ssmspec_compile_options", "_ssmspec_cost_curves",
-                 "_ssmspec_compiled_commit", "_ssmspec_single_node_path"):  # fmt: skip
+                 "_ssmspec_packing", "_ssmspec_compiled_commit", "_ssmspec_single_node_path"):  # fmt: skip
         model.__dict__.pop(name, None)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ssmspec import linear as packed_linear
 from ssmspec.tree import TokenTree
 
 
@@ -91,20 +92,37 @@ def merge_curves(old: dict[int, float], new: dict[int, float]) -> dict[int, floa
     return merged
 
 
+def chooses_packing(runner) -> bool:
+    """Whether `runner`'s forwards may run its model's linears packed or not per tree size (ssmspec.linear.packs):
+    an eager runner on a CPU model with packed linears big enough to pack."""
+    if not getattr(runner, "prepack", False) or getattr(runner, "static_shapes", False):
+        return False
+    return runner.device.type == "cpu" and packed_linear.packs_any(runner.model)
+
+
 def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) -> dict[int, float]:
     """Verify cost of n-node chains relative to a decode step, timed on the runner's prefilled cache (each
     tree is verified and discarded, the decode step rolled back: nothing changes). The sizes take turns, one
     warm-up round then `repeats` timed rounds, and each keeps its fastest run: load from other processes only
     ever adds time, and taking turns spreads a burst of it over every size instead of one (a median of runs
     size after size, measured under two test workers on two cores, once priced 2 nodes above 1.5 decode steps
-    and turned speculation off for a whole call)."""
+    and turned speculation off for a whole call).
+
+    Where the runner may choose (`chooses_packing`), every size is timed with the model's linears on their packed
+    weights and on F.linear, the faster kept for that size in `runner.packed_sizes` and in the curve: which is
+    faster depends on the CPU (on an AMD EPYC packed weights made 2-16 rows cost what one does; on a Xeon with a
+    260 MiB L3, F.linear was faster for 1-3 rows and, on the embedded model, for 1-16)."""
     cache = runner.cache
     batch = cache.n_real.shape[0]
     device = cache.n_real.device
     trees = {n: runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device))) for n in sizes}
-    times = {n: float("inf") for n in sizes}
+    modes = (True, False) if chooses_packing(runner) else (None,)
+    chosen = dict(getattr(runner, "packed_sizes", None) or {})
+    times = {(n, mode): float("inf") for n in sizes for mode in modes}
     for round_ in range(repeats + 1):
-        for n in sizes:
+        for n, mode in times:
+            if mode is not None:
+                runner.packed_sizes = {n: mode}
             snap = runner.snapshot() if n == 1 else None  # one node: HF's decode path, rolled back
             t0 = time.perf_counter()
             runner.verify(trees[n])
@@ -117,9 +135,12 @@ def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) ->
                 runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
                 runner.restore(snap)
             if round_:  # the first round warms up (and compiles)
-                times[n] = min(times[n], elapsed)
+                times[n, mode] = min(times[n, mode], elapsed)
+    best = {n: min(modes, key=lambda mode: times[n, mode]) for n in sizes}
+    if modes != (None,):
+        runner.packed_sizes = {**chosen, **best}
     curve, floor = {}, 0.0
     for n in sizes:  # more nodes never cost less (timing noise aside): keep the curve non-decreasing
-        floor = max(floor, times[n] / times[sizes[0]])
+        floor = max(floor, times[n, best[n]] / times[sizes[0], best[sizes[0]]])
         curve[n] = floor
     return curve

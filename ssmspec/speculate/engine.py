@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ssmspec.speculate.adaptive import COST_SIZES, Acceptance, choose_depth, measure_cost, merge_curves, step_cost
+from ssmspec.speculate.adaptive import (
+    COST_SIZES,
+    Acceptance,
+    choose_depth,
+    chooses_packing,
+    measure_cost,
+    merge_curves,
+    step_cost,
+)
 from ssmspec.speculate.decoding import ColumnStreamer, Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.generic import GenericRunner
@@ -149,9 +157,10 @@ def speculative_generate(
         stats.near_ties += int(first_ties[r])
         emit(r, [first[r]])
     stream.release(generated, done)
+    if adaptive or chooses_packing(runner):  # the cost curve also measures where packed linears pay, per size
+        cost = cost_curve(model, runner)
     if adaptive:
         acceptance = Acceptance(b)
-        cost = cost_curve(model, runner)
         per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))
         # a drafter with calibrated per-node estimates sizes each tree itself (the step cost of n nodes: the
         # measured curve at the bucket n is padded to); the engine then leaves depth and budget at their maximum
@@ -336,9 +345,12 @@ def cost_curve(model: nn.Module, runner: ModelRunner | GenericRunner) -> dict[in
     to the largest tree the call verifies (extended when a later call verifies larger ones) and kept on the
     model (so each model has its own; nothing process-wide)."""
     curves = model.__dict__.setdefault("_ssmspec_cost_curves", {})
+    packing = model.__dict__.setdefault("_ssmspec_packing", {})  # per curve: packed linears or F.linear per size
     key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
     if isinstance(runner, GenericRunner):  # HF's forward: a curve of its own
         key = (*key, runner.path)
+    if chooses_packing(runner):
+        runner.packed_sizes = dict(packing.get(key, {})) or None
     # the sizes this call can verify (powers of two up to its largest padded tree): a compiled model compiles a
     # graph per size measured, so sizes no tree of this call reaches are left to a call that needs them
     largest = runner.padded_size(runner.max_nodes) if runner.max_nodes else COST_SIZES[-1]
@@ -347,6 +359,8 @@ def cost_curve(model: nn.Module, runner: ModelRunner | GenericRunner) -> dict[in
     missing = [n for n in sizes if n > max(curve, default=0)]  # sizes within the curve are interpolated
     if missing:
         curves[key] = curve = merge_curves(curve, measure_cost(runner, sorted({1, *missing})))
+        if runner.__dict__.get("packed_sizes"):
+            packing[key] = dict(runner.packed_sizes)
     return curve
 
 

@@ -144,6 +144,7 @@ class GenericRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.prepack = packed_linear.is_packed(model)
+        self.packed_sizes: dict[int, bool] | None = None  # as ModelRunner's: measured per tree size
         if trees is None:
             trees = bool(getattr(getattr(model, "ssmspec_info", None), "generic_trees", False))
         # the tree form: every multi-node step one forward, its commit a replay of the accepted path (no snapshot,
@@ -169,7 +170,8 @@ class GenericRunner:
         return not self.steps
 
     def _forward(self, state: HFState, tokens: torch.Tensor | None) -> torch.Tensor:
-        with packed_linear.prepacked(self.prepack):
+        nodes = state.ids.shape[1] if tokens is None else tokens.shape[1]
+        with packed_linear.prepacked(packed_linear.packs(self.packed_sizes, nodes, self.prepack)):
             return state.forward(tokens)
 
     def _sync(self) -> None:

@@ -101,8 +101,11 @@ class ModelRunner:
             kept = torch.as_tensor(vocab, dtype=torch.long, device=self.device)
             dropped = torch.ones(model.config.get_text_config().vocab_size, dtype=torch.bool, device=self.device)
             self.dropped_ids = dropped.index_fill_(0, kept, False)
-        # every forward of this runner runs the model's prepacked linears (ssmspec.linear), where it has them
+        # the forwards of this runner run the model's prepacked linears (ssmspec.linear), where it has them: every
+        # forward until `packed_sizes` says per tree size which of them and F.linear measured faster on this CPU
+        # (measured with the cost curve, ssmspec.speculate.adaptive.measure_cost)
         self.prepack = packed_linear.is_packed(model)
+        self.packed_sizes: dict[int, bool] | None = None
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -112,7 +115,7 @@ class ModelRunner:
             kwargs["attention_mask"] = attention_mask
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
-        with packed_linear.prepacked(self.prepack):
+        with packed_linear.prepacked(packed_linear.packs(self.packed_sizes, input_ids.shape[1], self.prepack)):
             logits = self.model(input_ids=input_ids, **kwargs).logits
         if self.dropped_ids is not None:
             logits = logits.masked_fill(self.dropped_ids[: logits.shape[-1]], -float("inf"))

@@ -134,3 +134,86 @@ def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
     curve = adaptive.measure_cost(FakeRunner(), sizes=sorted(true_cost))
     assert curve == pytest.approx(true_cost)
     assert clock["runs"] == 4 * 6  # a warm-up round and five timed rounds
+
+
+def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatch):
+    """Whether oneDNN's packed weights or F.linear is faster depends on the CPU: where the runner may choose, every
+    size is timed both ways, the faster kept per size (`runner.packed_sizes`) and priced in the curve."""
+    from types import SimpleNamespace
+
+    from ssmspec import linear
+    from ssmspec.speculate import adaptive
+
+    packed = {1: 1.2, 2: 1.25, 4: 1.3, 8: 1.4}  # packed: dearer for few rows, cheaper for many
+    plain = {1: 1.0, 2: 1.1, 4: 1.5, 8: 2.0}
+    clock = {"now": 0.0}
+
+    class FakeRunner:
+        cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
+        prepack, static_shapes, device, model = True, False, torch.device("cpu"), None
+        packed_sizes = None
+
+        def prepare(self, tree):
+            return tree
+
+        def verify(self, tree):
+            n = tree.num_nodes
+            clock["now"] += (packed if linear.packs(self.packed_sizes, n, self.prepack) else plain)[n]
+
+        def snapshot(self):
+            return None
+
+        def restore(self, snap):
+            pass
+
+        def commit(self, tokens):
+            pass
+
+        def discard(self):
+            pass
+
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(linear, "packs_any", lambda model: True)
+    runner = FakeRunner()
+    curve = adaptive.measure_cost(runner, sizes=[1, 2, 4, 8])
+    assert runner.packed_sizes == {1: False, 2: False, 4: True, 8: True}
+    assert curve == pytest.approx({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.4})
+    # a size between measured ones takes the next measured size's choice; beyond them (a prefill), the default
+    assert not linear.packs(runner.packed_sizes, 2, True) and linear.packs(runner.packed_sizes, 3, False)
+    assert linear.packs(runner.packed_sizes, 96, True) and not linear.packs(runner.packed_sizes, 96, False)
+    runner.prepack = False  # a model without packed linears: one way only
+    runner.packed_sizes = None
+    assert adaptive.measure_cost(runner, sizes=[1, 2, 4, 8]) == pytest.approx(plain) and runner.packed_sizes is None
+
+
+def test_a_model_with_packed_linears_keeps_the_measured_choice_and_hfs_output(monkeypatch):
+    """On a model whose linears pack, the first call measures packed against F.linear per tree size (also without
+    the adaptive depth), keeps the choice on the model for its later calls, and the output stays HF's."""
+    from ssmspec import linear
+    from ssmspec.speculate.generic import GenericRunner
+    from ssmspec.speculate.runner import ModelRunner
+
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)  # the tiny model's weights pack
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES_ROWS", 0)
+    ref = copy.deepcopy(cached_tiny_model("mamba2")).float()
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    spec = SpecConfig(adaptive=False, num_draft_tokens=4, tree_budget=4)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, speculation=spec), want)
+    chosen = model._ssmspec_packing[(1, "cpu")]
+    assert sorted(chosen) == sorted(model._ssmspec_cost_curves[(1, "cpu")]) == [1, 2, 4, 5]
+    assert all(isinstance(v, bool) for v in chosen.values())
+    seen = []
+    monkeypatch.setattr(ModelRunner, "_call", lambda self, *a, real=ModelRunner._call: (
+        seen.append(self.packed_sizes) or real(self, *a)))  # fmt: skip
+    assert torch.equal(model.generate(ids, max_new_tokens=12, speculation=spec), want)
+    # measured once, then used for every verify step (the prefill, before it, runs on the default: packed)
+    assert seen[0] is None and len(seen) > 1 and all(s == chosen for s in seen[1:])
+    assert not adaptive_chooses(GenericRunner(cached_tiny_model("xlstm")))  # no packed linears there
+
+
+def adaptive_chooses(runner) -> bool:
+    from ssmspec.speculate.adaptive import chooses_packing
+
+    return chooses_packing(runner)
