@@ -35,12 +35,14 @@ def measure(args: argparse.Namespace) -> dict:
     tokens = sum(w.shape[1] - p.shape[1] for w, p in zip(want, prompts))
     configs = {("autoregressive", 0): ssmspec.SpecConfig(drafter="none")}
     for b in args.budgets:
-        configs[("chain", b)] = ssmspec.SpecConfig(num_draft_tokens=b)
-        configs[("tree", b)] = ssmspec.SpecConfig(num_draft_tokens=b, tree=True, tree_budget=b)
+        configs[("chain", b)] = ssmspec.SpecConfig(drafter="prompt_lookup", num_draft_tokens=b)
+        configs[("tree", b)] = ssmspec.SpecConfig(drafter="prompt_lookup", num_draft_tokens=b, tree=True, tree_budget=b)
         if args.recycle:  # token recycling: the target's own top-k successors beside the n-gram votes
-            configs[("chain + recycling", b)] = ssmspec.SpecConfig(num_draft_tokens=b, recycle=args.recycle)
+            configs[("chain + recycling", b)] = ssmspec.SpecConfig(
+                drafter="prompt_lookup", num_draft_tokens=b, recycle=args.recycle
+            )
             configs[("tree + recycling", b)] = ssmspec.SpecConfig(
-                num_draft_tokens=b, tree=True, tree_budget=b, recycle=args.recycle
+                drafter="prompt_lookup", num_draft_tokens=b, tree=True, tree_budget=b, recycle=args.recycle
             )
     for spec in configs.values():  # warm-up: one-time costs must not land on the first method timed
         target.generate(prompts[0], max_new_tokens=8, speculation=spec)

@@ -116,11 +116,17 @@ def training_index(tok) -> ssmspec.SuffixIndex:
 def greedy_methods(k: int, budget: int, corpus, draft) -> dict[str, dict]:
     """The compared configurations: (name -> generate kwargs)."""
     # the named configurations as they were measured before the defaults changed: chains unless `tree=True`,
-    # fixed depth unless `adaptive=True`
-    spec = functools.partial(ssmspec.SpecConfig, tree=False, adaptive=False)
+    # fixed depth unless `adaptive=True`, n-gram lookup unless another drafter is named (the embedded target has a
+    # draft head, which drafter "auto" would pick)
+    spec = functools.partial(ssmspec.SpecConfig, drafter="prompt_lookup", tree=False, adaptive=False)
+    head = functools.partial(ssmspec.SpecConfig, drafter="draft_head", tree=True, adaptive=True)
     return {
         DEFAULT: {},  # what a user gets without any speculation kwarg
+        "ssmspec default without a draft head": dict(speculation=ssmspec.SpecConfig(drafter="prompt_lookup")),
         "ssmspec autoregressive": dict(speculation=spec(drafter="none")),
+        "tree draft head + n-gram": dict(speculation=head(num_draft_tokens=k, tree_budget=budget)),
+        "tree draft head + n-gram + corpus": dict(speculation=head(num_draft_tokens=k, tree_budget=budget,
+                                                                   corpus=corpus)),
         "chain n-gram": dict(speculation=spec(num_draft_tokens=k)),
         "tree n-gram": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget)),
         "tree n-gram adaptive": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget,
@@ -301,9 +307,13 @@ def run_sampling(args: argparse.Namespace, progress: bool = True) -> dict:
     draft, _ = models.load("mamba2-draft")
     prompts = held_out_prompts(tok, args.prompts, args.prompt_tokens)
     k, budget = args.draft_tokens, args.tree_budget
-    spec = functools.partial(ssmspec.SpecConfig, tree=False, adaptive=False)  # as in greedy_methods
+    spec = functools.partial(ssmspec.SpecConfig, drafter="prompt_lookup", tree=False, adaptive=False)  # as greedy
+    head = functools.partial(ssmspec.SpecConfig, drafter="draft_head", adaptive=True)
     methods = {
         DEFAULT: {},
+        "ssmspec default without a draft head": dict(speculation=ssmspec.SpecConfig(drafter="prompt_lookup")),
+        "tree draft head + n-gram": dict(speculation=head(num_draft_tokens=4, tree_budget=12)),
+        "chain draft head": dict(speculation=head(num_draft_tokens=4, tree=False)),
         "ssmspec autoregressive": dict(speculation=spec(drafter="none")),
         "chain n-gram": dict(speculation=spec(num_draft_tokens=k)),
         "tree n-gram": dict(speculation=spec(num_draft_tokens=k, tree=True, tree_budget=budget)),

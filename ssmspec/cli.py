@@ -1,5 +1,5 @@
-"""The `ssmspec` command: `demo` (the README's main job), `generate`, `bench` (end-to-end benchmark) and
-`check` (the equivalence checker, for users' CI).
+"""The `ssmspec` command: `demo` (the README's main job), `generate`, `bench` (end-to-end benchmark), `check`
+(the equivalence checker, for users' CI) and `train-head` (a draft head for a model, saved beside it).
 
 User mistakes end in one clear line on stderr and exit code 2, not a traceback.
 """
@@ -246,6 +246,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_head(args: argparse.Namespace) -> int:
+    """Train a draft head for a local checkpoint on text files and save it beside the checkpoint (or in --out),
+    where `ssmspec.transform` finds it."""
+    from pathlib import Path
+
+    from ssmspec.speculate.head_training import train_head
+
+    if args.out is None and not Path(args.model).is_dir():
+        raise ValueError(f"{args.model!r} is not a local directory: pass --out (where to save the head)")
+    files = [Path(f) for f in args.files]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such training file: {', '.join(missing)}")
+    model, tok = load_pretrained(args.model, torch.float32)
+    if tok is None:
+        raise ValueError(f"{args.model} has no tokenizer: train-head reads text files")
+    texts = (tok(f.read_text(errors="replace"), add_special_tokens=False).input_ids for f in files)
+    head = train_head(model, texts, steps=args.steps, max_tokens=args.tokens, seq_len=args.seq_len,
+                      progress=not args.no_progress)  # fmt: skip
+    out = head.save(args.out or args.model, trained_on=f"{len(files)} files", **head.trained)
+    print(f"draft head saved in {out} (loss {head.trained['final_loss']:.3f} after {args.steps} steps, "
+          f"{head.trained['positions']} positions, {head.trained['seconds']} s)")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `ssmspec` command."""
     from ssmspec.testing.configs import GENERIC_FAMILIES, SUPPORTED_FAMILIES
@@ -291,6 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = add_arguments(sub.add_parser("bench", help="end-to-end tokens/s on held-out code (embedded target)"))
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=cmd_bench)
+    head = sub.add_parser("train-head", help="train a draft head for a model on text files, saved beside it")
+    head.add_argument("--model", required=True, help="local checkpoint directory (the head is saved there)")
+    head.add_argument("files", nargs="+", help="text files to train on (the kind of text the model will write)")
+    head.add_argument("--out", help="save the head here instead of beside the checkpoint")
+    head.add_argument("--steps", type=int, default=3000)
+    head.add_argument("--tokens", type=int, default=500_000, help="training positions at most")
+    head.add_argument("--seq-len", type=int, default=256)
+    head.add_argument("--no-progress", action="store_true")
+    head.set_defaults(func=cmd_train_head)
     return parser
 
 

@@ -16,6 +16,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from ssmspec.probe import probe, probe_generic, probe_generic_batches, probe_gen
 from ssmspec.speculate import generate as spec_generate
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import check_vocab
+from ssmspec.speculate.drafters.head import DraftHead, check_head, find_head
 from ssmspec.speculate.generic import CHAINS_ONLY, ROW_BY_ROW
 
 # module class names that say "this holds the recurrent state", strongest first: the module an error names
@@ -259,6 +261,7 @@ class SpecGenerationMixin:
                     self, inputs, generation_config, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
                     draft=draft, speculation=speculation, kwargs=kwargs, fallback=default,
                     generic_exact=lambda batch: generic_allowed(self, batch),
+                    head=self.__dict__.get("ssmspec_draft_head"),
                 )  # fmt: skip
             except spec_generate.NotSpeculated:  # refused before anything ran: HF's own decoding
                 pass
@@ -321,7 +324,7 @@ def _new_transformed(base: type) -> nn.Module:
 
 def transform(
     hf_model: nn.Module, config: SpecConfig | None = None, *, prepack: bool = True,
-    compile: bool | dict[str, Any] = False,
+    compile: bool | dict[str, Any] = False, draft_head: DraftHead | str | PathLike | None = "auto",
 ) -> nn.Module:  # fmt: skip
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
 
@@ -344,21 +347,27 @@ def transform(
             first request does not pay for compilation; a dict: those `model.compile` keyword arguments instead
             of the chosen ones where given, plus `warmup` (batch sizes to warm up, default (1,); () for none)
             and `progress`. If compiling fails, the model stays eager, with one warning.
+        draft_head: the draft head (EAGLE style, trained for this model: ssmspec.speculate.head_training) that
+            `SpecConfig(drafter="draft_head")` drafts with, and the defaults where it measured faster: a
+            DraftHead, a directory holding one (`DraftHead.save`), "auto" (default: the one saved beside the
+            model's checkpoint, `draft_head.safetensors` in its local `name_or_path`, if any) or None.
 
     Returns:
         The same model object, its class extended with `SpecGenerationMixin` (same class name).
 
     Raises:
         TypeError: `hf_model` is not a causal LM, or `config` is not a SpecConfig.
-        UnsupportedModelError: a module ssmspec cannot verify exactly (named, with the reason); the model is
-            left exactly as it was.
+        UnsupportedModelError: a module ssmspec cannot verify exactly (named, with the reason), or a draft head
+            made for another model; the model is left exactly as it was.
     """
     if not hasattr(hf_model, "generate") or not hasattr(hf_model, "config") or not isinstance(hf_model, nn.Module):
         raise TypeError("ssmspec.transform expects a Hugging Face causal LM (a PreTrainedModel with generate)")
     if config is not None and not isinstance(config, SpecConfig):
         raise TypeError(f"ssmspec.transform(model, config): config must be an ssmspec.SpecConfig, got {config!r}")
+    head = _draft_head(hf_model, draft_head)  # checked first: a refused head changes nothing
     if isinstance(hf_model, SpecGenerationMixin):
         hf_model.ssmspec_config = config
+        hf_model.__dict__["ssmspec_draft_head"] = head
         _set_prepack(hf_model, prepack)
         if compile:
             compile_fast(hf_model, **(compile if isinstance(compile, dict) else {}))
@@ -387,17 +396,33 @@ def transform(
             hf_model.__class__ = transformed_class(original_class)
             hf_model.ssmspec_info = info
         hf_model.ssmspec_config = config
+        hf_model.__dict__["ssmspec_draft_head"] = head  # not a submodule: the model's state dict stays HF's
     except BaseException:
         hf_seams.uninstall(changed)
         tree_modules.uninstall(hf_model)
         packed_linear.uninstall(linears)
         hf_model.__class__ = original_class
-        for name in ("ssmspec_info", "ssmspec_config"):
+        for name in ("ssmspec_info", "ssmspec_config", "ssmspec_draft_head"):
             hf_model.__dict__.pop(name, None)
         raise
     if compile:
         compile_fast(hf_model, **(compile if isinstance(compile, dict) else {}))
     return hf_model
+
+
+def _draft_head(model: nn.Module, head: DraftHead | str | PathLike | None) -> DraftHead | None:
+    """The draft head `transform(..., draft_head=head)` attaches, checked against the model (module docstring of
+    ssmspec.speculate.drafters.head), on the model's device."""
+    if isinstance(head, str) and head == "auto":
+        head = find_head(model)
+    elif isinstance(head, str | PathLike):
+        head = DraftHead.load(head)
+    elif head is not None and not isinstance(head, DraftHead):
+        raise TypeError(f"draft_head must be a DraftHead, a directory, 'auto' or None, got {type(head).__name__}")
+    if head is None:
+        return None
+    check_head(head, model)
+    return head.to(next(model.parameters()).device).eval()
 
 
 def compile_options(device: torch.device) -> dict[str, Any]:

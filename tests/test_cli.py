@@ -45,6 +45,7 @@ def test_bench_writes_json(tmp_path, capsys):
     result = json.loads(target.read_text())
     assert set(result["methods"]) == {
         "HF greedy", "ssmspec default", "ssmspec default, draft model", "ssmspec autoregressive", "chain n-gram",
+        "ssmspec default without a draft head", "tree draft head + n-gram", "tree draft head + n-gram + corpus",
         "chain draft model", "tree n-gram",
         "tree n-gram adaptive", "chain n-gram + corpus", "tree n-gram + corpus (8 nodes)", "tree n-gram + corpus",
         "tree n-gram + corpus adaptive", "dynamic tree draft model", "dynamic tree draft model + VocabTrim",
@@ -134,6 +135,8 @@ def test_bench_sampling_writes_json(tmp_path, capsys):
     assert main(args) == 0
     rows = json.loads(target.read_text())["sampling"]["rows"]
     assert {r["method"] for r in rows} == {"HF sampling", "ssmspec default", "ssmspec autoregressive",
+                                           "ssmspec default without a draft head", "tree draft head + n-gram",
+                                           "chain draft head",
                                            "chain n-gram", "tree n-gram", "tree n-gram adaptive",
                                            "ssmspec default, draft model", "chain draft model",
                                            "tree draft model"}  # fmt: skip
@@ -181,3 +184,32 @@ def test_user_mistakes_are_one_line_errors(capsys):
     assert len(err) == 1 and err[0].startswith("ssmspec: error:")
     assert main(["demo", "--model", "/does/not/exist"]) == 2
     assert capsys.readouterr().err.startswith("ssmspec: error:")
+
+
+def test_train_head_saves_a_head_beside_the_checkpoint_that_transform_finds(tmp_path, capsys):
+    """`ssmspec train-head` on a copy of the embedded target's checkpoint (a short run): the head lands beside it,
+    `ssmspec.transform` of the reloaded model finds it, and greedy output with it is HF's."""
+    import shutil
+
+    import ssmspec
+    from ssmspec.speculate.drafters.head import CONFIG, WEIGHTS
+
+    ckpt = tmp_path / "model"
+    shutil.copytree(models.path("mamba2-target"), ckpt, ignore=shutil.ignore_patterns("draft_head*"))
+    text = tmp_path / "train.py"
+    text.write_text(models.corpus_files()[0][0].read_text() * 2)
+    args = ["train-head", "--model", str(ckpt), str(text), "--steps", "20", "--tokens", "1024", "--seq-len", "64",
+            "--no-progress"]  # fmt: skip
+    assert main(args) == 0
+    assert "draft head saved in" in capsys.readouterr().out
+    assert (ckpt / WEIGHTS).exists() and json.loads((ckpt / CONFIG).read_text())["steps"] == 20
+    ref, tok = models.load("mamba2-target")
+    model = ssmspec.transform(type(ref).from_pretrained(ckpt, dtype=torch.float32))
+    assert model.ssmspec_draft_head is not None
+    ids = tok("def f(x):\n    return", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref.float().generate(ids, max_new_tokens=12, do_sample=False))
+    assert out.spec_stats["drafter"]["head_calls"] > 0  # the default drafted with it
+    assert main(["train-head", "--model", "org/not-local", str(text)]) == 2
+    assert "pass --out" in capsys.readouterr().err
+    assert main(["train-head", "--model", str(ckpt), str(tmp_path / "missing.py")]) == 2

@@ -9,7 +9,7 @@ from os import PathLike
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.verification import COMMIT_STRATEGIES
 
-DRAFTERS = ("prompt_lookup", "draft_model", "none")
+DRAFTERS = ("auto", "prompt_lookup", "draft_model", "draft_head", "none")
 PATHS = ("auto", "seams", "generic")
 SAMPLING_TREES = ("gumbel_top_k", "stochastic_beam")
 
@@ -22,8 +22,12 @@ class SpecConfig:
     Benchmarks, "The default configuration"): an n-gram tree of 16 nodes, 8 deep, with adaptive depth.
 
     Attributes:
-        drafter: "prompt_lookup" (n-gram match in prompt + output), "draft_model" (needs `assistant_model`),
-            or "none" (plain decoding through ssmspec's engine).
+        drafter: "auto" (default): "draft_head" where the model has a draft head (and `recycle` and `ahead` are
+            off), else "prompt_lookup". "prompt_lookup": n-gram match in prompt + output; "draft_model" (needs
+            `assistant_model`); "draft_head": an EAGLE-style head on the target's own features, trained for the
+            target and attached by `ssmspec.transform(model, draft_head=...)` (ssmspec.speculate.drafters.head),
+            its tree fused with prompt lookup's (and the corpus's); "none": plain decoding through ssmspec's
+            engine.
         num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes).
         tree: False = chain; True = a tree from several matches / candidates (default).
         tree_budget: maximum drafted nodes per row in tree mode.
@@ -74,7 +78,7 @@ class SpecConfig:
         ValueError: a field with an invalid value (named).
     """
 
-    drafter: str = "prompt_lookup"
+    drafter: str = "auto"
     num_draft_tokens: int = 8
     tree: bool = True
     tree_budget: int = 16
@@ -132,13 +136,20 @@ class SpecConfig:
                 "SpecConfig.corpus with a draft model is used by tree=True (the retrieval tree fused into the "
                 "draft's) or by draft_vocab; set one of them"
             )
+        if self.corpus is not None and self.drafter == "draft_head" and not self.tree:
+            raise ValueError(
+                "SpecConfig.corpus with a draft head is used by tree=True (the retrieval tree fused into the head's)"
+            )
         if self.ahead < 0:
             raise ValueError(f"SpecConfig.ahead must be >= 0 (outcomes drafted ahead per row), got {self.ahead}")
-        if self.ahead and self.drafter == "none":
-            raise ValueError("SpecConfig.ahead (Saguaro) drafts ahead for a drafter; drafter is 'none'")
+        if self.ahead and self.drafter in ("none", "draft_head"):
+            raise ValueError(
+                "SpecConfig.ahead (Saguaro) drafts ahead for n-gram and draft-model drafters; drafter is "
+                f"{self.drafter!r}"
+            )
         if self.recycle < 0:
             raise ValueError(f"SpecConfig.recycle must be >= 0 (successors kept per token), got {self.recycle}")
-        if self.recycle and self.drafter != "prompt_lookup":
+        if self.recycle and self.drafter not in ("auto", "prompt_lookup"):
             raise ValueError(
                 f"SpecConfig.recycle (token recycling) drafts for the 'prompt_lookup' drafter; drafter is "
                 f"{self.drafter!r}"

@@ -2,11 +2,12 @@
 defaults, chosen by the benchmarks; docs: Benchmarks, "The default configuration") and which drafter it makes.
 
 A call with `speculation=SpecConfig(...)` runs that config. Otherwise HF's own kwargs say what to draft with:
-`assistant_model=` a draft model (depth `num_assistant_tokens` when set), `prompt_lookup_num_tokens=k` n-grams
-k deep, and nothing at all the default n-gram drafting. Each then gets the configuration that measured fastest
-for its drafter on held-out text without a corpus: a tree with adaptive depth (plain decode steps where drafts
-are not accepted); a draft model under HF's heuristic schedule (`num_assistant_tokens_schedule`) drafts HF's
-chains, sized by that schedule.
+`assistant_model=` a draft model (depth `num_assistant_tokens` when set), `prompt_lookup_num_tokens=k` n-grams k
+deep, and nothing at all the default n-gram drafting; drafter "auto" (the default) is the model's draft head fused
+with n-gram lookup where an eager model has a head (HEAD_GREEDY, HEAD_SAMPLING), else n-gram lookup. Each then gets
+the configuration that measured fastest for its drafter on held-out text without a corpus: a tree with adaptive
+depth (plain decode steps where drafts are not accepted); a draft model under HF's heuristic schedule
+(`num_assistant_tokens_schedule`) drafts HF's chains, sized by that schedule.
 """
 
 from __future__ import annotations
@@ -28,26 +29,36 @@ from ssmspec.speculate.drafters import (
     NoDrafter,
     PromptLookupDrafter,
 )  # fmt: skip
+from ssmspec.speculate.drafters.head import DraftHead, HeadDrafter
 from ssmspec.speculate.retrieval import SuffixIndex, frequent_tokens
 
 # SpecConfig()'s own defaults are the n-gram default; a draft model drafts shallower trees (its proposals
 # cost a forward per level): 4 deep, 3 nodes per level
 DRAFT_MODEL_DEPTH = 4
 DRAFT_MODEL_NODES_PER_LEVEL = 3
+# a model with a draft head (drafter "auto" -> "draft_head", fused with prompt lookup), as measured fastest on held-out
+# code with the embedded target (docs: Benchmarks, "Draft heads"): greedy, a wider tree than n-grams alone (the head
+# adds its own branches); sampling, a shallower one (its drafts are accepted with the target's probability)
+HEAD_GREEDY = SpecConfig(tree_budget=24, num_draft_tokens=8)
+HEAD_SAMPLING = SpecConfig(tree_budget=12, num_draft_tokens=4)
 
 
 def spec_for(
-    speculation: SpecConfig | None, config: GenerationConfig, draft: nn.Module | None, trees: bool = True
-) -> SpecConfig:
+    speculation: SpecConfig | None, config: GenerationConfig, draft: nn.Module | None, trees: bool = True,
+    head: bool = False, sampling: bool = False,
+) -> SpecConfig:  # fmt: skip
     """The SpecConfig a generate call runs: `speculation` if given, else the default for its HF kwargs (chains
-    where the model's probe found trees inexact: `trees=False`)."""
-    if speculation is not None:
-        return speculation
-    spec = _default(config, draft)
-    return spec if trees else replace(spec, tree=False)
+    where the model's probe found trees inexact: `trees=False`), its drafter "auto" resolved (`head`: the model
+    has a draft head; `sampling`: the call samples)."""
+    spec = speculation if speculation is not None else _default(config, draft, head, sampling)
+    if spec.drafter == "auto":  # the model's draft head where it has one, else n-gram lookup (recycling: lookup's)
+        spec = replace(spec, drafter="draft_head" if head and not spec.recycle and not spec.ahead else "prompt_lookup")
+    return spec if trees or speculation is not None else replace(spec, tree=False)
 
 
-def _default(config: GenerationConfig, draft: nn.Module | None) -> SpecConfig:
+def _default(
+    config: GenerationConfig, draft: nn.Module | None, head: bool = False, sampling: bool = False
+) -> SpecConfig:
     ngram = int(config.max_matching_ngram_size or SpecConfig.max_matching_ngram_size)
     if draft is not None:
         depth = int(config.num_assistant_tokens) if is_user_set(config, "num_assistant_tokens") else DRAFT_MODEL_DEPTH
@@ -57,7 +68,7 @@ def _default(config: GenerationConfig, draft: nn.Module | None) -> SpecConfig:
                               tree=False, adaptive=False)  # fmt: skip
         return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
                           tree_budget=max(1, DRAFT_MODEL_NODES_PER_LEVEL * depth))  # fmt: skip
-    default = SpecConfig()
+    default = HEAD_SAMPLING if head and sampling else HEAD_GREEDY if head else SpecConfig()
     lookup = config.prompt_lookup_num_tokens
     if lookup is None:
         return replace(default, max_matching_ngram_size=ngram)
@@ -68,13 +79,24 @@ def _default(config: GenerationConfig, draft: nn.Module | None) -> SpecConfig:
 
 def build_drafter(
     spec: SpecConfig, *, draft: nn.Module | None, index: SuffixIndex | None, vocab_size: int,
-    prompt_ids: torch.Tensor, special_ids: list[int], confidence: float,
+    prompt_ids: torch.Tensor, special_ids: list[int], confidence: float, target: nn.Module | None = None,
+    head: DraftHead | None = None,
 ) -> Drafter:  # fmt: skip
     """The drafter `spec` asks for. `draft`: the transformed draft model (drafter "draft_model"); `index`: the
     corpus's index or None; `prompt_ids` and `special_ids` (EOS, pad) stay in a VocabTrim vocabulary;
-    `confidence`: HF's assistant_confidence_threshold (0: off)."""
+    `confidence`: HF's assistant_confidence_threshold (0: off); `target` and its draft `head` (drafter
+    "draft_head")."""
     if spec.drafter == "none":
         return NoDrafter()
+    if spec.drafter == "draft_head":
+        branches = max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1
+        drafter = HeadDrafter(head, target, tree=spec.tree, sampling_tree=spec.sampling_tree, branches=branches)
+        if not spec.tree:
+            return drafter
+        # the head's tree fused with prompt lookup's (context, and the corpus if any), as RASD fuses a retrieval
+        # tree into a draft model's: n-grams add what the head does not foresee (repeated code), at the cost of
+        # a lookup (measured faster than the head alone, greedy and sampling: docs, "Draft heads")
+        return FusedDrafter(drafter, PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index))
     if spec.drafter == "prompt_lookup":
         drafter: Drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index,
                                                recycle=spec.recycle)  # fmt: skip

@@ -100,6 +100,9 @@ def speculative_generate(
         capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2,
     )  # fmt: skip
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
+    # a drafter that drafts from the target's features (a draft head) gets the feature of every row's last
+    # committed position after the prefill and after every step
+    runner.capture_features = wants_features = drafter.target_features
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
     device = input_ids.device
@@ -109,6 +112,9 @@ def speculative_generate(
     logits = runner.prefill(input_ids, attention_mask, all_positions=topk > 0, **extra)
     drafter.set_decoding(dec)
     drafter.start(input_ids, attention_mask)
+    if wants_features:
+        for r in range(b):
+            drafter.observe_features(r, runner.features[r, -1])
     mask = attention_mask.bool()
     prompts = input_ids.tolist()  # what HF's processors and criteria see: the padded prompt rows
     contexts = [input_ids[r][mask[r]].tolist() for r in range(b)]
@@ -268,6 +274,10 @@ def speculative_generate(
                     continue
                 if keep:
                     kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
+            if wants_features:
+                for r in range(b):
+                    if active[r] and r not in forced:
+                        drafter.observe_features(r, runner.features[r, cut[r]])
             runner.commit(torch.tensor(cut, dtype=torch.long))  # on the host: the commit uploads what it needs
             stream.release(generated, done)
             if schedule != "constant":

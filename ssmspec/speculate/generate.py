@@ -17,6 +17,7 @@ from ssmspec.hf.generation import is_user_set, resolve
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.defaults import build_drafter, spec_for
+from ssmspec.speculate.drafters.head import DraftHead
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, ROW_BY_ROW
 from ssmspec.speculate.retrieval import SuffixIndex, corpus_index
@@ -100,11 +101,12 @@ def generate(
     kwargs: dict[str, Any],
     fallback: bool = False,
     generic_exact: Callable[[bool], bool] = lambda batch: False,
+    head: DraftHead | None = None,
 ):
     """Speculative generate (greedy or lossless sampling) on a transformed model; `draft` is an already
     transformed draft model. `generator=` in kwargs: the torch.Generator sampling draws from. With `fallback`
     (no speculation was asked for), what speculation would refuse raises NotSpeculated instead, before any
-    work."""
+    work. `head`: the model's draft head (drafter "draft_head"), None where it has none."""
     if speculation is not None and not isinstance(speculation, SpecConfig):
         raise TypeError(f"speculation= must be an ssmspec.SpecConfig, got {type(speculation).__name__}")
     kwargs = dict(kwargs)
@@ -136,7 +138,11 @@ def generate(
         output_logits=plan.return_dict and bool(config.output_logits),
     )  # fmt: skip
     chains = plan.model_inputs or getattr(info, "path", "seams") == "generic"
-    spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains)
+    # drafter "auto" drafts with the model's head on an eager target; a compiled one keeps n-grams (the head's
+    # features leave its graph through a break before the LM head, not measured against n-grams yet)
+    compiled = getattr(model, "ssmspec_compile_call", None) is not None
+    spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains,
+                    head=head is not None and not compiled, sampling=decoding.do_sample)  # fmt: skip
     try:
         generic = _generic(model, spec, info, plan.model_inputs, plan.attention_mask, generic_exact, fallback)
     except (UnsupportedModelError, UnsupportedSettingError) as e:
@@ -151,12 +157,16 @@ def generate(
         raise ValueError("SpecConfig(drafter='draft_model') needs assistant_model=")
     if spec.drafter != "draft_model" and draft is not None:
         raise ValueError(f"assistant_model= was given but SpecConfig(drafter={spec.drafter!r}) does not use it")
+    if spec.drafter == "draft_head" and head is None:
+        raise ValueError(
+            "SpecConfig(drafter='draft_head') needs a draft head: ssmspec.transform(model, draft_head=...)"
+        )
     drafter = build_drafter(
         spec, draft=draft, index=_corpus(model, spec, plan) if spec.corpus is not None else None,
         vocab_size=model.config.get_text_config().vocab_size, prompt_ids=plan.input_ids,
         special_ids=plan.eos_token_ids + [plan.pad_token_id],
         confidence=config.assistant_confidence_threshold if is_user_set(config, "assistant_confidence_threshold")
-        else 0.0,
+        else 0.0, target=model, head=head,
     )  # fmt: skip
     sequences, stats, _ = speculative_generate(
         model,

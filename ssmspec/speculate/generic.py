@@ -29,7 +29,7 @@ from torch import nn
 
 from ssmspec import linear as packed_linear
 from ssmspec.errors import UnsupportedModelError
-from ssmspec.hf import tree_modules
+from ssmspec.hf import features, tree_modules
 from ssmspec.hf.generic import HFState, Snapshot
 from ssmspec.tree import TokenTree
 
@@ -122,6 +122,16 @@ class _Row:
             forward(self.state, carry)
 
 
+def _rows_padded(parts: list[torch.Tensor], n: int) -> torch.Tensor:
+    """Per-row tensors [1, n_r, D] as one [B, n, D], each row's nodes first (padding nodes read zeros)."""
+    if len(parts) == 1 and parts[0].shape[1] == n:
+        return parts[0]
+    out = parts[0].new_zeros(len(parts), n, parts[0].shape[-1])
+    for r, part in enumerate(parts):
+        out[r, : part.shape[1]] = part[0]
+    return out
+
+
 class GenericRunner:
     """ModelRunner's interface (prefill / verify / commit / discard / snapshot / restore) over HF's forward, for
     chains (trees with the tree form); a batch row by row."""
@@ -145,6 +155,9 @@ class GenericRunner:
         self.device = next(model.parameters()).device
         self.prepack = packed_linear.is_packed(model)
         self.packed_sizes: dict[int, bool] | None = None  # as ModelRunner's: measured per tree size
+        self.capture_features = False  # as ModelRunner's: the features of the last verify's nodes (or prefill)
+        self.features: torch.Tensor | None = None
+        self._features: torch.Tensor | None = None  # the last forward's (one row)
         if trees is None:
             trees = bool(getattr(getattr(model, "ssmspec_info", None), "generic_trees", False))
         # the tree form: every multi-node step one forward, its commit a replay of the accepted path (no snapshot,
@@ -171,8 +184,16 @@ class GenericRunner:
 
     def _forward(self, state: HFState, tokens: torch.Tensor | None) -> torch.Tensor:
         nodes = state.ids.shape[1] if tokens is None else tokens.shape[1]
-        with packed_linear.prepacked(packed_linear.packs(self.packed_sizes, nodes, self.prepack)):
-            return state.forward(tokens)
+        packed = packed_linear.packs(self.packed_sizes, nodes, self.prepack)
+        with packed_linear.prepacked(packed), features.capturing(self.model, self.capture_features) as capture:
+            logits = state.forward(tokens)
+        if capture is not None:
+            self._features = features.positions(capture, logits)
+        return logits
+
+    def _row_features(self, n: int) -> torch.Tensor | None:
+        """The last forward's features of its last `n` positions (a row's nodes after its carried tokens)."""
+        return None if self._features is None or not self.capture_features else self._features[:, -n:]
 
     def _sync(self) -> None:
         self.cache.n_real.copy_(torch.tensor([row.n_real for row in self.rows]))
@@ -187,11 +208,13 @@ class GenericRunner:
         [B, V] ([B, L, V] with `all_positions`)."""
         if model_inputs and input_ids.shape[0] != 1:
             raise UnsupportedModelError(type(self.model).__name__, ONE_PROMPT)
-        self.rows, logits = [], []
+        self.rows, logits, feats = [], [], []
         for r in range(input_ids.shape[0]):
             state = HFState(self.model, input_ids[r : r + 1], attention_mask[r : r + 1], model_inputs, self.as_hf)
             self.rows.append(_Row(state, int((attention_mask[r] == 0).sum()), self.max_carry))
             logits.append(self._forward(state, None))
+            feats.append(self._row_features(logits[-1].shape[1]))
+        self.features = torch.cat(feats) if self.capture_features else None
         self.cache = _Progress(torch.zeros(len(self.rows), dtype=torch.long, device=self.device))
         self._sync()
         logits = torch.cat(logits)
@@ -217,7 +240,7 @@ class GenericRunner:
         if self._pending is not None:
             raise RuntimeError("commit or discard the previous tree before verifying another")
         tree = self.prepare(tree)
-        out = []
+        out, feats = [], []
         for r, (row, ok) in enumerate(zip(self.rows, tree._acceptable_list)):
             n = sum(ok)  # a row's real nodes come first (padding follows them)
             tokens = tree.tokens[r : r + 1, :n]
@@ -225,12 +248,10 @@ class GenericRunner:
                 out.append(row.verify_tree(tokens, tree._parents_list[r][:n], self.steps, self._forward))
             else:
                 out.append(row.verify(tokens, self._forward))
-        if len(out) == 1 and out[0].shape[1] == tree.num_nodes:
-            logits = out[0]
-        else:
-            logits = out[0].new_zeros(len(out), tree.num_nodes, out[0].shape[-1])
-            for r, part in enumerate(out):
-                logits[r, : part.shape[1]] = part[0]
+            feats.append(self._row_features(n))
+        logits, self.features = _rows_padded(out, tree.num_nodes), None
+        if self.capture_features:
+            self.features = _rows_padded(feats, tree.num_nodes)
         self._pending = tree
         self._sync()
         return logits

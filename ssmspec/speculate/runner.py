@@ -18,6 +18,7 @@ from torch import nn
 
 from ssmspec import linear as packed_linear
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import features
 from ssmspec.hf import masks as hf_masks
 from ssmspec.hf.cache import SpecCache
 from ssmspec.tree import TokenTree
@@ -106,6 +107,10 @@ class ModelRunner:
         # (measured with the cost curve, ssmspec.speculate.adaptive.measure_cost)
         self.prepack = packed_linear.is_packed(model)
         self.packed_sizes: dict[int, bool] | None = None
+        # the target's features (its LM head's input) of the last forward's positions [B, N, H], for a drafter that
+        # drafts from them (ssmspec.hf.features): kept only when `capture_features` is set
+        self.capture_features = False
+        self.features: torch.Tensor | None = None
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
@@ -115,8 +120,11 @@ class ModelRunner:
             kwargs["attention_mask"] = attention_mask
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
-        with packed_linear.prepacked(packed_linear.packs(self.packed_sizes, input_ids.shape[1], self.prepack)):
+        packed = packed_linear.packs(self.packed_sizes, input_ids.shape[1], self.prepack)
+        with packed_linear.prepacked(packed), features.capturing(self.model, self.capture_features) as capture:
             logits = self.model(input_ids=input_ids, **kwargs).logits
+        if capture is not None:
+            self.features = features.positions(capture, logits)
         if self.dropped_ids is not None:
             logits = logits.masked_fill(self.dropped_ids[: logits.shape[-1]], -float("inf"))
         return logits

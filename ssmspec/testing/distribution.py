@@ -73,8 +73,10 @@ def sampling_p_value(
 # the distribution tests' matrix: drafters (chain / tree x n-gram / draft model) and warpers; fixed depths (the
 # adaptive default would stop drafting at the tests' batch of thousands of rows, where verifying costs most)
 DRAFTS = {
-    "ngram-chain": {"speculation": SpecConfig(tree=False, num_draft_tokens=3, adaptive=False)},
-    "ngram-tree": {"speculation": SpecConfig(tree=True, tree_budget=6, num_draft_tokens=3, adaptive=False)},
+    "ngram-chain": {"speculation": SpecConfig(drafter="prompt_lookup", tree=False, num_draft_tokens=3, adaptive=False)},
+    "ngram-tree": {
+        "speculation": SpecConfig(drafter="prompt_lookup", tree=True, tree_budget=6, num_draft_tokens=3, adaptive=False)
+    },
     "draft-chain": {"speculation": SpecConfig(drafter="draft_model", tree=False, num_draft_tokens=3, adaptive=False)},
     "draft-tree": {
         "speculation": SpecConfig(drafter="draft_model", tree=True, tree_budget=6, num_draft_tokens=2, adaptive=False)
@@ -89,6 +91,12 @@ DRAFTS = {
             adaptive=False,
         )
     },
+    # a draft head (the transformed target carries one: `tiny_sampling_head`): its sampled chain, and its sampled tree
+    # fused with prompt lookup's deterministic one
+    "head-chain": {"speculation": SpecConfig(drafter="draft_head", tree=False, num_draft_tokens=3, adaptive=False)},
+    "head-tree": {
+        "speculation": SpecConfig(drafter="draft_head", tree=True, tree_budget=6, num_draft_tokens=2, adaptive=False)
+    },  # fmt: skip
 }
 WARPS = {"t1": {"temperature": 1.0, "top_k": 0}, "t0.7-topk-topp": {"temperature": 0.7, "top_k": 6, "top_p": 0.9}}
 
@@ -97,6 +105,17 @@ def case_kwargs(drafter: str, warp: str, draft: nn.Module) -> dict:
     """generate() arguments of one case of the matrix (`draft` is used by the draft-model drafters)."""
     extra = {"assistant_model": draft} if drafter.startswith("draft") else {}
     return {"do_sample": True, **DRAFTS[drafter], **extra, **WARPS[warp]}
+
+
+def tiny_sampling_head(target: nn.Module, steps: int = 200):
+    """A draft head for the distribution tests' target, trained briefly on text the target samples (so its drafts
+    are accepted often, not always)."""
+    from ssmspec.speculate.head_training import train_head
+
+    torch.manual_seed(0)
+    starts = torch.randint(3, target.config.vocab_size, (32, 3), generator=torch.Generator().manual_seed(2))
+    text = target.generate(starts, do_sample=True, max_new_tokens=40, min_new_tokens=40, top_k=0)
+    return train_head(target, text, seq_len=32, steps=steps, batch_size=256, topk=16).double()
 
 
 def tiny_sampling_setup(vocab_size: int = 16, draft_noise: float = 0.7):

@@ -191,6 +191,9 @@ class _StubDraft:
     def set_decoding(self, decoding):
         pass
 
+    def finish(self, stats):
+        pass
+
     def start(self, input_ids, attention_mask):
         pass
 

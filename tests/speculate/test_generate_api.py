@@ -219,7 +219,7 @@ def test_the_defaults_for_each_kind_of_call():
     from ssmspec.speculate.defaults import spec_for
 
     default = spec_for(None, GenerationConfig(), None)
-    assert default == SpecConfig() and default.tree and default.adaptive
+    assert default == SpecConfig(drafter="prompt_lookup") and default.tree and default.adaptive
     assert (default.num_draft_tokens, default.tree_budget) == (8, 16)
     lookup = spec_for(None, GenerationConfig(prompt_lookup_num_tokens=4, max_matching_ngram_size=3), None)
     assert (lookup.num_draft_tokens, lookup.tree_budget, lookup.max_matching_ngram_size) == (4, 8, 3)
@@ -231,5 +231,14 @@ def test_the_defaults_for_each_kind_of_call():
     heuristic = spec_for(None, GenerationConfig(num_assistant_tokens_schedule="heuristic"), draft)
     assert not heuristic.tree and not heuristic.adaptive  # HF's schedule decides the depth of HF's chains
     assert not spec_for(None, GenerationConfig(), None, trees=False).tree  # chains where trees are inexact
-    given = SpecConfig(tree=False)
+    given = SpecConfig(drafter="prompt_lookup", tree=False)
     assert spec_for(given, GenerationConfig(prompt_lookup_num_tokens=4), None) is given
+    # drafter "auto": the model's draft head where it has one (budgets of their own), n-gram lookup without one
+    assert spec_for(SpecConfig(tree=False), GenerationConfig(), None) == given
+    head = spec_for(None, GenerationConfig(), None, head=True)
+    assert (head.drafter, head.tree_budget, head.num_draft_tokens, head.adaptive) == ("draft_head", 24, 8, True)
+    sampled = spec_for(None, GenerationConfig(), None, head=True, sampling=True)
+    assert (sampled.drafter, sampled.tree_budget, sampled.num_draft_tokens) == ("draft_head", 12, 4)
+    assert spec_for(None, GenerationConfig(prompt_lookup_num_tokens=4), None, head=True).tree_budget == 12
+    assert spec_for(SpecConfig(recycle=4), GenerationConfig(), None, head=True).drafter == "prompt_lookup"
+    assert spec_for(None, GenerationConfig(), object(), head=True).drafter == "draft_model"

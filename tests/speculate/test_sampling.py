@@ -1,6 +1,6 @@
 """Lossless speculative sampling: the joint distribution of the first sampled tokens equals HF's own sampling,
 by a two-sample chi-square test over thousands of samples (16-token vocabulary, float64), for chains and
-trees, n-gram and draft-model drafters, with and without warpers. The same suite shows the test detects a
+trees, n-gram, draft-model and draft-head drafters, with and without warpers. The same suite shows the test detects a
 biased sampler. With the `ci` profile 3,000 samples per side; with HYPOTHESIS_PROFILE=thorough 20,000 (or
 SSMSPEC_SAMPLES)."""
 
@@ -25,6 +25,7 @@ from ssmspec.testing.distribution import (
     chi_square_p_value,
     joint_counts,
     sampling_p_value,
+    tiny_sampling_head,
     tiny_sampling_setup,
 )
 from ssmspec.testing.strategies import cached_tiny_model, capabilities
@@ -45,7 +46,7 @@ def _transformed(family: str):
 def models():
     global PROMPT
     target, draft, PROMPT = tiny_sampling_setup(VOCAB)
-    return target, ssmspec.transform(copy.deepcopy(target)), draft
+    return target, ssmspec.transform(copy.deepcopy(target), draft_head=tiny_sampling_head(target)), draft
 
 
 def _p(models, drafter, warp):

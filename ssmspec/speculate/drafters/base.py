@@ -61,6 +61,14 @@ class Drafter:
         (the engine chooses depth and budget from the rows' acceptance rates)."""
         return False
 
+    # whether the engine hands this drafter the target's features (its LM head's input, ssmspec.hf.features) at the
+    # last position it committed, after the prefill and after every step (`observe_features`)
+    target_features: bool = False
+
+    def observe_features(self, row: int, feature: torch.Tensor) -> None:
+        """(Drafters with `target_features`.) The target's feature [H] at row `row`'s last committed position, whose
+        logits chose the next root. Default: nothing."""
+
     # the target's top-k successors the engine reports after every token it processes (`observe_prompt`,
     # `observe`); 0: none (the engine then computes nothing for the drafter)
     target_topk: int = 0

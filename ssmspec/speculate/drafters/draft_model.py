@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import heapq
 from collections.abc import Sequence
 
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from ssmspec.errors import UnsupportedModelError, VocabMismatchError
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.drafters.base import Draft, Drafter
+from ssmspec.speculate.drafters.trees import best_first_tree, sample_tree
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
@@ -97,7 +97,7 @@ class DraftModelDrafter(Drafter):
         confidence_threshold: 0 drafts the full depth.
         branches: when sampling, children of the root (Gumbel-top-k) or the beam width (stochastic beam search);
             1: a chain.
-        sampling_tree: "gumbel_top_k" or "stochastic_beam" (see `_grow`).
+        sampling_tree: "gumbel_top_k" or "stochastic_beam" (see `ssmspec.speculate.drafters.trees.grow_level`).
         tree: greedy decoding drafts a dynamic tree (DySpec / EAGLE-2 style, see `_propose_dynamic`) instead
             of a chain.
         min_path_prob: a dynamic tree never holds a node whose path probability under the draft is below this.
@@ -234,48 +234,22 @@ class DraftModelDrafter(Drafter):
                 out[r] = {0: self._root_logits[r], **{n: logits[r, n - 1] for n in range(1, len(d[0]))}}
         return out
 
-    def _distributions(self, seqs: list[list[int]], logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The draft's sampling distributions [M, V] at M positions of rows `rows` with ids `seqs`: its logits
-        processed by the target's processors and warpers, as the target's p is."""
-        return self.decoding.process(seqs, logits.float(), rows).softmax(-1)
-
     def _propose_sampled(self, contexts, max_nodes, max_depth):
         """Sample a draft tree (see the class docstring); the draft's state keeps every token but the root."""
         depth = min(max_nodes, max_depth)
-        roots = [([int(c[-1])], [-1]) for c in contexts]
         if depth <= 0:
-            return roots
-        dev = self._device
-        gen = self.decoding.generator
-        runner = self.runner
-        logits = self._catch_up_to_root(contexts)
+            return [([int(c[-1])], [-1]) for c in contexts]
+        dev, runner = self._device, self.runner
         width = max(1, min(self.branches, max_nodes // depth))
-        # per row: tokens, parents, {parent: q}, frontier [(node, log-prob of its path, its perturbed key)]
-        trees = [([int(c[-1])], [-1], {}, [(0, 0.0, 0.0)]) for c in contexts]
-        at = logits  # the draft's logits at the frontier nodes, in frontier order (the roots first)
-        for level in range(depth):
-            seqs, where = [], []
-            for r, (tokens, parents, _, frontier) in enumerate(trees):
-                for node, _, _ in frontier:
-                    path, cur = [], node
-                    while cur > 0:
-                        path.append(tokens[cur])
-                        cur = parents[cur]
-                    seqs.append(list(contexts[r]) + path[::-1])
-                    where.append(r)
-            dists = self._distributions(seqs, at, where)
-            grown = self._grow(trees, dists, width, level, gen)
-            if level == depth - 1 or not any(grown):
-                break
-            tree = TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev)
-            aligned = runner.prepare(tree)
+
+        def logits_at(trees, new):  # the draft's logits at every row's new nodes, in order
+            aligned = runner.prepare(TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev))
             logits = runner.verify(aligned)
             runner.discard()
-            trees = [(t, p, q, f) for (t, p, q, _), f in zip(trees, grown)]
-            at = torch.stack(
-                [logits[r, aligned.index_of(r, node)] for r, (*_, f) in enumerate(trees) for node, *_ in f]
-            )
-        return [(tokens, parents, qs) for tokens, parents, qs, _ in trees]
+            return torch.stack([logits[r, aligned.index_of(r, node)] for r, row in enumerate(new) for node in row])
+
+        root_logits = self._catch_up_to_root(contexts)
+        return sample_tree(contexts, root_logits, logits_at, depth, width, self.sampling_tree, self.decoding)
 
     def _catch_up_to_root(self, contexts) -> torch.Tensor:
         """Commit every row's tokens before its root (contexts[b][-1]) into the draft's state and return the
@@ -300,47 +274,15 @@ class DraftModelDrafter(Drafter):
         return logits
 
     def _propose_dynamic(self, contexts, max_nodes, max_depth):
-        """A dynamic tree per row (DySpec; EAGLE-2's global re-ranking): grown best-first by the draft's path
-        probability (the product of its probabilities along the root-to-node path), a few nodes per round,
-        one draft forward per round over all rows; a node joins only while the row has budget left and its
-        path probability reaches `min_path_prob`, so confident drafts grow deep trees, unsure ones small
-        ones. Children never outscore their parent, so the nodes taken form a tree."""
+        """A dynamic tree per row (DySpec; EAGLE-2's global re-ranking; `best_first_tree`), one draft forward per
+        round over all rows; the draft's logits at every node whose children it scored kept in `scored`."""
         dev, b, runner = self._device, len(contexts), self.runner
-        roots = [([int(c[-1])], [-1]) for c in contexts]
         if max_nodes <= 0 or max_depth <= 0:
-            return roots
+            return [([int(c[-1])], [-1]) for c in contexts]
         logits = self._catch_up_to_root(contexts)
-        per_round = max(1, -(-max_nodes // max_depth))
-        trees = [([int(c[-1])], [-1], [0], [1.0]) for c in contexts]  # tokens, parents, depth, path prob
         self.scored = [{0: logits[r]} for r in range(b)]
-        heaps: list[list] = [[] for _ in range(b)]
-        new = [[0] for _ in range(b)]  # nodes whose children are not scored yet (logits in `at`, in order)
-        at = logits
-        for _ in range(max_nodes):
-            k = 0
-            probs = at.float().softmax(-1)
-            top_p, top_x = probs.topk(min(per_round + 1, probs.shape[-1]), dim=-1)
-            top_p, top_x = top_p.tolist(), top_x.tolist()
-            for r, (tokens, parents, depth, score) in enumerate(trees):
-                for node in new[r]:
-                    if depth[node] < max_depth:
-                        for p, x in zip(top_p[k], top_x[k]):
-                            s = score[node] * p
-                            if s >= self.min_path_prob:
-                                heapq.heappush(heaps[r], (-s, node, x))
-                    k += 1
-                new[r] = []
-                while heaps[r] and len(new[r]) < per_round and len(tokens) <= max_nodes:
-                    neg, node, x = heapq.heappop(heaps[r])
-                    tokens.append(x)
-                    parents.append(node)
-                    depth.append(depth[node] + 1)
-                    score.append(-neg)
-                    new[r].append(len(tokens) - 1)
-            if not any(new):
-                break
-            if all(len(t[0]) > max_nodes for t in trees):
-                break
+
+        def logits_at(trees, new):  # the draft's logits at every row's new nodes, in order
             aligned = runner.prepare(TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees], device=dev))
             out = runner.verify(aligned)
             runner.discard()
@@ -350,49 +292,10 @@ class DraftModelDrafter(Drafter):
                 for node in new[r]:
                     self.scored[r][node] = at[k]
                     k += 1
-        return [(tokens, parents) for tokens, parents, _, _ in trees]
+            return at
 
-    def _grow(self, trees, dists: torch.Tensor, width: int, level: int, gen) -> list[list]:
-        """Add one level of children to every row's frontier (their distributions `dists`, in frontier order);
-        returns the new frontiers. Gumbel-top-k: `width` distinct children of the root, then one sampled child
-        per node. Stochastic beam search: the `width` best children of the whole level by perturbed path
-        log-probability (Gumbel keys conditioned on the parent's, as in Kool et al. 2019), so each node's kept
-        children are drawn from its q without replacement, in key order."""
-        out, k = [], 0
-        for tokens, parents, qs, frontier in trees:
-            q = dists[k : k + len(frontier)]
-            k += len(frontier)
-            logq = q.clamp(min=torch.finfo(q.dtype).tiny).log().masked_fill(q <= 0, -float("inf"))
-            gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=gen, device=q.device, dtype=q.dtype)))
-            if self.sampling_tree == "stochastic_beam":
-                phi = torch.tensor([f[1] for f in frontier], device=q.device, dtype=q.dtype)[:, None] + logq
-                keys = phi + gumbel
-                top = torch.tensor([f[2] for f in frontier], device=q.device, dtype=q.dtype)[:, None]
-                # condition each parent's children on their max being the parent's key: G~ = -log(e^-T - e^-Z + e^-G)
-                z = keys.max(-1, keepdim=True).values
-                u = top - keys + torch.log1p(-torch.exp((keys - z).clamp(max=0)))
-                cond = top - u.clamp(min=0) - torch.log1p(torch.exp(-u.abs()))
-                cond = cond.masked_fill(~torch.isfinite(keys), -float("inf"))
-                flat = cond.flatten()
-                best = flat.topk(min(width, int(torch.isfinite(flat).sum()))).indices.tolist()
-                chosen = sorted(
-                    ((i // q.shape[1], i % q.shape[1]) for i in best), key=lambda fx: (fx[0], -float(cond[fx]))
-                )
-                picks = [(f, x, float(phi[f, x]), float(cond[f, x])) for f, x in chosen]
-            elif level == 0:  # Gumbel-top-k at the root
-                order = (logq[0] + gumbel[0]).topk(min(width, int((q[0] > 0).sum()))).indices.tolist()
-                picks = [(0, x, 0.0, 0.0) for x in order]
-            else:
-                picks = [(f, int(torch.multinomial(q[f], 1, generator=gen)), 0.0, 0.0) for f in range(len(frontier))]
-            new = []
-            for f, x, phi_x, key in picks:
-                node = frontier[f][0]
-                qs.setdefault(node, q[f])
-                tokens.append(int(x))
-                parents.append(node)
-                new.append((len(tokens) - 1, phi_x, key))
-            out.append(new)
-        return out
+        per_round = max(1, -(-max_nodes // max_depth))
+        return best_first_tree(contexts, logits, logits_at, max_nodes, max_depth, per_round, self.min_path_prob)
 
     def _fits(self, length: int) -> None:
         """Widen a static-shape draft's fixed commit length to a `length`-node path (a catch-up after a long

@@ -9,15 +9,16 @@ import torch
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters.base import Draft, Drafter
 from ssmspec.speculate.drafters.draft_model import DraftModelDrafter
+from ssmspec.speculate.drafters.head import HeadDrafter
 from ssmspec.speculate.drafters.ngram import PromptLookupDrafter
 
 
 class FusedDrafter(Drafter):
-    """RASD-style fusion of a draft model's tree with a retrieval tree: both drafters propose for every row,
-    the retrieval tree is pruned with the draft model's probabilities, and what is left is merged into the
-    draft's tree by longest-prefix matching (a retrieved path that starts like a drafted one continues it; the
-    rest branch off), within one node budget, so both are verified in one pass. The draft model gets
-    `draft_share` of the budget; the retrieval tree fills the rest (nodes the two agree on are counted once).
+    """RASD-style fusion of a draft model's (or a draft head's) tree with a retrieval tree: both drafters propose for
+    every row, the retrieval tree is pruned with the draft model's probabilities, and what is left is merged into
+    the draft's tree by longest-prefix matching (a retrieved path that starts like a drafted one continues it; the
+    rest branch off), within one node budget, so both are verified in one pass. The draft model gets `draft_share`
+    of the budget; the retrieval tree fills the rest (nodes the two agree on are counted once).
 
     Pruning: wherever a retrieved token would branch off a node whose children the draft model scored (the
     root, and the inner nodes of its dynamic tree), it is dropped with its subtree when the draft gives it a
@@ -35,7 +36,7 @@ class FusedDrafter(Drafter):
     """
 
     def __init__(
-        self, draft: DraftModelDrafter, retrieval: PromptLookupDrafter, draft_share: float = 0.5,
+        self, draft: DraftModelDrafter | HeadDrafter, retrieval: PromptLookupDrafter, draft_share: float = 0.5,
         prune_below: float = 0.01,
     ) -> None:  # fmt: skip
         self.draft = draft
@@ -43,6 +44,14 @@ class FusedDrafter(Drafter):
         self.draft_share = draft_share
         self.prune_below = prune_below
         self.pruned = 0  # retrieved branches pruned in this generate call
+
+    @property
+    def target_features(self) -> bool:
+        """Whether the engine hands the draft the target's features (a draft head drafts from them)."""
+        return self.draft.target_features
+
+    def observe_features(self, row: int, feature: torch.Tensor) -> None:
+        self.draft.observe_features(row, feature)
 
     def set_decoding(self, decoding: Decoding) -> None:
         super().set_decoding(decoding)
@@ -55,6 +64,8 @@ class FusedDrafter(Drafter):
         self.retrieval.start(input_ids, attention_mask)
 
     def finish(self, stats) -> None:
+        self.draft.finish(stats)
+        self.retrieval.finish(stats)
         stats.drafter["pruned"] = self.pruned
 
     def propose(self, contexts, max_nodes, max_depth):

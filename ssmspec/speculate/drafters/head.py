@@ -1,0 +1,203 @@
+"""Draft heads (EAGLE style): a small network that drafts from the target's own features.
+
+The target's LM head turns its feature f_t (the last hidden state after the final norm, ssmspec.hf.features) into
+the distribution of token t+1. A draft head predicts the next feature from f_t and the embedding of token t+1,
+f_(t+1) ~ head(f_t, e(x_(t+1))), and the target's own LM head turns the prediction into a distribution over
+token t+2; fed its own predictions it drafts deeper. It reads the target's embedding and LM head (frozen, not
+copied), so it adds two small layers: on the embedded 3M-parameter target, 0.4M parameters and about 0.1 ms per
+drafted level on a CPU, where a draft model's forward costs what the target's does. Its proposals are a
+distribution q per node: greedy decoding drafts a best-first tree (`trees.best_first_tree`), sampling draws each
+node's children from q without replacement (`trees.sample_tree`) and verifies them losslessly (recursive
+rejection sampling with q). A head is trained for one target (`ssmspec.speculate.head_training`), saved beside
+its checkpoint (`draft_head.safetensors`, `draft_head.json`) and found there by `ssmspec.transform`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import features as hf_features
+from ssmspec.speculate.config import SAMPLING_TREES
+from ssmspec.speculate.drafters.base import Drafter
+from ssmspec.speculate.drafters.trees import best_first_tree, sample_tree
+
+WEIGHTS, CONFIG = "draft_head.safetensors", "draft_head.json"
+# the rounds of head calls a greedy tree grows in, at most: each costs about as much whatever its node count
+ROUNDS = 4
+
+
+class DraftHead(nn.Module):
+    """Predicts the target's next feature from its feature and the next token's embedding:
+    f' = f + W2 silu(W1 [norm(f); norm(e)]). The target's embedding and LM head are not part of it.
+
+    Args:
+        hidden_size: the target's feature width (its LM head's input size).
+        embedding_size: the target's token embedding width.
+        inner_size: the hidden layer's width (default: 2 x hidden_size).
+        vocab_size: the target's vocabulary (recorded, checked when the head is bound to a target).
+    """
+
+    def __init__(self, hidden_size: int, embedding_size: int, vocab_size: int, inner_size: int | None = None) -> None:
+        super().__init__()
+        self.config = {"hidden_size": int(hidden_size), "embedding_size": int(embedding_size),
+                       "vocab_size": int(vocab_size), "inner_size": int(inner_size or 2 * hidden_size)}  # fmt: skip
+        self.feature_norm = nn.LayerNorm(hidden_size)
+        self.token_norm = nn.LayerNorm(embedding_size)
+        self.fc1 = nn.Linear(hidden_size + embedding_size, self.config["inner_size"])
+        self.fc2 = nn.Linear(self.config["inner_size"], hidden_size)
+
+    def forward(self, features: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """The predicted next features [*, H] from features [*, H] and the next tokens' embeddings [*, E]."""
+        x = torch.cat([self.feature_norm(features), self.token_norm(embedded)], dim=-1)
+        return features + self.fc2(nn.functional.silu(self.fc1(x)))
+
+    @classmethod
+    def for_model(cls, model: nn.Module, inner_size: int | None = None) -> DraftHead:
+        """A new (untrained) head sized for `model`'s features, embedding and vocabulary."""
+        embed = model.get_input_embeddings()
+        return cls(hf_features.feature_size(model), embed.weight.shape[1], embed.weight.shape[0], inner_size)
+
+    def save(self, directory: str | Path, **about) -> Path:
+        """Write the head's weights (safetensors) and config (with `about`: what it was trained on) to
+        `directory` (created), beside a checkpoint as `ssmspec.transform` looks for it there."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS))
+        (out / CONFIG).write_text(json.dumps({**self.config, **about}, indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path) -> DraftHead:
+        """A head saved by `save` (FileNotFoundError naming the missing file)."""
+        from safetensors.torch import load_file
+
+        where = Path(directory)
+        for name in (WEIGHTS, CONFIG):
+            if not (where / name).exists():
+                raise FileNotFoundError(f"no draft head at {where}: {name} is missing")
+        config = json.loads((where / CONFIG).read_text())
+        keys = ("hidden_size", "embedding_size", "vocab_size", "inner_size")
+        head = cls(**{k: config[k] for k in keys})
+        head.load_state_dict(load_file(str(where / WEIGHTS)))
+        return head.eval()
+
+
+def find_head(model: nn.Module) -> DraftHead | None:
+    """The draft head saved beside `model`'s checkpoint (its `name_or_path` a local directory holding
+    `draft_head.safetensors`), or None."""
+    where = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not where or not (Path(where) / WEIGHTS).exists():
+        return None
+    return DraftHead.load(where)
+
+
+def check_head(head: DraftHead, model: nn.Module) -> None:
+    """A head drafts for a target only with the target's feature width, embedding width and vocabulary
+    (UnsupportedModelError naming what differs)."""
+    embed = model.get_input_embeddings()
+    want = {"hidden_size": hf_features.feature_size(model), "embedding_size": int(embed.weight.shape[1]),
+            "vocab_size": int(embed.weight.shape[0])}  # fmt: skip
+    wrong = {k: (head.config[k], v) for k, v in want.items() if head.config[k] != v}
+    if wrong:
+        diffs = ", ".join(f"{k} {a} != the target's {b}" for k, (a, b) in wrong.items())
+        raise UnsupportedModelError(type(model).__name__, f"the draft head was made for another model ({diffs})")
+
+
+class HeadDrafter(Drafter):
+    """Drafts from the target's features with a DraftHead (see the module docstring). The engine hands it the
+    target's feature at the last position it committed (`observe_features`); each proposal predicts the root's
+    feature from it and the root token, then grows the tree one level of the head per round.
+
+    Args:
+        head: a DraftHead checked against `target` (`check_head`).
+        target: the (transformed) target model: its input embedding and LM head are read, not copied.
+        tree: greedy decoding drafts a best-first tree (False: a chain of the head's argmax).
+        branches: when sampling, children of the root (Gumbel-top-k) or the beam width (stochastic beam search).
+        sampling_tree: "gumbel_top_k" or "stochastic_beam".
+        min_path_prob: a greedy tree never holds a node whose path probability under the head is below this.
+    """
+
+    target_features = True
+
+    def __init__(
+        self, head: DraftHead, target: nn.Module, tree: bool = True, branches: int = 1,
+        sampling_tree: str = "gumbel_top_k", min_path_prob: float = 0.02,
+    ) -> None:  # fmt: skip
+        check_head(head, target)
+        if sampling_tree not in SAMPLING_TREES:
+            raise ValueError(f"sampling_tree must be one of {SAMPLING_TREES}, got {sampling_tree!r}")
+        self.head = head
+        self.embed = target.get_input_embeddings()
+        self.lm_head = hf_features.lm_head(target)
+        self.tree = tree
+        self.branches = max(1, int(branches))
+        self.sampling_tree = sampling_tree
+        self.min_path_prob = min_path_prob
+        self.dtype = next(head.parameters()).dtype
+        self.features: list[torch.Tensor | None] = []
+        self.steps = 0  # head calls in this generate call (one per drafted level)
+        # per row, the head's logits [V] at the nodes of its last greedy tree whose children it scored (what a
+        # FusedDrafter prunes retrieved branches with)
+        self.scored: list[dict[int, torch.Tensor]] = []
+
+    def start(self, input_ids, attention_mask):
+        self.features = [None] * input_ids.shape[0]
+        self.steps = 0
+
+    def observe_features(self, row: int, feature: torch.Tensor) -> None:
+        """The target's feature [H] at the last position it committed for `row` (whose logits chose the next root)."""
+        self.features[row] = feature
+
+    def finish(self, stats) -> None:
+        stats.drafter["head_calls"] = self.steps
+
+    @torch.no_grad()
+    def _predict(self, parents: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the predicted features [M, H] after `tokens` given their parents' features [M, H], their logits [M, V])."""
+        self.steps += 1
+        ids = torch.tensor(list(tokens), device=self.embed.weight.device)
+        embedded = self.embed(ids).to(self.dtype)
+        out = self.head(parents.to(self.dtype), embedded)
+        logits = self.lm_head(out.to(self.lm_head.weight.dtype))
+        return out, logits.float()
+
+    def propose(self, contexts, max_nodes, max_depth):
+        depth = min(max_nodes, max_depth)
+        self.scored = []
+        if depth <= 0 or any(f is None for f in self.features):
+            return [([int(c[-1])], [-1]) for c in contexts]
+        roots, root_logits = self._predict(torch.stack(self.features), [int(c[-1]) for c in contexts])
+        predicted = [{0: roots[r]} for r in range(len(contexts))]  # per row, node -> its predicted feature
+        self.scored = [{0: root_logits[r]} for r in range(len(contexts))]
+
+        def logits_at(trees, new):  # the head's logits after every row's new nodes, from their parents' features
+            nodes = [(r, n) for r, row in enumerate(new) for n in row]
+            parent = torch.stack([predicted[r][trees[r][1][n]] for r, n in nodes])
+            out, logits = self._predict(parent, [trees[r][0][n] for r, n in nodes])
+            for i, (r, n) in enumerate(nodes):
+                predicted[r][n] = out[i]
+                self.scored[r][n] = logits[i]
+            return logits
+
+        if self.decoding is not None and self.decoding.do_sample:
+            width = max(1, min(self.branches, max_nodes // depth))
+            return sample_tree(contexts, root_logits, logits_at, depth, width, self.sampling_tree, self.decoding)
+        if not self.tree:  # a greedy chain: the head's argmax, level by level
+            chains, at = [[int(c[-1])] for c in contexts], root_logits
+            for level in range(depth):
+                for chain, x in zip(chains, at.argmax(-1).tolist()):
+                    chain.append(x)
+                if level < depth - 1:
+                    at = logits_at([(c, list(range(-1, len(c) - 1))) for c in chains], [[level + 1]] * len(chains))
+            return [(c, list(range(-1, len(c) - 1))) for c in chains]
+        # a round is one head call whatever its nodes: a few rounds of many nodes (at most ROUNDS)
+        per_round = max(1, -(-max_nodes // depth), -(-max_nodes // ROUNDS))
+        return best_first_tree(contexts, root_logits, logits_at, max_nodes, depth, per_round, self.min_path_prob)
