@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import (
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from ssmspec.hf.generation import reads_ids
 from ssmspec.tree import TokenTree, upload
@@ -93,6 +99,26 @@ class Decoding:
             out[index] = scores
         return out
 
+    def proposal(self, seqs: Sequence[Sequence[int]] | None, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """A drafter's sampling distribution q [M, V]: its logits processed as the target's are (`process`), as
+        probabilities. Where every row's processors are HF's temperature, top-k and top-p warpers alone (in HF's
+        order), the same distribution is computed on the k largest logits only: a few small operations instead of
+        HF's sort of the whole vocabulary per warper (up to ties at the k-th logit, which HF keeps; speculative
+        sampling is lossless for any q, and this one is HF's warped distribution)."""
+        warps = _plain_warps(self.processors)
+        if warps is None:
+            return self.process(seqs, logits, rows).softmax(-1)
+        temperature, top_k, top_p = warps
+        x = logits.float() / temperature
+        if not top_k and top_p >= 1.0:
+            return x.softmax(-1)
+        values, index = x.topk(min(top_k or x.shape[-1], x.shape[-1]), dim=-1)  # sorted, largest first
+        probs = values.softmax(-1)
+        if top_p < 1.0:  # HF drops the smallest tokens whose cumulative mass stays within 1 - top_p
+            probs = probs * ((probs.cumsum(-1) - probs) < top_p)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return torch.zeros_like(x).scatter_(-1, index, probs)
+
     def score_tree(self, tree: TokenTree, logits: torch.Tensor, bases: Sequence[Sequence[int] | None]) -> torch.Tensor:
         """Processed scores [B, N, V] of every node; rows whose base is None and never-acceptable nodes keep
         their raw logits (nothing is chosen from them)."""
@@ -130,6 +156,35 @@ class Decoding:
             return scores.argmax(-1)
         probs = scores.softmax(-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+
+_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+def _plain_warps(processors: Sequence[LogitsProcessorList]) -> tuple[float, int, float] | None:
+    """(temperature, top-k (0: none), top-p) where every row's processor list holds only HF's temperature, top-k and
+    top-p warpers, at most one of each, in that order, with the same values on every row; else None."""
+    found = None
+    for procs in processors:
+        kinds = [type(p) for p in procs]
+        if (
+            any(k not in _WARPERS for k in kinds)
+            or kinds != sorted(kinds, key=_WARPERS.index)
+            or len(set(kinds)) < len(kinds)
+        ):
+            return None
+        values = [1.0, 0, 1.0]
+        for proc in procs:
+            if isinstance(proc, TemperatureLogitsWarper):
+                values[0] = float(proc.temperature)
+            elif isinstance(proc, TopKLogitsWarper):
+                values[1] = int(proc.top_k)
+            elif isinstance(proc, TopPLogitsWarper):
+                values[2] = float(proc.top_p)
+        if found is not None and tuple(values) != found:
+            return None
+        found = tuple(values)
+    return found
 
 
 class ColumnStreamer:

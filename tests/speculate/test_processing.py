@@ -11,9 +11,13 @@ import torch
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
     StoppingCriteria,
     StoppingCriteriaList,
+    TemperatureLogitsWarper,
     TextIteratorStreamer,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 from transformers.generation.streamers import BaseStreamer
 
@@ -250,3 +254,28 @@ def test_stop_criteria_on_a_batch_without_eos_are_refused(pair):
                            **SPECS["chain"])  # fmt: skip
     finally:
         model.generation_config.eos_token_id = model_eos
+
+
+@pytest.mark.parametrize(
+    "warps",
+    [
+        [TemperatureLogitsWarper(0.7), TopKLogitsWarper(50), TopPLogitsWarper(0.95)],
+        [TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.5)],
+        [TopKLogitsWarper(5)],
+        [],
+        [TemperatureLogitsWarper(0.7), RepetitionPenaltyLogitsProcessor(1.3)],  # not warpers alone: HF's own path
+    ],
+)
+def test_a_drafters_proposal_is_the_warped_distribution(warps):
+    """`Decoding.proposal` (a drafter's q) computes HF's warped distribution on the top-k logits alone where the
+    processors are HF's temperature / top-k / top-p warpers, and runs HF's processors otherwise: equal to
+    softmax(process(...)) either way (random logits: no ties at the k-th)."""
+    from ssmspec.speculate.decoding import Decoding
+
+    logits = torch.randn(6, 200, generator=torch.Generator().manual_seed(0)) * 3
+    seqs = [[1, 2, 3 + i] for i in range(6)]
+    dec = Decoding(processors=[LogitsProcessorList(warps)] * 6, do_sample=True)
+    want = dec.process(seqs, logits, list(range(6))).softmax(-1)
+    got = dec.proposal(seqs, logits, list(range(6)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got > 0, want > 0)

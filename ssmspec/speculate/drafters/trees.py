@@ -82,7 +82,7 @@ def sample_tree(
                         path.append(tokens[cur])
                         cur = parents[cur]
                     seqs.append(list(contexts[r]) + path[::-1])
-        dists = decoding.process(seqs if with_ids else None, at.float(), where).softmax(-1)
+        dists = decoding.proposal(seqs if with_ids else None, at.float(), where)
         grown = grow_level(trees, dists, width, level, decoding.generator, sampling_tree)
         if level == depth - 1 or not any(grown):
             break
@@ -101,8 +101,9 @@ def grow_level(trees, dists: torch.Tensor, width: int, level: int, gen, sampling
     for tokens, parents, qs, frontier in trees:
         q = dists[k : k + len(frontier)]
         k += len(frontier)
-        logq = q.clamp(min=torch.finfo(q.dtype).tiny).log().masked_fill(q <= 0, -float("inf"))
-        gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=gen, device=q.device, dtype=q.dtype)))
+        if sampling_tree == "stochastic_beam" or level == 0:  # Gumbel keys (below the root, Gumbel-top-k samples)
+            logq = q.clamp(min=torch.finfo(q.dtype).tiny).log().masked_fill(q <= 0, -float("inf"))
+            gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=gen, device=q.device, dtype=q.dtype)))
         if sampling_tree == "stochastic_beam":
             phi = torch.tensor([f[1] for f in frontier], device=q.device, dtype=q.dtype)[:, None] + logq
             keys = phi + gumbel
