@@ -148,8 +148,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"prompt ids:   {ids[0].tolist()}")
         print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
-    kind = (f"tree prompt lookup, up to {args.tree_budget} nodes, depth {args.draft_tokens}" if tree
-            else f"chain prompt lookup, up to {args.draft_tokens} draft tokens")  # fmt: skip
+    drafter = (
+        "the draft head + prompt lookup"
+        if model.ssmspec_draft_head is not None and tree
+        else ("the draft head" if model.ssmspec_draft_head is not None else "prompt lookup")
+    )  # drafter "auto"
+    kind = (f"tree, {drafter}, up to {args.tree_budget} nodes, depth {args.draft_tokens}" if tree
+            else f"chain, {drafter}, up to {args.draft_tokens} draft tokens")  # fmt: skip
     print(f"HF greedy:    {new / t_base:8.1f} tokens/s")
     print(f"ssmspec AR:   {new / t_ar:8.1f} tokens/s  (same engine without drafts: the fair baseline)")
     print(f"speculative:  {new / t_spec:8.1f} tokens/s  ({t_base / t_spec:.2f}x vs HF greedy, "

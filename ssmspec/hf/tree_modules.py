@@ -36,7 +36,12 @@ the cache layer's `keys` / `values` and `update`); ZAYA's `ZayaAttention` (its `
 `v_proj_current`, `v_proj_delayed`, `conv_qk_depthwise`, `conv_qk_grouped`, `conv_kernel_size`, `head_dim`,
 `num_key_value_groups`, the residual q/k arithmetic of its forward; `qk_norm`, `o_proj`, `scaling`,
 `sliding_window`; its modeling module's `repeat_kv`; the attention mask dict's "causal" and "conv" entries; the
-cache's `get_conv_state` / `update_conv_state` / `get_recurrent_state` / `update_recurrent_state`).
+cache's `get_conv_state` / `update_conv_state` / `get_recurrent_state` / `update_recurrent_state`); RecurrentGemma's
+`RecurrentGemmaRecurrentBlock` (`linear_x`, `linear_y`, `act_fn`, `conv_1d` and `conv1d_width`, `linear_out`, its
+`rg_lru`'s gate weights and biases, `recurrent_param`, `num_attention_heads`, `block_width` and the arithmetic of
+its forward up to the scan; the state on the modules, `conv1d_state` and `rg_lru.recurrent_states`, which
+ssmspec.hf.generic.HFState hands in) and `RecurrentGemmaAttention` (as MiniMax's, its `rotary_emb` and
+`sliding_window` its own).
 """
 
 from __future__ import annotations
@@ -261,9 +266,11 @@ def _at_depth(arguments: dict[str, Any], tree: _Verifying) -> tuple[torch.Tensor
 
 
 def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
-    """A softmax attention layer (MiniMax's) on a tree: HF's projections and rotary embedding at each node's depth,
-    HF's attention function over the layer's cached keys and the tree's, masked by the tree's ancestors (and the
-    config's sliding window), the cache untouched; the commit appends the accepted path's keys and values."""
+    """A softmax attention layer (MiniMax's, RecurrentGemma's) on a tree: HF's projections, the rotary embedding at
+    each node's position (the committed length + its depth: from the `position_embeddings` the model computed for
+    the fed positions, or, for a module with a `rotary_emb` of its own, from its `position_ids`), HF's attention
+    function over the layer's cached keys and the tree's, masked by the tree's ancestors (and the layer's sliding
+    window), the cache untouched; the commit appends the accepted path's keys and values."""
     hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
     layer = cache.layers[module.layer_idx] if cache is not None else None
     past_k, past_v = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -272,9 +279,13 @@ def _tree_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     b, n, _ = hidden.shape
     shape = (b, n, -1, module.head_dim)
     q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj))
-    window = getattr(module.config, "sliding_window", None)
+    if arguments.get("position_embeddings") is not None:
+        rotary = _at_depth(arguments, tree)
+    else:
+        rotary = module.rotary_emb(v, _node_positions(arguments["position_ids"], tree))
+    window = getattr(module, "sliding_window", None) or getattr(module.config, "sliding_window", None)
     mask = arguments.get("attention_mask")
-    out, weights, k = _attend(module, _at_depth(arguments, tree), q, k, v, (past_k, past_v), mask, tree, window)
+    out, weights, k = _attend(module, rotary, q, k, v, (past_k, past_v), mask, tree, window)
     out = module.o_proj(out.reshape(b, n, -1).contiguous())
 
     def write(path: list[int]) -> None:
@@ -348,29 +359,6 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
         cache.update_conv_state(columns[:, :, keep].contiguous(), layer)
         cache.update_recurrent_state(delayed[:, last].contiguous(), layer)
         cache.update(k[:, :, path], v[:, :, path], layer)
-
-    return (out, weights), write
-
-
-def _griffin_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifying):
-    """RecurrentGemmaAttention on a tree: HF's projections, its rotary embedding at each node's position (the
-    fed position of the root + its depth), HF's attention function over the cached keys and the tree's, masked by
-    the tree's ancestors and the layer's sliding window; the commit appends the accepted path's keys and values."""
-    hidden, cache = arguments["hidden_states"], arguments.get("past_key_values")
-    layer = cache.layers[module.layer_idx] if cache is not None else None
-    past_k, past_v = getattr(layer, "keys", None), getattr(layer, "values", None)
-    if not isinstance(past_k, torch.Tensor) or past_k.numel() == 0:
-        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed keys")
-    b, n, _ = hidden.shape
-    shape = (b, n, -1, module.head_dim)
-    q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj))
-    rotary = module.rotary_emb(v, _node_positions(arguments["position_ids"], tree))
-    out, weights, k = _attend(module, rotary, q, k, v, (past_k, past_v), arguments.get("attention_mask"), tree,
-                              module.sliding_window)  # fmt: skip
-    out = module.o_proj(out.reshape(b, n, -1).contiguous())
-
-    def write(path: list[int]) -> None:
-        cache.update(k[:, :, path], v[:, :, path], module.layer_idx)
 
     return (out, weights), write
 
@@ -452,7 +440,7 @@ KINDS = (
     _whole("transformers.models.recurrent_gemma.modeling_recurrent_gemma:RecurrentGemmaRecurrentBlock",
            _griffin_recurrent_block, "input_states"),
     _whole("transformers.models.recurrent_gemma.modeling_recurrent_gemma:RecurrentGemmaAttention",
-           _griffin_attention),
+           _tree_attention),
 )  # fmt: skip
 
 
