@@ -102,7 +102,7 @@ def speculative_generate(
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     # a drafter that drafts from the target's features (a draft head) gets the feature of every row's last
     # committed position after the prefill and after every step
-    runner.capture_features = wants_features = drafter.target_features
+    runner.capture_features = wants_features = bool(getattr(drafter, "target_features", False))
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
     device = input_ids.device
