@@ -157,9 +157,7 @@ def test_tree_wkv_equals_hfs_rwkv_decode_steps_on_every_path(dtype):
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype != torch.bfloat16 else {}
     for row, size in enumerate((7, 5)):
         for node in range(size):
-            path, t = [], node
-            while t >= 0:
-                path, t = [t, *path], int(tree.parents[row, t])
+            path = tree.path_nodes(row, node)  # root first
             state = [a0[row : row + 1], b0[row : row + 1], p0[row : row + 1]]
             for t in path:
                 y, new = rwkv_linear_attention_cpu(
@@ -188,9 +186,7 @@ def test_tree_lightning_equals_minimaxs_decode_steps_on_every_path(dtype):
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}
     for row, size in enumerate((7, 5)):
         for node in range(size):
-            path, t = [], node
-            while t >= 0:
-                path, t = [t, *path], int(tree.parents[row, t])
+            path = tree.path_nodes(row, node)  # root first
             state = s0[row : row + 1]
             for t in path:  # HF's loop body, one token
                 kv = torch.matmul(k[row : row + 1, :, t : t + 1].transpose(-1, -2), v[row : row + 1, :, t : t + 1])
@@ -221,9 +217,7 @@ def test_tree_rglru_equals_recurrent_gemmas_decode_steps_on_every_path(dtype):
     no_reset = torch.zeros(1, 1, c, dtype=torch.bool)
     for row, size in enumerate((7, 5)):
         for node in range(size):
-            path, t = [], node
-            while t >= 0:
-                path, t = [t, *path], int(tree.parents[row, t])
+            path = tree.path_nodes(row, node)  # root first
             state = h0[row : row + 1]
             for t in path:  # HF's decode step, one token
                 y, state = scan(

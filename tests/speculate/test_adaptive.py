@@ -4,6 +4,7 @@ output stays exactly HF's."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,39 +97,42 @@ def test_cost_curves_merge_non_decreasing_and_measure_only_what_a_call_verifies(
     assert sorted(model._ssmspec_cost_curves[(1, "cpu")]) == [1, 2, 4, 8, 9]  # extended to 9 nodes
 
 
+class _FakeRunner:
+    """A runner for `measure_cost` that only keeps time (subclasses say how long a verify takes): one row, nothing
+    to roll back."""
+
+    cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
+
+    def prepare(self, tree):
+        return tree
+
+    def snapshot(self):
+        return None
+
+    def restore(self, snap):
+        pass
+
+    def commit(self, tokens):
+        pass
+
+    def discard(self):
+        pass
+
+
 def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
     """Other processes' load only adds time: the curve keeps each size's fastest run, the sizes taking turns,
     so a burst that covers several consecutive runs (all the repeats of one size, timed one size after the
     other) does not make drafting look dear."""
-    from types import SimpleNamespace
-
     from ssmspec.speculate import adaptive
 
     true_cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5}
     clock = {"now": 0.0, "runs": 0}
 
-    class FakeRunner:
-        cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
-
-        def prepare(self, tree):
-            return tree
-
+    class FakeRunner(_FakeRunner):
         def verify(self, tree):
             clock["runs"] += 1
             burst = 3.0 if 6 <= clock["runs"] < 12 else 0.0  # six runs in a row under load
             clock["now"] += true_cost[tree.num_nodes] + burst
-
-        def snapshot(self):
-            return None
-
-        def restore(self, snap):
-            pass
-
-        def commit(self, tokens):
-            pass
-
-        def discard(self):
-            pass
 
     monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
     curve = adaptive.measure_cost(FakeRunner(), sizes=sorted(true_cost))
@@ -139,8 +143,6 @@ def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
 def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatch):
     """Whether oneDNN's packed weights or F.linear is faster depends on the CPU: where the runner may choose, every
     size is timed both ways, the faster kept per size (`runner.packed_sizes`) and priced in the curve."""
-    from types import SimpleNamespace
-
     from ssmspec import linear
     from ssmspec.speculate import adaptive
 
@@ -148,29 +150,13 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
     plain = {1: 1.0, 2: 1.1, 4: 1.5, 8: 2.0}
     clock = {"now": 0.0}
 
-    class FakeRunner:
-        cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
+    class FakeRunner(_FakeRunner):
         prepack, static_shapes, device, model = True, False, torch.device("cpu"), None
         packed_sizes = None
-
-        def prepare(self, tree):
-            return tree
 
         def verify(self, tree):
             n = tree.num_nodes
             clock["now"] += (packed if linear.packs(self.packed_sizes, n, self.prepack) else plain)[n]
-
-        def snapshot(self):
-            return None
-
-        def restore(self, snap):
-            pass
-
-        def commit(self, tokens):
-            pass
-
-        def discard(self):
-            pass
 
     monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
     monkeypatch.setattr(linear, "packs_any", lambda model: True)

@@ -4,8 +4,8 @@ The target's LM head turns its feature f_t (the last hidden state after the fina
 the distribution of token t+1. A draft head predicts the next feature from f_t and the embedding of token t+1,
 f_(t+1) ~ head(f_t, e(x_(t+1))), and the target's own LM head turns the prediction into a distribution over
 token t+2; fed its own predictions it drafts deeper. It reads the target's embedding and LM head (frozen, not
-copied), so it adds two small layers: on the embedded 3M-parameter target, 0.4M parameters and about 0.1 ms per
-drafted level on a CPU, where a draft model's forward costs what the target's does. Its proposals are a
+copied), so it adds two small layers: on the embedded 3M-parameter target, 0.4M parameters and about 0.3 ms per
+drafted level on a 2-core CPU, where a draft model's forward costs what the target's does. Its proposals are a
 distribution q per node: greedy decoding drafts a best-first tree (`trees.best_first_tree`), sampling draws each
 node's children from q without replacement (`trees.sample_tree`) and verifies them losslessly (recursive
 rejection sampling with q). A head is trained for one target (`ssmspec.speculate.head_training`), saved beside
@@ -60,8 +60,7 @@ class DraftHead(nn.Module):
     @classmethod
     def for_model(cls, model: nn.Module, inner_size: int | None = None) -> DraftHead:
         """A new (untrained) head sized for `model`'s features, embedding and vocabulary."""
-        embed = model.get_input_embeddings()
-        return cls(hf_features.feature_size(model), embed.weight.shape[1], embed.weight.shape[0], inner_size)
+        return cls(**head_sizes(model), inner_size=inner_size)
 
     def save(self, directory: str | Path, **about) -> Path:
         """Write the head's weights (safetensors) and config (with `about`: what it was trained on) to
@@ -99,13 +98,17 @@ def find_head(model: nn.Module) -> DraftHead | None:
     return DraftHead.load(where)
 
 
+def head_sizes(model: nn.Module) -> dict[str, int]:
+    """What a head for `model` is sized by: its feature width, token embedding width and vocabulary."""
+    embed = model.get_input_embeddings()
+    return {"hidden_size": hf_features.feature_size(model), "embedding_size": int(embed.weight.shape[1]),
+            "vocab_size": int(embed.weight.shape[0])}  # fmt: skip
+
+
 def check_head(head: DraftHead, model: nn.Module) -> None:
     """A head drafts for a target only with the target's feature width, embedding width and vocabulary
     (UnsupportedModelError naming what differs)."""
-    embed = model.get_input_embeddings()
-    want = {"hidden_size": hf_features.feature_size(model), "embedding_size": int(embed.weight.shape[1]),
-            "vocab_size": int(embed.weight.shape[0])}  # fmt: skip
-    wrong = {k: (head.config[k], v) for k, v in want.items() if head.config[k] != v}
+    wrong = {k: (head.config[k], v) for k, v in head_sizes(model).items() if head.config[k] != v}
     if wrong:
         diffs = ", ".join(f"{k} {a} != the target's {b}" for k, (a, b) in wrong.items())
         raise UnsupportedModelError(type(model).__name__, f"the draft head was made for another model ({diffs})")
