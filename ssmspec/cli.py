@@ -242,8 +242,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The end-to-end benchmark on the embedded target (ssmspec.bench)."""
-    from ssmspec.bench import report, run, run_sampling
+    from ssmspec.bench import report, report_batched, run, run_batched, run_sampling
 
+    if args.batch:
+        report_batched(run_batched(args, progress=not args.no_progress), args)
+        return 0
     result = run(args, progress=not args.no_progress)
     if args.sampling:
         result["sampling"] = run_sampling(args, progress=not args.no_progress)

@@ -28,6 +28,7 @@ from transformers.utils import ModelOutput
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import region_options
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import instance as hf_instance
 from ssmspec.hf import layers as hf_layers
 from ssmspec.hf import seams as hf_seams
 from ssmspec.hf import tree_modules
@@ -364,6 +365,13 @@ def transform(
         raise TypeError("ssmspec.transform expects a Hugging Face causal LM (a PreTrainedModel with generate)")
     if config is not None and not isinstance(config, SpecConfig):
         raise TypeError(f"ssmspec.transform(model, config): config must be an ssmspec.SpecConfig, got {config!r}")
+    if (degree := hf_instance.tensor_parallel(hf_model)) > 1:
+        raise UnsupportedModelError(
+            type(hf_model).__name__,
+            f"it is sharded by tensor parallelism (transformers' tp_plan, {degree} processes): ssmspec's tree ops and "
+            "commits read each layer's whole heads and states, which tensor parallelism splits between processes "
+            "(docs: Big models and batches); load it with device_map instead, which keeps each layer whole",
+        )
     head = _draft_head(hf_model, draft_head)  # checked first: a refused head changes nothing
     if isinstance(hf_model, SpecGenerationMixin):
         hf_model.ssmspec_config = config

@@ -77,6 +77,28 @@ class Verification:
         self.buffers: dict[tuple, torch.Tensor] = {}  # records of all layers stacked (the cache's to fill)
         self.done = False
 
+    def nbytes(self) -> int:
+        """Bytes this verification holds until its commit: every layer's records (replay inputs or node states),
+        their stacked buffers, and the attention K/V the tree appended (`CommittedState.tree_kv_bytes`)."""
+        seen: set[int] = set()
+        total = 0
+
+        def add(t) -> None:
+            nonlocal total
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+
+        for rec in self.records.values():
+            add(rec.states)
+            for value in rec.replay.values():
+                for t in value if isinstance(value, list | tuple) else (value,):
+                    add(t)
+        for t in self.buffers.values():
+            add(t)
+        kv = getattr(self.cache, "tree_kv_bytes", None)
+        return total + (kv(self.kv_start) if kv is not None else 0)
+
     def record(self, module: str, seam: str, rec: Record) -> None:
         """Remember what commit needs for (layer, state index); one recurrence call per state and forward."""
         key = (rec.layer, rec.state_idx, rec.kind == "conv", rec.part)

@@ -213,3 +213,30 @@ def test_train_head_saves_a_head_beside_the_checkpoint_that_transform_finds(tmp_
     assert main(["train-head", "--model", "org/not-local", str(text)]) == 2
     assert "pass --out" in capsys.readouterr().err
     assert main(["train-head", "--model", str(ckpt), str(tmp_path / "missing.py")]) == 2
+
+
+def test_bench_batched_writes_json(tmp_path, capsys):
+    """`ssmspec bench --batch`: per batch size HF greedy batched, the default and ssmspec's plain decoding, with the
+    default's outputs asserted identical to HF's (the command fails otherwise)."""
+    target = tmp_path / "batched.json"
+    args = ["bench", "--batch", "1", "3", "--max-new-tokens", "6", "--prompt-tokens", "32", "--no-progress",
+            "--json", str(target)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(target.read_text())
+    assert set(result["batches"]) == {"1", "3"}
+    for rows in result["batches"].values():
+        assert set(rows) == {"HF greedy", "ssmspec default", "ssmspec autoregressive"}
+        assert rows["HF greedy"]["speedup_vs_hf"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert "identical to HF greedy batched" in capsys.readouterr().out
+
+
+def test_batch_prompts_are_different_windows_of_held_out_files():
+    from ssmspec import models
+    from ssmspec.bench import batch_prompts
+
+    _, tok = models.load("mamba2-target")
+    prompts = batch_prompts(tok, 16, 48)
+    assert len(prompts) == 16 and all(p.shape == (48,) for p in prompts)
+    assert len({tuple(p.tolist()) for p in prompts}) == 16
+    with pytest.raises(ValueError, match="windows"):
+        batch_prompts(tok, 10**6, 48)

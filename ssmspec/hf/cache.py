@@ -102,6 +102,20 @@ class SpecCache(DynamicCache):
         """Stored slots per attention layer."""
         return {a.index: hf_layers.kv_width(self.layers[a.index]) for a in self.attention}
 
+    def tree_kv_bytes(self, before: dict[int, int]) -> int:
+        """Bytes of the attention K/V slots appended since `before` (kv_widths then); static K/V: none (its buffers
+        are allocated once, for the whole call)."""
+        if self.static_kv:
+            return 0
+        total = 0
+        for a in self.attention:
+            keys, values = hf_layers.kv(self.layers[a.index])
+            added = hf_layers.kv_width(self.layers[a.index]) - before.get(a.index, 0)
+            for t in (keys, values):
+                if t is not None and t.shape[-2] > 0 and added > 0:
+                    total += added * (t.numel() // t.shape[-2]) * t.element_size()
+        return total
+
     def _needed_width(self, full_width: int) -> int:
         """Columns of the canonical layout some layer still needs."""
         widths = [full_width if a.window is None else min(a.window - 1, full_width) for a in self.attention]

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import instance
 from ssmspec.ops import ADAPTERS, Record
 from ssmspec.verification import Verification
 
@@ -254,10 +255,11 @@ def install(model: nn.Module) -> tuple[dict[str, list[str]], list[nn.Module]]:
             seams = seams_called_by(module)
             if not seams:
                 continue
-            if not isinstance(module.__dict__.get("forward"), MixerForward):
-                if "forward" in module.__dict__:
-                    raise UnsupportedModelError(path, "its forward is already replaced on the instance (a hook?)")
-                module.forward = MixerForward(module, path)
+            current = instance.own_forward(module)
+            if not isinstance(current, MixerForward):
+                if current is not None:
+                    raise UnsupportedModelError(path, f"its forward is already replaced on the instance ({current!r})")
+                instance.set_own_forward(module, MixerForward(module, path))
                 changed.append(module)
             point_globals(module, seams)
             rewritten[path] = sorted({s for s, _ in seams.values()})
@@ -270,11 +272,11 @@ def install(model: nn.Module) -> tuple[dict[str, list[str]], list[nn.Module]]:
 def uninstall(modules: list[nn.Module]) -> None:
     """Give the modules their class forward back."""
     for module in modules:
-        module.__dict__.pop("forward", None)
+        instance.restore_own_forward(module)
 
 
 def reinstall(model: nn.Module) -> None:
     """After unpickling a transformed model in a new process: point its modeling modules' seams again."""
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), MixerForward):
+        if isinstance(instance.own_forward(module), MixerForward):
             point_globals(module)

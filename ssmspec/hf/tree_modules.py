@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssmspec.hf import masks
+from ssmspec.hf import instance, masks
 from ssmspec.ops.lightning import run_tree_lightning
 from ssmspec.ops.mlstm import run_mlstm_state_at, run_tree_mlstm
 from ssmspec.ops.rglru import run_tree_rglru
@@ -577,32 +577,34 @@ def cast_like(state: tuple, like: tuple[torch.Tensor, ...]) -> tuple:
 
 def install(model: nn.Module) -> list[TreeStepForward]:
     """Give every module of a known kind (KINDS) a TreeStepForward; returns them (none: the model has no tree
-    form on the generic path). A module whose forward is already replaced on the instance is left alone."""
+    form on the generic path), inside accelerate's hook where it has one (ssmspec.hf.instance). A module whose forward
+    is already replaced on the instance is left alone."""
     steps = []
     for module in model.modules():
         kind = kind_of(module)
-        current = module.__dict__.get("forward")
+        current = instance.own_forward(module)
         if isinstance(current, TreeStepForward):
             steps.append(current)
         elif kind is not None and current is None:
-            module.forward = TreeStepForward(module, kind)
+            step = TreeStepForward(module, kind)
+            instance.set_own_forward(module, step)
             if kind.on_install is not None:
-                kind.on_install(module, module.forward)
-            steps.append(module.forward)
+                kind.on_install(module, step)
+            steps.append(step)
     return steps
 
 
 def uninstall(model: nn.Module) -> None:
     for module in list(model.modules()):
-        step = module.__dict__.get("forward")
+        step = instance.own_forward(module)
         if isinstance(step, TreeStepForward):
             if step.kind.on_uninstall is not None:
                 step.kind.on_uninstall(module)
-            del module.forward
+            instance.restore_own_forward(module)
 
 
 def installed(model: nn.Module) -> list[TreeStepForward]:
-    return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), TreeStepForward)]
+    return [s for m in model.modules() if isinstance(s := instance.own_forward(m), TreeStepForward)]
 
 
 @contextlib.contextmanager

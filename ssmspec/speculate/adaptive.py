@@ -10,7 +10,7 @@ step is plain decoding and costs nothing extra.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ def expected_tokens(rate: float, depth: int) -> float:
     return sum(rate**i for i in range(depth + 1))
 
 
-def rerun_cost(rate: float, depth: int, cost: dict[int, float], nodes: int) -> float:
+def rerun_cost(rate: float, depth: int, cost: dict[int, float] | Callable[[int], float], nodes: int) -> float:
     """Expected extra cost of an `nodes`-node chain step of `depth` on a path whose partial commits feed the
     accepted prefix again, in the next step's forward (ssmspec.speculate.generic): with probability
     1 - rate^depth a draft is rejected, and the root and the accepted drafts (j of them with probability
@@ -52,7 +52,11 @@ def rerun_cost(rate: float, depth: int, cost: dict[int, float], nodes: int) -> f
 
 
 def choose_depth(
-    rates: Sequence[float], cost: dict[int, float], max_depth: int, nodes_per_depth: float, reruns: bool = False
+    rates: Sequence[float],
+    cost: dict[int, float] | Callable[[int], float],
+    max_depth: int,
+    nodes_per_depth: float,
+    reruns: bool = False,
 ) -> int:
     """The depth (0..max_depth) with the highest expected tokens per unit of step cost, summed over rows;
     a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`)."""
@@ -66,8 +70,11 @@ def choose_depth(
     return best_depth
 
 
-def step_cost(cost: dict[int, float], nodes: int) -> float:
-    """Relative cost of verifying `nodes` nodes, interpolated (linearly) in the measured curve."""
+def step_cost(cost: dict[int, float] | Callable[[int], float], nodes: int) -> float:
+    """Relative cost of verifying `nodes` nodes, interpolated (linearly) in the measured curve (or the price a
+    callable gives: Goodput.cost)."""
+    if callable(cost):
+        return cost(nodes)
     sizes = sorted(cost)
     if nodes <= sizes[0]:
         return cost[sizes[0]]
@@ -137,6 +144,7 @@ def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) ->
             if round_:  # the first round warms up (and compiles)
                 times[n, mode] = min(times[n, mode], elapsed)
     best = {n: min(modes, key=lambda mode: times[n, mode]) for n in sizes}
+    runner.decode_seconds = times[sizes[0], best[sizes[0]]]  # the base of the curve, in seconds (Goodput)
     if modes != (None,):
         runner.packed_sizes = {**chosen, **best}
     curve, floor = {}, 0.0
@@ -144,3 +152,85 @@ def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) ->
         floor = max(floor, times[n, best[n]] / times[sizes[0], best[sizes[0]]])
         curve[n] = floor
     return curve
+
+
+class Goodput:
+    """The measured side of adaptive speculation: what a step really costs, drafting and the host's bookkeeping
+    included, and whether speculating has paid (SmartSpec's goodput, measured rather than modelled).
+
+    The verify-cost curve prices the target's forward alone. A speculative step also drafts (a draft head's or draft
+    model's forwards, n-gram lookups per row), walks the tree and commits; at a large batch that overhead decides
+    whether speculation pays (on the embedded target, batch 32, drafting cost 4.5 ms a step against a 21 ms decode
+    step). Every step is timed; a speculative step's time beyond the curve's forward is its overhead, averaged
+    (`cost` adds it to the curve, so depths and drafters' own sizing weigh it). And the tokens a speculative step
+    gained per second are compared with a plain step's: where speculating measured slower, the next `backoff` steps
+    decode plainly (no drafting at all), and the back-off doubles each time a retry loses again (up to
+    MAX_BACKOFF): throughput never stays below plain decoding for long.
+
+    Args:
+        curve: the verify-cost curve (nodes -> cost relative to a decode step).
+        decode_seconds: a decode step's forward in seconds (the curve's base), as measured.
+        decay: weight of the past in the running averages.
+    """
+
+    MAX_BACKOFF = 64
+    WINDOW = 3
+
+    def __init__(self, curve: dict[int, float], decode_seconds: float, decay: float = 0.7) -> None:
+        self.curve = curve
+        self.decode_seconds = max(decode_seconds, 1e-9)
+        self.decay = decay
+        self.spec_overhead: float | None = None  # seconds a speculative step takes beyond its forward
+        self.plain_seconds: float | None = None  # seconds a plain step takes, all in
+        self.spec_rate: float | None = None  # tokens per second of speculative steps (all rows)
+        self.plain_rate: float | None = None  # ... and of plain steps
+        self.forced = 0  # plain steps still to take before speculating again
+        self.backoff = 4
+        self.window = 0  # speculative steps since the last back-off
+
+    def _mix(self, old: float | None, new: float) -> float:
+        if old is None:
+            return new
+        # a step slowed by something else (a page fault, another process, the collector) moves the average by at
+        # most twice its value: one stall must not price speculation out for the rest of the call
+        return self.decay * old + (1 - self.decay) * min(new, 3 * old)
+
+    @property
+    def seconds(self) -> float:
+        """A decode step's forward in seconds: the curve's base as measured, or where plain steps ran, what they
+        took (the measured base runs on a warm cache, alone; the running loop's steps take longer)."""
+        return max(self.decode_seconds, self.plain_seconds or 0.0)
+
+    def cost(self, nodes: int) -> float:
+        """A step verifying `nodes` nodes per row, relative to a plain step, drafting and bookkeeping included."""
+        if nodes <= 1:
+            return 1.0
+        return step_cost(self.curve, nodes) + (self.spec_overhead or 0.0) / self.seconds
+
+    def record(self, nodes: int, seconds: float, tokens: int, rows: int) -> None:
+        """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over its `rows`
+        active rows."""
+        rate = tokens / max(seconds * rows, 1e-12)  # tokens per active row and second
+        if nodes <= 1:
+            self.plain_seconds = self._mix(self.plain_seconds, seconds)
+            self.plain_rate = self._mix(self.plain_rate, rate)
+            self.forced = max(0, self.forced - 1)
+            return
+        overhead = max(0.0, seconds - step_cost(self.curve, nodes) * self.seconds)
+        self.spec_overhead = self._mix(self.spec_overhead, overhead)
+        self.spec_rate = self._mix(self.spec_rate if self.window else None, rate)
+        self.window += 1
+        if self.window < self.WINDOW:  # judged over WINDOW speculative steps (one step's acceptance is noise)
+            return
+        # the bar: the faster of the plain steps this loop took and a bare decode forward (what HF's loop runs)
+        plain = max(self.plain_rate or 0.0, 1 / self.decode_seconds)
+        if self.spec_rate < plain:
+            self.forced, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
+            self.window = 0  # the retry after the back-off is judged afresh
+        else:
+            self.backoff = 4
+
+    @property
+    def plain(self) -> bool:
+        """Whether the next step decodes plainly (speculation measured slower, backing off)."""
+        return self.forced > 0

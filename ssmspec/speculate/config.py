@@ -72,6 +72,11 @@ class SpecConfig:
             own forward and cache, for a model without kernel seams: chains, batches row by row;
             ssmspec.speculate.generic) or "auto" (default): whichever `transform` found for the model
             (`model.ssmspec_info.path`).
+        verify_memory: bytes the buffers of one verify step may hold (the tree's replay records or node states and
+            its attention K/V slots, all rows): trees are cut to the nodes per row that fit, as measured on the
+            steps before (`spec_stats["max_verify_bytes"]` reports the largest step). Independently of it, a verify
+            step that runs out of memory (torch.OutOfMemoryError) is retried with half the nodes, down to a plain
+            decode step, and later steps keep that size. None: no budget.
 
     Raises:
         TypeError: a field of the wrong type (named).
@@ -92,6 +97,7 @@ class SpecConfig:
     ahead: int = 0
     recycle: int = 0
     path: str = "auto"
+    verify_memory: int | None = None
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
@@ -99,7 +105,7 @@ class SpecConfig:
                  "static_shapes": (bool, type(None)),
                  "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
                  "draft_vocab": (int, list, tuple, type(None)), "ahead": int, "recycle": int,
-                 "path": str}  # fmt: skip
+                 "path": str, "verify_memory": (int, type(None))}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
             if not isinstance(value, want) or (
@@ -109,6 +115,7 @@ class SpecConfig:
                     "static_shapes": "a bool or None",
                     "draft_vocab": "an int, a sequence of token ids or None",
                     "corpus": "a SuffixIndex, an index path, a list of documents or None",
+                    "verify_memory": "an int (bytes) or None",
                 }.get(f.name)
                 kind = kind or f"a {want.__name__}"
                 raise TypeError(f"SpecConfig.{f.name} must be {kind}, got {value!r}")
@@ -169,6 +176,8 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.sampling_tree must be one of {SAMPLING_TREES}, got {self.sampling_tree!r}")
         if self.num_draft_tokens < 0:
             raise ValueError(f"SpecConfig.num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.verify_memory is not None and self.verify_memory < 1:
+            raise ValueError(f"SpecConfig.verify_memory must be >= 1 (bytes) or None, got {self.verify_memory}")
         if self.tree_budget < 1:
             raise ValueError(f"SpecConfig.tree_budget must be >= 1, got {self.tree_budget}")
         if self.max_matching_ngram_size < 1:

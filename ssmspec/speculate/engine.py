@@ -3,6 +3,7 @@ node; stops exactly where HF generate() stops."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -11,11 +12,11 @@ from torch import nn
 from ssmspec.speculate.adaptive import (
     COST_SIZES,
     Acceptance,
+    Goodput,
     choose_depth,
     chooses_packing,
     measure_cost,
     merge_curves,
-    step_cost,
 )
 from ssmspec.speculate.decoding import ColumnStreamer, Decoding
 from ssmspec.speculate.drafters import Drafter
@@ -38,6 +39,8 @@ class SpecStats:
     # arithmetic (a tree vs one token, another kernel) may pick the other token in float32/bf16
     near_ties: int = 0
     near_tie_tolerance: float = 0.0
+    max_verify_bytes: int = 0  # the largest verify step's buffers (records, node states, tree K/V), all rows
+    out_of_memory: int = 0  # verify steps that ran out of memory and were retried with a smaller tree
     drafter: dict[str, float] = field(default_factory=dict)  # the drafter's own counters (Saguaro: hits, ...)
 
     @property
@@ -73,6 +76,7 @@ def speculative_generate(
     adaptive: bool = False,
     generic: bool = False,
     model_inputs: dict | None = None,
+    verify_memory: int | None = None,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner | GenericRunner]:
     """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
     [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
@@ -89,6 +93,8 @@ def speculative_generate(
     so a compiled verify step never recompiles.
     `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
     (ssmspec.speculate.adaptive).
+    `verify_memory` (bytes) cuts trees to the nodes per row whose verify buffers fit, as measured on earlier steps; a
+    verify step that runs out of memory is retried with half the nodes (down to one) whatever the budget.
     `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, a batch row by row) instead of the
     seams; its prefill also takes `model_inputs` (a multimodal prompt's pixel values, grids, token types)."""
     dec = decoding if decoding is not None else Decoding()
@@ -165,28 +171,51 @@ def speculative_generate(
     stream.release(generated, done)
     if adaptive or chooses_packing(runner):  # the cost curve also measures where packed linears pay, per size
         cost = cost_curve(model, runner)
+    goodput = None
     if adaptive:
         acceptance = Acceptance(b)
         per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))
-        # a drafter with calibrated per-node estimates sizes each tree itself (the step cost of n nodes: the
-        # measured curve at the bucket n is padded to); the engine then leaves depth and budget at their maximum
-        sized = drafter.size_by_goodput(lambda n: step_cost(cost, runner.padded_size(n)))
+        # every step is timed: the cost of n nodes is the measured curve at the bucket n is padded to plus what a step
+        # measured beyond its forward (drafting, bookkeeping), and speculation backs off where it measured slower
+        # than plain decoding (Goodput)
+        goodput = Goodput(cost, cost_seconds(model, runner))
+        # a drafter with calibrated per-node estimates sizes each tree itself; the engine then leaves depth and
+        # budget at their maximum
+        sized = drafter.size_by_goodput(lambda n: goodput.cost(runner.padded_size(n)))
         adaptive = not sized
+    # a plain step (depth 0) drafts nothing: the drafter is not called (a drafter that prepares the next proposal
+    # while the target verifies, Saguaro's, still is: its preparation follows every step)
+    skips_drafter = type(drafter).ahead is Drafter.ahead
+    node_cap: int | None = None  # nodes per row (root included) a verify step may have: memory (budget or OOM)
+    bytes_per_node = 0.0  # verify buffers per row and node, as the last multi-node step measured
     shadow = None
+    plain_steps = 0
     try:
         while not all(done):
+            started = time.perf_counter()
             remaining = [max_new_tokens - len(g) for g in generated]
             depth = min(depth_limit, max(remaining) - 1)
             # the heuristic schedule may go deeper than num_draft_tokens (as HF's): the budget grows with it, so a
             # chain's nodes follow its depth
             budget = tree_budget + max(0, depth - num_draft_tokens)
-            if adaptive:
+            shadow = None
+            if goodput is not None and goodput.plain:
+                depth = 0  # speculation measured slower than plain decoding: back off
+            elif adaptive:
                 rates = [acceptance.rate(r) for r in range(b) if not done[r]]
-                chosen = choose_depth(rates, cost, max(depth, 0), per_depth, reruns=getattr(runner, "reruns", False))
-                # plain decoding: the drafter's first token still tells how accurate it is now
-                shadow = drafter.propose(contexts, 1, 1) if chosen == 0 and depth > 0 else None
+                chosen = choose_depth(rates, goodput.cost, max(depth, 0), per_depth,
+                                      reruns=getattr(runner, "reruns", False))  # fmt: skip
+                # plain decoding: the drafter's first level still tells how accurate it is now (every SHADOW_EVERY
+                # plain steps: a shadow draft costs a drafting call)
+                if chosen == 0 and depth > 0:
+                    plain_steps += 1
+                    if plain_steps % SHADOW_EVERY == 1:
+                        shadow = drafter.propose(contexts, max(1, min(tree_budget, int(round(per_depth)))), 1)
                 depth, budget = chosen, max(1, min(tree_budget, int(round(per_depth * chosen))))
-            proposed = drafter.propose(contexts, budget, max(depth, 0))
+            if depth <= 0 and skips_drafter:
+                proposed = [([int(c[-1])], [-1]) for c in contexts]
+            else:
+                proposed = drafter.propose(contexts, budget, max(depth, 0))
             drafts: list[tuple[list[int], list[int]]] = []
             qs: list[dict[int, torch.Tensor] | None] = []
             forced: dict[int, int] = {}  # finished rows decoding pads: row -> last node of its pad chain
@@ -203,12 +232,33 @@ def speculative_generate(
                 drafts.append((tokens, parents))
                 q = d[2] if len(d) > 2 else None
                 qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
+            if verify_memory is not None and bytes_per_node > 0:
+                fits = max(1, int(verify_memory // (bytes_per_node * b)))
+                node_cap = fits if node_cap is None else min(node_cap, fits)
+            if node_cap is not None:
+                drafts, qs = _cap(drafts, qs, forced, node_cap)
             drafter.ahead(contexts, [None if done[r] else d for r, d in enumerate(drafts)], budget, max(depth, 0))
-            # built and prepared on the host, then one transfer (runner.prepare moves it to the model's device)
-            tree = runner.prepare(TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts]))
+            while True:
+                # built and prepared on the host, then one transfer (runner.prepare moves it to the model's device)
+                tree = runner.prepare(TokenTree.from_lists([d[0] for d in drafts], [d[1] for d in drafts]))
+                try:
+                    node_logits = runner.verify(tree)
+                    break
+                except torch.OutOfMemoryError:
+                    # nothing smaller than a plain decode step; the generic path's row-by-row forwards change
+                    # HF's cache in place, so an interrupted one cannot be retried
+                    if tree.num_nodes <= 1 or not isinstance(runner, ModelRunner):
+                        raise
+                    # the failed forward left nothing behind (the cache discards an interrupted verification)
+                    stats.out_of_memory += 1
+                    node_cap = max(1, max(len(d[0]) for d in drafts) // 2)
+                    drafts, qs = _cap(drafts, qs, forced, node_cap)
+            if tree.num_nodes > 1:
+                held = runner.verify_bytes()
+                stats.max_verify_bytes = max(stats.max_verify_bytes, held)
+                bytes_per_node = held / (b * tree.num_nodes)
             if tree.origin is not None:
                 qs = [{tree.index_of(r, n): v for n, v in q.items()} if q else None for r, q in enumerate(qs)]
-            node_logits = runner.verify(tree)
             raw = node_logits.float()
             active = [not x for x in done]
             if dec.processes:
@@ -257,7 +307,7 @@ def speculative_generate(
                     if depth > 0:
                         acceptance.update(r, _depth_of(drafts[r]), len(emitted[r]) - 1)
                     elif shadow is not None and len(shadow[r][0]) > 1:
-                        acceptance.update(r, 1, int(shadow[r][0][1] == emitted[r][0]))
+                        acceptance.update(r, 1, int(emitted[r][0] in shadow[r][0][1:]))
             for r in range(b):
                 if r in forced:
                     n = forced[r] + 1
@@ -280,6 +330,10 @@ def speculative_generate(
                         drafter.observe_features(r, runner.features[r, cut[r]])
             runner.commit(torch.tensor(cut, dtype=torch.long))  # on the host: the commit uploads what it needs
             stream.release(generated, done)
+            if goodput is not None:
+                rows = [r for r in range(b) if active[r] and r not in forced]
+                goodput.record(tree.num_nodes, time.perf_counter() - started, sum(len(emitted[r]) for r in rows),
+                               len(rows))  # fmt: skip
             if schedule != "constant":
                 depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
                 if static_shapes:
@@ -320,6 +374,8 @@ def _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device) 
         runner.commit(last)
 
 
+# a plain step chosen for low acceptance drafts one token in the shadow every this many steps, to follow the rates
+SHADOW_EVERY = 4
 # prompt positions (the last ones) whose top-k a recycling drafter is told after the prefill
 PROMPT_TOPK_POSITIONS = 2048
 
@@ -355,6 +411,7 @@ def cost_curve(model: nn.Module, runner: ModelRunner | GenericRunner) -> dict[in
     to the largest tree the call verifies (extended when a later call verifies larger ones) and kept on the
     model (so each model has its own; nothing process-wide)."""
     curves = model.__dict__.setdefault("_ssmspec_cost_curves", {})
+    seconds = model.__dict__.setdefault("_ssmspec_decode_seconds", {})
     packing = model.__dict__.setdefault("_ssmspec_packing", {})  # per curve: packed linears or F.linear per size
     key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
     if isinstance(runner, GenericRunner):  # HF's forward: a curve of its own
@@ -369,9 +426,31 @@ def cost_curve(model: nn.Module, runner: ModelRunner | GenericRunner) -> dict[in
     missing = [n for n in sizes if n > max(curve, default=0)]  # sizes within the curve are interpolated
     if missing:
         curves[key] = curve = merge_curves(curve, measure_cost(runner, sorted({1, *missing})))
+        seconds[key] = runner.decode_seconds
         if runner.__dict__.get("packed_sizes"):
             packing[key] = dict(runner.packed_sizes)
     return curve
+
+
+def _cap(drafts, qs, forced, cap: int):
+    """Every row's draft cut to its first `cap` nodes (root included; parents precede children, so a prefix is a
+    tree), its proposal distributions to the nodes kept; a finished row's pad chain shortened in `forced`."""
+    out, kept_qs = [], []
+    for r, ((tokens, parents), q) in enumerate(zip(drafts, qs)):
+        out.append((tokens[:cap], parents[:cap]))
+        kept_qs.append({n: v for n, v in q.items() if n < cap} if q else q)
+        if r in forced:
+            forced[r] = min(forced[r], cap - 1)
+    return out, kept_qs
+
+
+def cost_seconds(model: nn.Module, runner: ModelRunner | GenericRunner) -> float:
+    """A decode step's forward in seconds, as measured with the model's cost curve for this runner's batch (the
+    curve's base, `cost_curve`)."""
+    key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
+    if isinstance(runner, GenericRunner):
+        key = (*key, runner.path)
+    return model.__dict__["_ssmspec_decode_seconds"][key]
 
 
 def _trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], dict[int, int]]:

@@ -187,6 +187,7 @@ def generate(
         static_shapes=spec.static_shapes
         if spec.static_shapes is not None
         else bool(getattr(model, "ssmspec_static_shapes", False)),
+        verify_memory=spec.verify_memory,
     )
     if not plan.return_dict:
         return sequences

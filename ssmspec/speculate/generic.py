@@ -256,6 +256,11 @@ class GenericRunner:
         self._sync()
         return logits
 
+    def verify_bytes(self) -> int:
+        """Not measured on the generic path (HF's forward keeps its own cache; SpecConfig.verify_memory has nothing
+        to cut by): 0."""
+        return 0
+
     @torch.no_grad()
     def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep each row's chain up to node `last[b]`: as verified when it is the whole chain, else back to the

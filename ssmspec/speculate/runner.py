@@ -260,6 +260,11 @@ class ModelRunner:
         self._pending = (tree, verification)
         return logits
 
+    def verify_bytes(self) -> int:
+        """Bytes the pending verification holds until its commit (0 after a decode step)."""
+        verification = self._pending[1] if self._pending is not None else None
+        return verification.nbytes() if verification is not None else 0
+
     @torch.no_grad()
     def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance each row past root -> last[b] of the tree verified last; returns (path, lengths)."""

@@ -28,7 +28,9 @@ Notes on the models returned by :func:`build_tiny_model` (transformers 5.23):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -1014,3 +1016,41 @@ def build_tiny_transformer(
     model.generation_config.pad_token_id = _TOKEN_IDS["pad_token_id"]
     model.generation_config.eos_token_id = _TOKEN_IDS["eos_token_id"]
     return model
+
+
+def load_device_mapped(
+    model: nn.Module, directory: str | os.PathLike, devices: tuple[str, ...] = ("cpu", "disk")
+) -> nn.Module:
+    """The model saved in `directory` and loaded back with accelerate's big-model inference: its decoder layers
+    spread over `devices` in turn ("disk": offloaded to `directory`/offload, loaded per forward by accelerate's hooks;
+    "cpu", "cuda:0": placed there), everything else on the first device; the model's dtype kept. Needs accelerate.
+
+    Args:
+        model: a model built here (any family; its layers are the largest nn.ModuleList it has).
+        directory: where the checkpoint (and the disk offload) goes.
+        devices: the devices the layers take in turn.
+    """
+    directory = Path(directory)
+    model.save_pretrained(directory / "checkpoint")
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    path, layers = max(lists, key=lambda item: len(item[1]))
+    device_map: dict[str, str] = {}
+    parts = path.split(".")
+    for depth in range(len(parts)):  # beside each module on the way to the layers: the first device
+        parent = ".".join(parts[:depth])
+        for name, _ in model.get_submodule(parent).named_children():
+            if name != parts[depth]:
+                device_map[f"{parent}.{name}" if parent else name] = devices[0]
+    for name, _ in model.named_parameters(recurse=False):
+        device_map[name] = devices[0]
+    for i in range(len(layers)):
+        device_map[f"{path}.{i}"] = devices[i % len(devices)]
+    dtype = next(model.parameters()).dtype
+    kwargs = {"experts_implementation": "eager"} if hasattr(model, "set_experts_implementation") else {}
+    return type(model).from_pretrained(
+        directory / "checkpoint",
+        device_map=device_map,
+        offload_folder=str(directory / "offload"),
+        dtype=dtype,
+        **kwargs,
+    )

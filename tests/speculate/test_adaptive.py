@@ -11,6 +11,7 @@ import torch
 
 import ssmspec
 from ssmspec import SpecConfig
+from ssmspec.speculate import adaptive
 from ssmspec.speculate.adaptive import Acceptance, choose_depth, expected_tokens, rerun_cost, step_cost
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
@@ -203,3 +204,30 @@ def adaptive_chooses(runner) -> bool:
     from ssmspec.speculate.adaptive import chooses_packing
 
     return chooses_packing(runner)
+
+
+def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding():
+    g = adaptive.Goodput({1: 1.0, 4: 1.5, 8: 2.0}, decode_seconds=0.010)
+    for _ in range(adaptive.Goodput.WINDOW):  # 4-node steps of 30 ms gaining 1.2 tokens per row: below 1 per 10 ms
+        assert not g.plain
+        g.record(4, 0.030, tokens=12, rows=10)
+    assert g.plain and g.forced == 4  # backs off for 4 plain steps
+    for _ in range(4):
+        g.record(1, 0.010, tokens=10, rows=10)
+    assert not g.plain  # then retries, judged afresh: losing again doubles the back-off
+    for _ in range(adaptive.Goodput.WINDOW):
+        g.record(4, 0.030, tokens=12, rows=10)
+    assert g.forced == 8
+    g.forced = 0
+    for _ in range(adaptive.Goodput.WINDOW):  # winning steps: 3 tokens per row in 16 ms
+        g.record(4, 0.016, tokens=30, rows=10)
+    assert not g.plain and g.backoff == 4
+
+
+def test_goodput_prices_a_steps_overhead_and_one_stall_does_not_price_speculation_out():
+    g = adaptive.Goodput({1: 1.0, 4: 1.5}, decode_seconds=0.010)
+    assert g.cost(4) == pytest.approx(1.5) and g.cost(1) == 1.0
+    g.record(4, 0.020, tokens=30, rows=10)  # 5 ms beyond the curve's 15 ms forward: drafting and bookkeeping
+    assert g.cost(4) == pytest.approx(2.0)
+    g.record(4, 1.0, tokens=30, rows=10)  # a stall (another process, the collector): counted at most 3x the average
+    assert g.spec_overhead <= 0.7 * 0.005 + 0.3 * 0.015 + 1e-12

@@ -1,0 +1,79 @@
+"""Verify-step memory: the buffers a step holds are measured and reported, SpecConfig.verify_memory cuts trees to
+what fits, and a step that runs out of memory is retried with a smaller tree; outputs stay HF's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ssmspec
+import ssmspec.speculate.generate as spec_generate
+from ssmspec.speculate.runner import ModelRunner
+from ssmspec.testing.drafters import OracleDrafter
+from ssmspec.testing.strategies import cached_tiny_model
+
+
+def _run(family, monkeypatch, verify=None, **spec):
+    """HF greedy and the speculative output on two prompts, every step drafting a full tree: an oracle that knows
+    HF's continuation, with distractor branches. `verify`: ModelRunner.verify from after the transform on."""
+    ref = cached_tiny_model(family)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    if verify is not None:
+        monkeypatch.setattr(ModelRunner, "verify", verify)
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = ref.generate(ids, max_new_tokens=20, do_sample=False)
+    oracle = OracleDrafter([r.tolist() for r in want], vocab_size=96, distractors=2)
+    monkeypatch.setattr(spec_generate, "build_drafter", lambda *a, **k: oracle)
+    config = ssmspec.SpecConfig(drafter="prompt_lookup", tree_budget=12, num_draft_tokens=6, adaptive=False, **spec)
+    out = model.generate(ids, max_new_tokens=20, speculation=config, return_dict_in_generate=True)
+    return want, out
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_verify_memory_budget_cuts_trees_and_keeps_outputs(family, monkeypatch):
+    want, free = _run(family, monkeypatch)
+    assert torch.equal(free.sequences, want)
+    nodes = max(free.spec_stats["tree_nodes_per_step"])
+    held = free.spec_stats["max_verify_bytes"]
+    assert held > 0 and nodes > 3
+    budget = int(held / nodes * 3)  # what 3 nodes per row hold (both rows), as the largest step measured
+    want, capped = _run(family, monkeypatch, verify_memory=budget)
+    assert torch.equal(capped.sequences, want)
+    steps = capped.spec_stats["tree_nodes_per_step"]
+    assert steps[0] > 3 and max(steps[1:]) <= 3  # the first step measures what a node holds; the rest fit
+    assert 0 < capped.spec_stats["max_verify_bytes"]
+
+
+def test_out_of_memory_on_a_verify_step_retries_with_a_smaller_tree(monkeypatch):
+    verify = ModelRunner.verify
+    calls = []
+
+    def tight(self, tree):
+        calls.append(tree.num_nodes)
+        if tree.num_nodes > 4:
+            raise torch.OutOfMemoryError("simulated: no room for the tree's buffers")
+        return verify(self, tree)
+
+    want, out = _run("bamba", monkeypatch, verify=tight)
+    assert torch.equal(out.sequences, want)
+    assert out.spec_stats["out_of_memory"] >= 1
+    assert max(out.spec_stats["tree_nodes_per_step"]) <= 4  # the steps after keep the size that fitted
+    # halved until it fitted (13 -> 6 -> 3 nodes), in the first step only: never tried again
+    failed = [i for i, n in enumerate(calls) if n > 4]
+    assert len(failed) == out.spec_stats["out_of_memory"] and failed == list(range(len(failed)))
+
+
+def test_out_of_memory_down_to_a_plain_step_is_raised(monkeypatch):
+    def full(self, tree):
+        raise torch.OutOfMemoryError("simulated: no memory at all")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        _run("mamba2", monkeypatch, verify=full)
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-5, ValueError), ("1GB", TypeError), (1.5, TypeError)])
+def test_verify_memory_is_validated(value, error):
+    with pytest.raises(error, match="verify_memory"):
+        ssmspec.SpecConfig(verify_memory=value)

@@ -1,0 +1,99 @@
+"""Models loaded with accelerate's big-model inference (`device_map`, weights offloaded to disk) speculate exactly:
+ssmspec's instance forwards go inside accelerate's hooks (ssmspec.hf.instance), so every verify forward runs with
+the layer's weights loaded and on its device. On a GPU session, a cpu / cuda split too."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+import ssmspec
+from ssmspec.testing.check import check_model
+from ssmspec.testing.configs import build_tiny_model, load_device_mapped
+from ssmspec.testing.strategies import drafter_factories, prompts
+
+pytest.importorskip("accelerate")
+
+FAMILIES = ["mamba2", "bamba", "qwen3_next", "recurrent_gemma"]  # SSD, hybrid attention, delta rule, generic path
+
+
+@pytest.fixture(scope="module")
+def offloaded(tmp_path_factory):
+    models = {}
+
+    def get(family):
+        if family not in models:
+            models[family] = load_device_mapped(build_tiny_model(family), tmp_path_factory.mktemp(family))
+        return models[family]
+
+    return get
+
+
+def test_the_device_map_offloads_layers_to_disk_and_transform_keeps_the_seams(offloaded):
+    model = offloaded("mamba2")
+    assert "disk" in set(model.hf_device_map.values())
+    assert any(p.device.type == "meta" for p in model.parameters())  # offloaded weights load per forward
+    target = ssmspec.transform(copy.deepcopy(model))
+    assert target.ssmspec_info.path == "seams" and target.ssmspec_info.trees and target.ssmspec_info.batches
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=3)
+@given(data=st.data())
+def test_speculative_equals_hf_greedy_on_an_offloaded_model(offloaded, family, data):
+    model = offloaded(family)
+    info = ssmspec.transform(copy.deepcopy(model)).ssmspec_info
+    vocab = model.config.get_text_config().vocab_size
+    prompt = data.draw(prompts(vocab, max_batch=2 if info.batches else 1), label="prompt")
+    name, factory = data.draw(drafter_factories(vocab, trees=bool(info.trees)), label="drafter")
+    note(f"drafter={name}")
+    report = check_model(
+        model,
+        [prompt],
+        [factory],
+        max_new_tokens=data.draw(st.integers(1, 10)),
+        commits=[data.draw(st.sampled_from(["replay", "materialize"]))],
+        decode_single_nodes=False,
+    )
+    assert report.tie_flips == 0 and report.max_state_diff <= 1e-9 and report.runs == 1
+
+
+def test_transform_installs_inside_accelerates_hooks_and_uninstalls_cleanly(offloaded):
+    model = copy.deepcopy(offloaded("mamba2"))
+    mixer = model.backbone.layers[1].mixer
+    before = mixer.__dict__["_old_forward"]
+    target = ssmspec.transform(model)
+    from ssmspec.hf import instance, seams
+
+    assert isinstance(instance.own_forward(mixer), seams.MixerForward)
+    assert mixer.__dict__["forward"] is not mixer.__dict__["_old_forward"]  # accelerate's wrapper still outside
+    seams.uninstall([mixer])
+    assert instance.own_forward(mixer) is None and before.__func__ is type(mixer).forward
+    assert target is model
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a cpu / cuda split needs a GPU")
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_speculative_equals_hf_greedy_split_between_cuda_and_cpu(tmp_path, family):
+    model = load_device_mapped(build_tiny_model(family), tmp_path, devices=("cuda:0", "cpu"))
+    ids = torch.randint(3, 90, (2, 9), device="cuda:0")
+    want = model.generate(ids, max_new_tokens=16, do_sample=False)
+    got = ssmspec.transform(copy.deepcopy(model)).generate(ids, max_new_tokens=16)
+    assert torch.equal(got, want)
+
+
+def test_a_tensor_parallel_model_is_refused_naming_why_and_left_as_it_was():
+    """transformers' tensor parallelism splits each layer's heads and states between processes (DTensor shards);
+    ssmspec's tree ops read them whole, so transform refuses such a model (a device_map keeps layers whole)."""
+    from ssmspec.errors import UnsupportedModelError
+
+    model = build_tiny_model("qwen3_next")
+    model._tp_size = 2  # what from_pretrained(tp_plan="auto") records under torch.distributed
+    cls = type(model)
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
+        ssmspec.transform(model)
+    assert type(model) is cls and not hasattr(model, "ssmspec_info")
