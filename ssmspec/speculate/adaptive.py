@@ -176,9 +176,9 @@ class Goodput:
     MAX_BACKOFF = 64
     WINDOW = 3
 
-    def __init__(self, curve: dict[int, float], decode_seconds: float, decay: float = 0.7) -> None:
+    def __init__(self, curve: dict[int, float], decode_seconds: float | None, decay: float = 0.7) -> None:
         self.curve = curve
-        self.decode_seconds = max(decode_seconds, 1e-9)
+        self.decode_seconds = decode_seconds or 0.0  # 0: unknown (a curve given without its timing)
         self.decay = decay
         self.spec_overhead: float | None = None  # seconds a speculative step takes beyond its forward
         self.plain_seconds: float | None = None  # seconds a plain step takes, all in
@@ -199,7 +199,7 @@ class Goodput:
     def seconds(self) -> float:
         """A decode step's forward in seconds: the curve's base as measured, or where plain steps ran, what they
         took (the measured base runs on a warm cache, alone; the running loop's steps take longer)."""
-        return max(self.decode_seconds, self.plain_seconds or 0.0)
+        return max(self.decode_seconds, self.plain_seconds or 0.0) or 1.0
 
     def cost(self, nodes: int) -> float:
         """A step verifying `nodes` nodes per row, relative to a plain step, drafting and bookkeeping included."""
@@ -223,7 +223,7 @@ class Goodput:
         if self.window < self.WINDOW:  # judged over WINDOW speculative steps (one step's acceptance is noise)
             return
         # the bar: the faster of the plain steps this loop took and a bare decode forward (what HF's loop runs)
-        plain = max(self.plain_rate or 0.0, 1 / self.decode_seconds)
+        plain = max(self.plain_rate or 0.0, 1 / self.decode_seconds if self.decode_seconds else 0.0)
         if self.spec_rate < plain:
             self.forced, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
             self.window = 0  # the retry after the back-off is judged afresh

@@ -444,13 +444,13 @@ def _cap(drafts, qs, forced, cap: int):
     return out, kept_qs
 
 
-def cost_seconds(model: nn.Module, runner: ModelRunner | GenericRunner) -> float:
+def cost_seconds(model: nn.Module, runner: ModelRunner | GenericRunner) -> float | None:
     """A decode step's forward in seconds, as measured with the model's cost curve for this runner's batch (the
     curve's base, `cost_curve`)."""
     key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
     if isinstance(runner, GenericRunner):
         key = (*key, runner.path)
-    return model.__dict__["_ssmspec_decode_seconds"][key]
+    return model.__dict__.get("_ssmspec_decode_seconds", {}).get(key)  # None: a curve set without its timing
 
 
 def _trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], dict[int, int]]:
