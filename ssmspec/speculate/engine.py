@@ -413,9 +413,7 @@ def cost_curve(model: nn.Module, runner: ModelRunner | GenericRunner) -> dict[in
     curves = model.__dict__.setdefault("_ssmspec_cost_curves", {})
     seconds = model.__dict__.setdefault("_ssmspec_decode_seconds", {})
     packing = model.__dict__.setdefault("_ssmspec_packing", {})  # per curve: packed linears or F.linear per size
-    key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
-    if isinstance(runner, GenericRunner):  # HF's forward: a curve of its own
-        key = (*key, runner.path)
+    key = _curve_key(runner)
     if chooses_packing(runner):
         runner.packed_sizes = dict(packing.get(key, {})) or None
     # the sizes this call can verify (powers of two up to its largest padded tree): a compiled model compiles a
@@ -444,12 +442,17 @@ def _cap(drafts, qs, forced, cap: int):
     return out, kept_qs
 
 
+def _curve_key(runner: ModelRunner | GenericRunner) -> tuple:
+    """What a cost curve (and its timing) is kept under on the model: batch size and device; HF's forward on the
+    generic path has curves of its own."""
+    key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
+    return (*key, runner.path) if isinstance(runner, GenericRunner) else key
+
+
 def cost_seconds(model: nn.Module, runner: ModelRunner | GenericRunner) -> float | None:
     """A decode step's forward in seconds, as measured with the model's cost curve for this runner's batch (the
     curve's base, `cost_curve`)."""
-    key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
-    if isinstance(runner, GenericRunner):
-        key = (*key, runner.path)
+    key = _curve_key(runner)
     return model.__dict__.get("_ssmspec_decode_seconds", {}).get(key)  # None: a curve set without its timing
 
 
