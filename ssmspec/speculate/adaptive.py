@@ -61,10 +61,14 @@ def choose_depth(
     """The depth (0..max_depth) with the highest expected tokens per unit of step cost, summed over rows;
     a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`)."""
     best, best_depth = -1.0, 0
+    powers = [1.0] * len(rates)  # rate ** k per row
+    tokens = 0.0  # sum over rows of expected_tokens(rate, k), grown one depth at a time (a batch of 32: 0.25 ms)
     for k in range(max_depth + 1):
+        tokens += sum(powers)
+        powers = [p * r for p, r in zip(powers, rates)]
         n = 1 + int(round(nodes_per_depth * k))
         rerun = sum(rerun_cost(r, k, cost, n) for r in rates) / max(len(rates), 1) if reruns else 0.0
-        goodput = sum(expected_tokens(r, k) for r in rates) / (step_cost(cost, n) + rerun)
+        goodput = tokens / (step_cost(cost, n) + rerun)
         if goodput > best * 1.0001:  # ties go to the shallower (cheaper) depth
             best, best_depth = goodput, k
     return best_depth
@@ -174,7 +178,9 @@ class Goodput:
     """
 
     MAX_BACKOFF = 64
+    FIRST_BACKOFF = 4
     WINDOW = 3
+    RETRY_WINDOW = 1
 
     def __init__(self, curve: dict[int, float], decode_seconds: float | None, decay: float = 0.7) -> None:
         self.curve = curve
@@ -185,15 +191,16 @@ class Goodput:
         self.spec_rate: float | None = None  # tokens per second of speculative steps (all rows)
         self.plain_rate: float | None = None  # ... and of plain steps
         self.forced = 0  # plain steps still to take before speculating again
-        self.backoff = 4
+        self.backoff = self.FIRST_BACKOFF
         self.window = 0  # speculative steps since the last back-off
 
-    def _mix(self, old: float | None, new: float) -> float:
+    def _mix(self, old: float | None, new: float, rate: bool = False) -> float:
         if old is None:
             return new
         # a step slowed by something else (a page fault, another process, the collector) moves the average by at
-        # most twice its value: one stall must not price speculation out for the rest of the call
-        return self.decay * old + (1 - self.decay) * min(new, 3 * old)
+        # most twice its value: one stall must not price speculation out for the rest of the call (a stall makes
+        # a step's seconds high and its rate low)
+        return self.decay * old + (1 - self.decay) * (max(new, old / 3) if rate else min(new, 3 * old))
 
     @property
     def seconds(self) -> float:
@@ -213,22 +220,27 @@ class Goodput:
         rate = tokens / max(seconds * rows, 1e-12)  # tokens per active row and second
         if nodes <= 1:
             self.plain_seconds = self._mix(self.plain_seconds, seconds)
-            self.plain_rate = self._mix(self.plain_rate, rate)
+            self.plain_rate = self._mix(self.plain_rate, rate, rate=True)
             self.forced = max(0, self.forced - 1)
             return
         overhead = max(0.0, seconds - step_cost(self.curve, nodes) * self.seconds)
         self.spec_overhead = self._mix(self.spec_overhead, overhead)
-        self.spec_rate = self._mix(self.spec_rate if self.window else None, rate)
+        self.spec_rate = self._mix(self.spec_rate, rate, rate=True)
         self.window += 1
-        if self.window < self.WINDOW:  # judged over WINDOW speculative steps (one step's acceptance is noise)
+        # the first judgement waits for WINDOW speculative steps (one step's acceptance is noise); a retry after a
+        # back-off is judged after its first step, on the running rate that still remembers the losing steps
+        # before it (a retry of WINDOW steps at batch 32 cost more than the back-off saved)
+        if self.window < (self.WINDOW if self.backoff == self.FIRST_BACKOFF else self.RETRY_WINDOW):
             return
-        # the bar: the faster of the plain steps this loop took and a bare decode forward (what HF's loop runs)
-        plain = max(self.plain_rate or 0.0, 1 / self.decode_seconds if self.decode_seconds else 0.0)
-        if self.spec_rate < plain:
+        # the bar: the plain steps this loop took (the same loop around the same forward: what plain decoding
+        # gives, HF's loop included, within a few percent); before any, a bare decode forward (stricter: no loop
+        # around it), so the first losing window's back-off measures the real bar
+        bar = self.plain_rate if self.plain_rate is not None else 1 / self.decode_seconds if self.decode_seconds else 0
+        if self.spec_rate < bar:
             self.forced, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
-            self.window = 0  # the retry after the back-off is judged afresh
+            self.window = 0
         else:
-            self.backoff = 4
+            self.backoff = self.FIRST_BACKOFF
 
     @property
     def plain(self) -> bool:

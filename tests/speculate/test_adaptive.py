@@ -214,14 +214,31 @@ def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding
     assert g.plain and g.forced == 4  # backs off for 4 plain steps
     for _ in range(4):
         g.record(1, 0.010, tokens=10, rows=10)
-    assert not g.plain  # then retries, judged afresh: losing again doubles the back-off
-    for _ in range(adaptive.Goodput.WINDOW):
-        g.record(4, 0.030, tokens=12, rows=10)
-    assert g.forced == 8
-    g.forced = 0
-    for _ in range(adaptive.Goodput.WINDOW):  # winning steps: 3 tokens per row in 16 ms
+    assert not g.plain  # then retries, judged after one step (the running rate remembers the losing ones)
+    g.record(4, 0.030, tokens=12, rows=10)
+    assert g.forced == 8  # losing again doubles the back-off
+    retries = 0
+    while g.backoff != 4:  # winning steps (3 tokens per row in 16 ms) lift the running rate: speculation resumes
+        while g.plain:
+            g.record(1, 0.010, tokens=10, rows=10)
         g.record(4, 0.016, tokens=30, rows=10)
+        retries += 1
+    assert retries <= 2 and not g.plain
+
+
+def test_goodput_bar_is_the_loops_own_plain_steps():
+    # plain steps of this loop take 12 ms (a bare decode forward 10 ms): speculation gaining 1.1 tokens per row in
+    # 12.5 ms beats them, though not the bare forward
+    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
+    for _ in range(4):
+        g.record(1, 0.012, tokens=10, rows=10)
+    for _ in range(2 * adaptive.Goodput.WINDOW):
+        g.record(4, 0.0125, tokens=11, rows=10)
     assert not g.plain and g.backoff == 4
+    g2 = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)  # no plain step yet: the bare forward is the bar
+    for _ in range(adaptive.Goodput.WINDOW):
+        g2.record(4, 0.0125, tokens=11, rows=10)
+    assert g2.plain
 
 
 def test_goodput_prices_a_steps_overhead_and_one_stall_does_not_price_speculation_out():
@@ -231,3 +248,13 @@ def test_goodput_prices_a_steps_overhead_and_one_stall_does_not_price_speculatio
     assert g.cost(4) == pytest.approx(2.0)
     g.record(4, 1.0, tokens=30, rows=10)  # a stall (another process, the collector): counted at most 3x the average
     assert g.spec_overhead <= 0.7 * 0.005 + 0.3 * 0.015 + 1e-12
+
+
+def test_critical_rows_are_the_ones_the_batch_waits_for():
+    from ssmspec.speculate.engine import critical_rows
+
+    # all rows keep pace: all of them; one row pulled ahead by more than the slack: the others; finished rows never
+    assert critical_rows([40, 38, 33, 40], [False] * 4, 8) == [0, 1, 2, 3]
+    assert critical_rows([40, 38, 20, 40], [False] * 4, 8) == [0, 1, 3]
+    assert critical_rows([40, 38, 20, 50], [False, False, False, True], 8) == [0, 1]
+    assert critical_rows([0, 0], [True, True], 8) == []
