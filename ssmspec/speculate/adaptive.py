@@ -188,7 +188,7 @@ class Goodput:
         self.decay = decay
         self.spec_overhead: float | None = None  # seconds a speculative step takes beyond its forward
         self.plain_seconds: float | None = None  # seconds a plain step takes, all in
-        self.spec_rate: float | None = None  # tokens per second of speculative steps (all rows)
+        self.spec_rate: float | None = None  # tokens per row and second of speculative steps (rows `record` is given)
         self.plain_rate: float | None = None  # ... and of plain steps
         self.forced = 0  # plain steps still to take before speculating again
         self.backoff = self.FIRST_BACKOFF
@@ -197,9 +197,9 @@ class Goodput:
     def _mix(self, old: float | None, new: float, rate: bool = False) -> float:
         if old is None:
             return new
-        # a step slowed by something else (a page fault, another process, the collector) moves the average by at
-        # most twice its value: one stall must not price speculation out for the rest of the call (a stall makes
-        # a step's seconds high and its rate low)
+        # a step slowed by something else (a page fault, another process, the collector) counts as at most 3x the
+        # average time, or a third of the average rate: one stall must not price speculation out for the rest of
+        # the call (a stall makes a step's seconds high and its rate low)
         return self.decay * old + (1 - self.decay) * (max(new, old / 3) if rate else min(new, 3 * old))
 
     @property
@@ -215,9 +215,9 @@ class Goodput:
         return step_cost(self.curve, nodes) + (self.spec_overhead or 0.0) / self.seconds
 
     def record(self, nodes: int, seconds: float, tokens: int, rows: int) -> None:
-        """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over its `rows`
-        active rows."""
-        rate = tokens / max(seconds * rows, 1e-12)  # tokens per active row and second
+        """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over `rows` rows
+        (the engine passes the rows the batch waits for, `engine.critical_rows`)."""
+        rate = tokens / max(seconds * rows, 1e-12)  # tokens per row and second
         if nodes <= 1:
             self.plain_seconds = self._mix(self.plain_seconds, seconds)
             self.plain_rate = self._mix(self.plain_rate, rate, rate=True)
@@ -229,7 +229,8 @@ class Goodput:
         self.window += 1
         # the first judgement waits for WINDOW speculative steps (one step's acceptance is noise); a retry after a
         # back-off is judged after its first step, on the running rate that still remembers the losing steps
-        # before it (a retry of WINDOW steps at batch 32 cost more than the back-off saved)
+        # before it (a retry of WINDOW steps is WINDOW more steps where speculation may still lose; the two measured
+        # alike within this machine's noise at batch 4 and 16)
         if self.window < (self.WINDOW if self.backoff == self.FIRST_BACKOFF else self.RETRY_WINDOW):
             return
         # the bar: the plain steps this loop took (the same loop around the same forward: what plain decoding
