@@ -57,10 +57,9 @@ def tree_causal_conv1d(
     # over contiguous channels; tap j of node t reads its (K-1-j)-th ancestor, as weight column j expects
     rows = x_ext.transpose(1, 2).to(cd)
     idx = ancestors.flip(-1) + s  # [B, N, K]
-    if b == 1:
-        taps = rows[0].index_select(0, idx.view(-1)).view(1, n, k, c)
-    else:
-        taps = torch.gather(rows, 1, idx.view(b, n * k, 1).expand(b, n * k, c)).view(b, n, k, c)
+    if b > 1:  # one index_select over the batch's rows (a gather with an expanded index is 3-5x slower)
+        idx = idx + torch.arange(0, b * total, total, device=idx.device).view(b, 1, 1)
+    taps = rows.reshape(b * total, c).index_select(0, idx.view(-1)).view(b, n, k, c)
     out = (taps * weight.to(cd).t()).sum(2)  # [B, N, C]
     if bias is not None:
         out = out.add_(bias.to(cd))
@@ -138,10 +137,9 @@ def _window_in_place(group: list, path: torch.Tensor, lengths: torch.Tensor) -> 
     stack = stacked([t for t, _, _ in group])
     exts = stacked([e.transpose(1, 2) for _, _, e in group])  # [layers, B, S+N, C]
     if stack is not None and exts is not None:
-        if b == 1:
-            new = exts.index_select(2, idx[0])
-        else:
-            new = torch.gather(exts, 2, idx[None, :, :, None].expand(len(group), b, s, c))
+        total = exts.shape[2]  # S+N: one index_select over the batch's rows, as in tree_causal_conv1d
+        flat = idx + torch.arange(0, b * total, total, device=idx.device).view(b, 1) if b > 1 else idx
+        new = exts.flatten(1, 2).index_select(1, flat.view(-1).to(exts.device)).view(len(group), b, s, c)
         stack.copy_(new.transpose(2, 3))
         return
     for target, _, ext in group:

@@ -9,6 +9,8 @@ step is plain decoding and costs nothing extra.
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -158,6 +160,53 @@ def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) ->
     return curve
 
 
+class StepOverhead:
+    """Seconds a speculative step takes beyond its forward, fitted as a + b x over the recent steps, x the drafted
+    nodes over all rows ((nodes - 1) x batch): a fixed part a (a draft head's calls, the loop) and a part b per
+    drafted node and row (n-gram lookups, tree building and walks, commits). On the embedded target (this 2-core
+    Xeon) a was 1.5 ms at batch 4 and 2.3 at 16, b 30-35 us at both: a constant overhead priced 25-node trees at
+    batch 4 a third too cheap, one in proportion to the forward priced batch 1's trees too dear (its forward
+    hardly grows with the tree). Decayed least squares; the slope is pulled toward the prior where the recent
+    steps' sizes hardly differ (their spread is what tells the two parts apart).
+
+    Args:
+        fixed: the prior's fixed part (seconds), until a step is measured.
+        slope: the prior's seconds per drafted node and row.
+        decay: weight of the past.
+    """
+
+    RIDGE = 0.25  # the prior slope weighs as much as sizes spread by half their mean
+
+    def __init__(self, fixed: float, slope: float, decay: float = 0.9) -> None:
+        self.prior = (fixed, slope)
+        self.decay = decay
+        self.sums = [0.0] * 5  # weight, x, y, x^2, x y
+
+    def add(self, x: float, y: float) -> None:
+        """A step with `x` drafted node-rows took `y` seconds beyond its forward."""
+        self.sums = [self.decay * v for v in self.sums]
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self.sums[i] += v
+
+    def fit(self) -> tuple[float, float]:
+        """(a, b): the fixed seconds and the seconds per drafted node-row."""
+        w, sx, sy, sxx, sxy = self.sums
+        if w <= 0:
+            return self.prior
+        mx, my = sx / w, sy / w
+        ridge = self.RIDGE * w * mx * mx
+        spread, covar = sxx - w * mx * mx, sxy - w * mx * my
+        slope = max(0.0, (covar + ridge * self.prior[1]) / (spread + ridge) if spread + ridge > 0 else self.prior[1])
+        fixed = my - slope * mx
+        if fixed < 0:  # all of it per node
+            return 0.0, max(my, 0.0) / mx if mx > 0 else 0.0
+        return fixed, slope
+
+    def __call__(self, x: float) -> float:
+        fixed, slope = self.fit()
+        return fixed + slope * x
+
+
 class Goodput:
     """The measured side of adaptive speculation: what a step really costs, drafting and the host's bookkeeping
     included, and whether speculating has paid (SmartSpec's goodput, measured rather than modelled).
@@ -165,28 +214,52 @@ class Goodput:
     The verify-cost curve prices the target's forward alone. A speculative step also drafts (a draft head's or draft
     model's forwards, n-gram lookups per row), walks the tree and commits; at a large batch that overhead decides
     whether speculation pays (on the embedded target, batch 32, drafting cost 4.5 ms a step against a 21 ms decode
-    step). Every step is timed; a speculative step's time beyond the curve's forward is its overhead, averaged
-    (`cost` adds it to the curve, so depths and drafters' own sizing weigh it). And the tokens a speculative step
-    gained per second are compared with a plain step's: where speculating measured slower, the next `backoff` steps
-    decode plainly (no drafting at all), and the back-off doubles each time a retry loses again (up to
-    MAX_BACKOFF): throughput never stays below plain decoding for long.
+    step). Every step is timed; a speculative step's time beyond the curve's forward is its overhead, fitted as a fixed
+    part and a part per drafted node and row (`StepOverhead`; `cost` adds it to the curve, so depths and drafters' own
+    sizing weigh it). And the tokens a speculative step gained per second are compared with a plain step's (the
+    median of the loop's recent plain steps, its first aside): where speculating did not beat it by MARGIN, the next
+    `backoff` steps decode plainly (no drafting at all), and the back-off doubles each time a retry loses again (up
+    to MAX_BACKOFF): throughput never stays below plain decoding for long. Where speculation wins by less than
+    REFRESH_MARGIN, a plain step every REFRESH_EVERY speculative ones keeps that bar measured.
 
     Args:
         curve: the verify-cost curve (nodes -> cost relative to a decode step).
         decode_seconds: a decode step's forward in seconds (the curve's base), as measured.
         decay: weight of the past in the running averages.
+        batch: the batch's rows (a step's drafted nodes are its nodes beyond the root times the rows).
+        measured: False: `record` changes nothing (sampling: seeded draws must not depend on the machine's load).
     """
 
     MAX_BACKOFF = 64
+    PRIOR_FIXED = 0.3  # the fixed overhead's prior, in decode steps
+    PRIOR_SLOPE = 30e-6  # seconds per drafted node and row (the embedded target on a 2-core Xeon: 30-35 us)
+    PLAIN_SAMPLES = 8
+    MARGIN = 1.05
+    REFRESH_MARGIN = 1.2
+    REFRESH_EVERY = 16
     FIRST_BACKOFF = 4
     WINDOW = 3
     RETRY_WINDOW = 1
 
-    def __init__(self, curve: dict[int, float], decode_seconds: float | None, decay: float = 0.7) -> None:
+    def __init__(
+        self,
+        curve: dict[int, float],
+        decode_seconds: float | None,
+        decay: float = 0.7,
+        batch: int = 1,
+        measured: bool = True,
+    ) -> None:
         self.curve = curve
+        self.measured = measured
         self.decode_seconds = decode_seconds or 0.0  # 0: unknown (a curve given without its timing)
         self.decay = decay
-        self.spec_overhead: float | None = None  # seconds a speculative step takes beyond its forward
+        self.batch = batch
+        # what speculative steps take beyond their forward (the first one, which also sets the drafter up, aside)
+        self.overhead = StepOverhead(self.PRIOR_FIXED * self.decode_seconds, self.PRIOR_SLOPE)
+        self.spec_steps = 0
+        self.plain_steps = 0
+        self.since_plain = 0  # speculative steps since the last plain one
+        self._plain: collections.deque = collections.deque(maxlen=self.PLAIN_SAMPLES)  # (seconds, rate)
         self.plain_seconds: float | None = None  # seconds a plain step takes, all in
         self.spec_rate: float | None = None  # tokens per row and second of speculative steps (rows `record` is given)
         self.plain_rate: float | None = None  # ... and of plain steps
@@ -208,25 +281,45 @@ class Goodput:
         took (the measured base runs on a warm cache, alone; the running loop's steps take longer)."""
         return max(self.decode_seconds, self.plain_seconds or 0.0) or 1.0
 
+    def spec_overhead(self, nodes: int) -> float:
+        """Seconds a speculative step verifying `nodes` nodes per row takes beyond its forward (`StepOverhead`)."""
+        return self.overhead((nodes - 1) * self.batch)
+
     def cost(self, nodes: int) -> float:
-        """A step verifying `nodes` nodes per row, relative to a plain step, drafting and bookkeeping included."""
+        """A step verifying `nodes` nodes per row, relative to a plain step of this loop (`seconds`), drafting and
+        bookkeeping included."""
         if nodes <= 1:
             return 1.0
-        return step_cost(self.curve, nodes) + (self.spec_overhead or 0.0) / self.seconds
+        if not self.decode_seconds:  # a curve without its timing: the forward alone
+            return step_cost(self.curve, nodes)
+        return (step_cost(self.curve, nodes) * self.decode_seconds + self.spec_overhead(nodes)) / self.seconds
 
     def record(self, nodes: int, seconds: float, tokens: int, rows: int) -> None:
         """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over `rows` rows
         (the engine passes the rows the batch waits for, `engine.critical_rows`)."""
+        if not self.measured:  # priced by the prior alone, never backing off: decisions that no timing moves
+            return
         rate = tokens / max(seconds * rows, 1e-12)  # tokens per row and second
         if nodes <= 1:
-            self.plain_seconds = self._mix(self.plain_seconds, seconds)
-            self.plain_rate = self._mix(self.plain_rate, rate, rate=True)
             self.forced = max(0, self.forced - 1)
+            self.plain_steps += 1
+            self.since_plain = 0
+            # the first one warms the loop up; the others' median: single steps on this 2-core machine vary by 30%
+            # (two slow first steps at batch 16, 9-10 ms against 7.3, once set a bar that let speculation at 0.9x
+            # plain decoding run for a whole call)
+            if self.plain_steps > 1:
+                self._plain.append((seconds, rate))
+                self.plain_seconds = statistics.median(t for t, _ in self._plain)
+                self.plain_rate = statistics.median(r for _, r in self._plain)
             return
-        overhead = max(0.0, seconds - step_cost(self.curve, nodes) * self.seconds)
-        self.spec_overhead = self._mix(self.spec_overhead, overhead)
+        self.spec_steps += 1
+        if self.spec_steps > 1 and self.decode_seconds:  # the first one also set the drafter up (first calls, indexes)
+            excess = seconds - step_cost(self.curve, nodes) * self.decode_seconds
+            # a stall (another process, the collector) counts as at most 3x what the model expects
+            self.overhead.add((nodes - 1) * self.batch, min(excess, 3 * self.spec_overhead(nodes)))
         self.spec_rate = self._mix(self.spec_rate, rate, rate=True)
         self.window += 1
+        self.since_plain += 1
         # the first judgement waits for WINDOW speculative steps (one step's acceptance is noise); a retry after a
         # back-off is judged after its first step, on the running rate that still remembers the losing steps
         # before it (a retry of WINDOW steps is WINDOW more steps where speculation may still lose; the two measured
@@ -237,11 +330,17 @@ class Goodput:
         # gives, HF's loop included, within a few percent); before any, a bare decode forward (stricter: no loop
         # around it), so the first losing window's back-off measures the real bar
         bar = self.plain_rate if self.plain_rate is not None else 1 / self.decode_seconds if self.decode_seconds else 0
-        if self.spec_rate < bar:
+        # speculation has to beat the bar by MARGIN: where it only breaks even, single steps' noise (10-30% on this
+        # machine) decides, and every retry of a losing tree costs more than a tie gains
+        if self.spec_rate < self.MARGIN * bar:
             self.forced, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
             self.window = 0
         else:
             self.backoff = self.FIRST_BACKOFF
+            # winning narrowly: one plain step now and then keeps the bar current (it is otherwise measured only
+            # where speculation loses)
+            if self.spec_rate < self.REFRESH_MARGIN * bar and self.since_plain >= self.REFRESH_EVERY:
+                self.forced = 1
 
     @property
     def plain(self) -> bool:

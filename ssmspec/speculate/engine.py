@@ -178,7 +178,9 @@ def speculative_generate(
         # every step is timed: the cost of n nodes is the measured curve at the bucket n is padded to plus what a step
         # measured beyond its forward (drafting, bookkeeping), and speculation backs off where it measured slower
         # than plain decoding (Goodput)
-        goodput = Goodput(cost, cost_seconds(model, runner))
+        # sampling: a seed draws the same tokens on every run, so no decision follows this call's timing (which depths
+        # are verified decides which random numbers are drawn): acceptance, the model's curve and a fixed overhead
+        goodput = Goodput(cost, cost_seconds(model, runner), batch=b, measured=not dec.do_sample)
         # a drafter with calibrated per-node estimates sizes each tree itself; the engine then leaves depth and
         # budget at their maximum
         sized = drafter.size_by_goodput(lambda n: goodput.cost(runner.padded_size(n)))
@@ -192,6 +194,8 @@ def speculative_generate(
     shadow = None
     plain_steps = 0  # plain steps chosen in a row (low acceptance), and their shadow drafts' schedule
     next_shadow, shadows = 1, 0
+    # seconds shadow drafts may still spend (SHADOW_SHARE of the plain steps' time), and what the last one took
+    shadow_budget, shadow_cost = 0.0, 0.0
     try:
         while not all(done):
             started = time.perf_counter()
@@ -218,10 +222,12 @@ def speculative_generate(
                 # a run of plain steps, up to SHADOW_MAX: at batch 32 one costs 3.8 ms against a 13 ms plain step)
                 if chosen == 0 and depth > 0:
                     plain_steps += 1
-                    if plain_steps >= next_shadow:
+                    if plain_steps >= next_shadow and (shadow_budget >= shadow_cost or not goodput.measured):
                         t0 = time.perf_counter()
                         shadow = drafter.propose(contexts, max(1, min(tree_budget, int(round(per_depth)))), 1)
                         shadow_seconds = time.perf_counter() - t0  # not part of the plain step's price
+                        shadow_cost = shadow_seconds
+                        shadow_budget -= shadow_seconds
                         shadows += 1
                         next_shadow = plain_steps + min(SHADOW_MAX, SHADOW_EVERY * 2 ** (shadows // SHADOW_EVERY))
                 elif chosen > 0:
@@ -342,15 +348,19 @@ def speculative_generate(
                     continue
                 if keep:
                     kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
-            if wants_features:
+            if wants_features:  # one gather, then a view per row
+                feats = runner.features
+                at = feats[torch.arange(b, device=feats.device), torch.tensor(cut, device=feats.device)].unbind(0)
                 for r in range(b):
                     if active[r] and r not in forced:
-                        drafter.observe_features(r, runner.features[r, cut[r]])
+                        drafter.observe_features(r, at[r])
             runner.commit(torch.tensor(cut, dtype=torch.long))  # on the host: the commit uploads what it needs
             stream.release(generated, done)
             if goodput is not None:  # judged on the rows the batch waits for
-                goodput.record(tree.num_nodes, time.perf_counter() - started - shadow_seconds,
-                               sum(len(emitted[r]) for r in critical), len(critical))  # fmt: skip
+                seconds = time.perf_counter() - started - shadow_seconds
+                goodput.record(tree.num_nodes, seconds, sum(len(emitted[r]) for r in critical), len(critical))
+                if tree.num_nodes <= 1:  # a shadow waits until the plain steps since the last one paid for it
+                    shadow_budget = min(shadow_budget + SHADOW_SHARE * seconds, 2 * shadow_cost)
             if schedule != "constant":
                 depth_limit = depth_limit + 2 if all_accepted else max(1, depth_limit - 1)
                 if static_shapes:
@@ -394,6 +404,9 @@ def _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device) 
 # a plain step chosen for low acceptance drafts one token in the shadow every this many steps, to follow the rates
 SHADOW_EVERY = 4
 SHADOW_MAX = 32
+# ... and spends at most this share of the plain steps' time on them (at batch 32 on the embedded target a shadow
+# draft cost 4.5 ms against a 13 ms plain step: every 4 steps, 8% of the time, all a plain batch loses)
+SHADOW_SHARE = 0.01
 # rows within this many tokens of the row with the most left to generate count as the rows a batch waits for
 CRITICAL_SLACK = 8
 

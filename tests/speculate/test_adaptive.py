@@ -227,27 +227,89 @@ def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding
 
 
 def test_goodput_bar_is_the_loops_own_plain_steps():
-    # plain steps of this loop take 12 ms (a bare decode forward 10 ms): speculation gaining 1.1 tokens per row in
-    # 12.5 ms beats them, though not the bare forward
+    # plain steps of this loop take 12 ms (a bare decode forward 10 ms): speculation gaining 1.15 tokens per row in
+    # 12.5 ms beats them by more than the margin, though not the bare forward
     g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
     for _ in range(4):
         g.record(1, 0.012, tokens=10, rows=10)
     for _ in range(2 * adaptive.Goodput.WINDOW):
-        g.record(4, 0.0125, tokens=11, rows=10)
+        g.record(4, 0.0125, tokens=115, rows=100)
     assert not g.plain and g.backoff == 4
     g2 = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)  # no plain step yet: the bare forward is the bar
     for _ in range(adaptive.Goodput.WINDOW):
-        g2.record(4, 0.0125, tokens=11, rows=10)
+        g2.record(4, 0.0125, tokens=115, rows=100)
     assert g2.plain
 
 
+def test_goodput_bar_ignores_the_first_plain_step_and_one_slow_step():
+    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
+    g.record(1, 0.030, tokens=10, rows=10)  # the loop's first step warms it up: not part of the bar
+    assert g.plain_rate is None and g.plain_seconds is None
+    for seconds in (0.012, 0.012, 0.040, 0.012):  # one slow step among them (another process): the median holds
+        g.record(1, seconds, tokens=10, rows=10)
+    assert g.plain_seconds == pytest.approx(0.012) and g.plain_rate == pytest.approx(1 / 0.012)
+
+
+def test_goodput_margin_speculation_that_only_ties_backs_off():
+    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
+    for _ in range(3):
+        g.record(1, 0.010, tokens=10, rows=10)
+    for _ in range(adaptive.Goodput.WINDOW):  # 1.02x plain decoding: within the margin, a tie
+        g.record(4, 0.010, tokens=102, rows=100)
+    assert g.plain
+    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
+    for _ in range(3):
+        g.record(1, 0.010, tokens=10, rows=10)
+    for _ in range(adaptive.Goodput.WINDOW):  # 1.1x: beyond it
+        g.record(4, 0.010, tokens=110, rows=100)
+    assert not g.plain
+
+
+def test_goodput_refreshes_the_bar_where_speculation_wins_narrowly():
+    def run(tokens_per_row: float) -> list[bool]:
+        g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
+        for _ in range(3):
+            g.record(1, 0.010, tokens=10, rows=10)
+        forced = []
+        for _ in range(3 * adaptive.Goodput.REFRESH_EVERY):
+            if g.plain:
+                g.record(1, 0.010, tokens=10, rows=10)
+                forced.append(True)
+            else:
+                g.record(4, 0.010, tokens=round(tokens_per_row * 100), rows=100)
+                forced.append(False)
+        return forced
+
+    narrow = run(1.1)  # 1.1x plain: one plain step every REFRESH_EVERY speculative steps keeps the bar measured
+    assert 2 <= sum(narrow) <= 3
+    assert sum(run(2.0)) == 0  # 2x: no need
+
+
+def test_step_overhead_fits_a_fixed_part_and_a_part_per_drafted_node():
+    fit = adaptive.StepOverhead(fixed=0.001, slope=30e-6)
+    assert fit(100) == pytest.approx(0.001 + 100 * 30e-6)  # the prior until a step is measured
+    for x in (8, 64, 16, 96, 24, 8, 48):  # steps of different sizes: 1.5 ms + 35 us per drafted node-row
+        fit.add(x, 0.0015 + 35e-6 * x)
+    a, b = fit.fit()
+    assert a == pytest.approx(0.0015, rel=0.1) and b == pytest.approx(35e-6, rel=0.1)
+    same = adaptive.StepOverhead(fixed=0.001, slope=30e-6)
+    for _ in range(10):  # all of one size: the sizes cannot tell the parts apart; the slope stays the prior's
+        same.add(32, 0.004)
+    a, b = same.fit()
+    assert b == pytest.approx(30e-6) and same(32) == pytest.approx(0.004)
+
+
 def test_goodput_prices_a_steps_overhead_and_one_stall_does_not_price_speculation_out():
-    g = adaptive.Goodput({1: 1.0, 4: 1.5}, decode_seconds=0.010)
-    assert g.cost(4) == pytest.approx(1.5) and g.cost(1) == 1.0
+    g = adaptive.Goodput({1: 1.0, 4: 1.5}, decode_seconds=0.010, batch=10)
+    prior = g.cost(4)
+    assert prior > 1.5 and g.cost(1) == 1.0  # the forward plus the prior's overhead
+    g.record(4, 0.100, tokens=30, rows=10)  # the first speculative step also set the drafter up: not counted
+    assert g.cost(4) == prior
     g.record(4, 0.020, tokens=30, rows=10)  # 5 ms beyond the curve's 15 ms forward: drafting and bookkeeping
     assert g.cost(4) == pytest.approx(2.0)
-    g.record(4, 1.0, tokens=30, rows=10)  # a stall (another process, the collector): counted at most 3x the average
-    assert g.spec_overhead <= 0.7 * 0.005 + 0.3 * 0.015 + 1e-12
+    g.record(4, 1.0, tokens=30, rows=10)  # a stall (another process, the collector): counted as 3x the 5 ms expected
+    decay = g.overhead.decay
+    assert g.spec_overhead(4) == pytest.approx((decay * 0.005 + 3 * 0.005) / (decay + 1))
 
 
 def test_critical_rows_are_the_ones_the_batch_waits_for():
@@ -258,3 +320,53 @@ def test_critical_rows_are_the_ones_the_batch_waits_for():
     assert critical_rows([40, 38, 20, 40], [False] * 4, 8) == [0, 1, 3]
     assert critical_rows([40, 38, 20, 50], [False, False, False, True], 8) == [0, 1]
     assert critical_rows([0, 0], [True, True], 8) == []
+
+
+def test_shadow_drafts_spend_a_bounded_share_of_plain_decoding(monkeypatch):
+    """Plain steps chosen for failing drafts still draft one level now and then (a shadow draft, to notice when drafts
+    start to succeed): at most SHADOW_SHARE of the plain steps' time, however dear a draft is."""
+    import time
+
+    from ssmspec.speculate import engine
+
+    class Slow(RandomDrafter):  # random chains as deep as asked (they fail), 5 ms each: many plain steps' worth
+        calls = 0
+
+        def propose(self, contexts, max_nodes, max_depth):
+            Slow.calls += 1
+            time.sleep(0.005)
+            depth = min(max_nodes, max_depth)
+            return [
+                ([int(c[-1]), *(self.rng.randrange(96) for _ in range(depth))], list(range(-1, depth)))
+                for c in contexts
+            ]
+
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    want = ref.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    model._ssmspec_cost_curves = {(1, "cpu"): COST}  # a fixed curve: the depths do not depend on timing
+    shadows, default = {}, engine.SHADOW_SHARE
+    for share in (default, 1.0):
+        monkeypatch.setattr(engine, "SHADOW_SHARE", share)
+        Slow.calls = 0
+        out, stats, _ = speculative_generate(
+            model, ids, torch.ones_like(ids), max_new_tokens=60, eos_token_ids=[], pad_token_id=0,
+            drafter=Slow(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
+        )  # fmt: skip
+        assert torch.equal(out, want)
+        shadows[share] = Slow.calls - sum(n > 1 for n in stats.tree_nodes_per_step)
+    # a plain step of the tiny model takes a few ms: 1% of them buys one 5 ms shadow in more steps than the call has
+    assert shadows[default] <= 2
+    assert shadows[1.0] >= 5  # without the budget: the geometric schedule alone (4, 8, ... steps apart)
+
+
+def test_goodput_under_sampling_follows_no_timing():
+    """Seeded sampling draws the same tokens on every run: which depths are verified decides which random numbers
+    are drawn, so nothing this call measures may move them."""
+    g = adaptive.Goodput({1: 1.0, 4: 1.5}, decode_seconds=0.010, batch=4, measured=False)
+    before = [g.cost(n) for n in (1, 2, 4)]
+    for _ in range(10):
+        g.record(1, 0.010, tokens=4, rows=4)
+        g.record(4, 0.500, tokens=4, rows=4)  # speculation far slower than plain decoding
+    assert not g.plain and [g.cost(n) for n in (1, 2, 4)] == before

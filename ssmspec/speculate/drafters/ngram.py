@@ -93,6 +93,11 @@ class PromptLookupDrafter(Drafter):
     def start(self, input_ids, attention_mask):
         self._indices = []
         self._start_recycling()
+        # the prompts indexed now, with the prefill, not in the first proposal (whose time the adaptive policy
+        # takes for what every speculative step costs: at batch 16 it priced speculation out for a whole call)
+        for r in range(0 if input_ids is None else input_ids.shape[0]):
+            row = input_ids[r] if attention_mask is None else input_ids[r][attention_mask[r].bool()]
+            self.row_index(r, row.tolist())
 
     def draft(
         self, ctx: Sequence[int], max_nodes: int, max_depth: int, index: ContextIndex | None = None,
