@@ -181,12 +181,12 @@ class StepOverhead:
         self.prior = (fixed, slope)
         self.decay = decay
         self.sums = [0.0] * 5  # weight, x, y, x^2, x y
+        self._fit: tuple[float, float] | None = None  # the fit of these sums (a depth choice asks it ~10 times)
 
     def add(self, x: float, y: float) -> None:
         """A step with `x` drafted node-rows took `y` seconds beyond its forward."""
-        self.sums = [self.decay * v for v in self.sums]
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            self.sums[i] += v
+        self.sums = [self.decay * v + new for v, new in zip(self.sums, (1.0, x, y, x * x, x * y))]
+        self._fit = None
 
     def fit(self) -> tuple[float, float]:
         """(a, b): the fixed seconds and the seconds per drafted node-row."""
@@ -203,7 +203,9 @@ class StepOverhead:
         return fixed, slope
 
     def __call__(self, x: float) -> float:
-        fixed, slope = self.fit()
+        if self._fit is None:
+            self._fit = self.fit()
+        fixed, slope = self._fit
         return fixed + slope * x
 
 

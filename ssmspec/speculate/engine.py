@@ -107,7 +107,7 @@ def speculative_generate(
     )  # fmt: skip
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     # a drafter that drafts from the target's features (a draft head) gets the feature of every row's last
-    # committed position after the prefill and after every step
+    # committed position after the prefill and before every later proposal (`_observe_features`)
     runner.capture_features = wants_features = bool(getattr(drafter, "target_features", False))
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
@@ -192,6 +192,7 @@ def speculative_generate(
     bytes_per_node = 0.0  # verify buffers per row and node, as the largest step measured
     measured_nodes = 1  # the largest step's nodes per row whose buffers were measured
     shadow = None
+    pending = None  # the target's features at the last step's commit, not yet handed to the drafter
     plain_steps = 0  # plain steps chosen in a row (low acceptance), and their shadow drafts' schedule
     next_shadow, shadows = 1, 0
     # seconds shadow drafts may still spend (SHADOW_SHARE of the plain steps' time), and what the last one took
@@ -224,6 +225,7 @@ def speculative_generate(
                     plain_steps += 1
                     if plain_steps >= next_shadow and (shadow_budget >= shadow_cost or not goodput.measured):
                         t0 = time.perf_counter()
+                        pending = _observe_features(drafter, pending)
                         shadow = drafter.propose(contexts, max(1, min(tree_budget, int(round(per_depth)))), 1)
                         shadow_seconds = time.perf_counter() - t0  # not part of the plain step's price
                         shadow_cost = shadow_seconds
@@ -236,6 +238,7 @@ def speculative_generate(
             if depth <= 0 and skips_drafter:
                 proposed = [([int(c[-1])], [-1]) for c in contexts]
             else:
+                pending = _observe_features(drafter, pending)
                 proposed = drafter.propose(contexts, budget, max(depth, 0))
             drafts: list[tuple[list[int], list[int]]] = []
             qs: list[dict[int, torch.Tensor] | None] = []
@@ -258,6 +261,8 @@ def speculative_generate(
                 node_cap = fits if node_cap is None else min(node_cap, fits)
             if node_cap is not None:
                 drafts, qs = _cap(drafts, qs, forced, node_cap)
+            if not skips_drafter:  # a drafter that prepares the next proposal now (Saguaro's)
+                pending = _observe_features(drafter, pending)
             drafter.ahead(contexts, [None if done[r] else d for r, d in enumerate(drafts)], budget, max(depth, 0))
             while True:
                 # built and prepared on the host, then one transfer (runner.prepare moves it to the model's device)
@@ -348,12 +353,8 @@ def speculative_generate(
                     continue
                 if keep:
                     kept[r].extend((scores[r, node].clone(), raw[r, node].clone()) for node in path_list[r][:n])
-            if wants_features:  # one gather, then a view per row
-                feats = runner.features
-                at = feats[torch.arange(b, device=feats.device), torch.tensor(cut, device=feats.device)].unbind(0)
-                for r in range(b):
-                    if active[r] and r not in forced:
-                        drafter.observe_features(r, at[r])
+            if wants_features:  # handed to the drafter when it next drafts (plain steps in a row need only the last)
+                pending = (runner.features, list(cut), [r for r in range(b) if active[r] and r not in forced])
             runner.commit(torch.tensor(cut, dtype=torch.long))  # on the host: the commit uploads what it needs
             stream.release(generated, done)
             if goodput is not None:  # judged on the rows the batch waits for
@@ -409,6 +410,19 @@ SHADOW_MAX = 32
 SHADOW_SHARE = 0.01
 # rows within this many tokens of the row with the most left to generate count as the rows a batch waits for
 CRITICAL_SLACK = 8
+
+
+def _observe_features(drafter: Drafter, pending: tuple | None) -> None:
+    """Hand the drafter the target's features at each row's last committed position, from the step that committed
+    last (`pending`: its features [B, N, H], the committed node per row, the rows to tell): one gather, a view per
+    row. Deferred to the next drafting call: a run of plain steps (a batch where speculation does not pay) pays
+    for none of it. Returns None (nothing pending)."""
+    if pending is not None:
+        feats, cut, rows = pending
+        at = feats[torch.arange(len(cut), device=feats.device), torch.tensor(cut, device=feats.device)].unbind(0)
+        for r in rows:
+            drafter.observe_features(r, at[r])
+    return None
 
 
 def critical_rows(remaining: list[int], done: list[bool], slack: int) -> list[int]:

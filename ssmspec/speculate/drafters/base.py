@@ -62,7 +62,7 @@ class Drafter:
         return False
 
     # whether the engine hands this drafter the target's features (its LM head's input, ssmspec.hf.features) at the
-    # last position it committed, after the prefill and after every step (`observe_features`)
+    # last position it committed, before every proposal (`observe_features`; plain steps between hand it nothing)
     target_features: bool = False
 
     def observe_features(self, row: int, feature: torch.Tensor) -> None:
