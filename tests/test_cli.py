@@ -224,9 +224,13 @@ def test_bench_batched_writes_json(tmp_path, capsys):
     assert main(args) == 0
     result = json.loads(target.read_text())
     assert set(result["batches"]) == {"1", "3"}
-    for rows in result["batches"].values():
+    for batch, rows in result["batches"].items():
         assert set(rows) == {"HF greedy", "ssmspec default", "ssmspec autoregressive"}
         assert rows["HF greedy"]["speedup_vs_hf"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows.values())
+        # "vs best plain" is against the faster of HF's and ssmspec's own plain decoding
+        best = result["best_plain"][batch]
+        assert best in ("HF greedy", "ssmspec autoregressive") and rows[best]["speedup_vs_best_plain"] == 1.0
+        assert all(r["speedup_vs_best_plain"] <= r["speedup_vs_hf"] + 1e-12 for r in rows.values())
     assert "identical to HF greedy batched" in capsys.readouterr().out
 
 

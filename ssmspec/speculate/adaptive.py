@@ -215,14 +215,14 @@ class Goodput:
 
     The verify-cost curve prices the target's forward alone. A speculative step also drafts (a draft head's or draft
     model's forwards, n-gram lookups per row), walks the tree and commits; at a large batch that overhead decides
-    whether speculation pays (on the embedded target, batch 32, drafting cost 4.5 ms a step against a 21 ms decode
-    step). Every step is timed; a speculative step's time beyond the curve's forward is its overhead, fitted as a fixed
-    part and a part per drafted node and row (`StepOverhead`; `cost` adds it to the curve, so depths and drafters' own
-    sizing weigh it). And the tokens a speculative step gained per second are compared with a plain step's (the
-    median of the loop's recent plain steps, its first aside): where speculating did not beat it by MARGIN, the next
-    `backoff` steps decode plainly (no drafting at all), and the back-off doubles each time a retry loses again (up
-    to MAX_BACKOFF): throughput never stays below plain decoding for long. Where speculation wins by less than
-    REFRESH_MARGIN, a plain step every REFRESH_EVERY speculative ones keeps that bar measured.
+    whether speculation pays (on the embedded target, batch 32, one level of drafting cost about 5 ms against a
+    10-13 ms plain step). Every step is timed; a speculative step's time beyond the curve's forward is its overhead,
+    fitted as a fixed part and a part per drafted node and row (`StepOverhead`; `cost` adds it to the curve, so
+    depths and drafters' own sizing weigh it). And the tokens a speculative step gained per second are compared with
+    a plain step's (the median of the loop's recent plain steps, its first aside): where speculating did not beat it
+    by MARGIN, the next `backoff` steps decode plainly (no drafting at all), and the back-off doubles each time a
+    retry loses again (up to MAX_BACKOFF): throughput never stays below plain decoding for long. Where speculation
+    wins by less than REFRESH_MARGIN, a plain step every REFRESH_EVERY speculative ones keeps that bar measured.
 
     Args:
         curve: the verify-cost curve (nodes -> cost relative to a decode step).
