@@ -406,7 +406,7 @@ def _catch_up_scores(runner, dec, kept, ids, pads, width, pad_token_id, device) 
 SHADOW_EVERY = 4
 SHADOW_MAX = 32
 # ... and spends at most this share of the plain steps' time on them (at batch 32 on the embedded target a shadow
-# draft cost 4.5 ms against a 13 ms plain step: every 4 steps, 8% of the time, all a plain batch loses)
+# draft cost about 5 ms against a 10-13 ms plain step: every 4 steps, about 10% of the time)
 SHADOW_SHARE = 0.01
 # rows within this many tokens of the row with the most left to generate count as the rows a batch waits for
 CRITICAL_SLACK = 8
