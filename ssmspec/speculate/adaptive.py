@@ -269,13 +269,12 @@ class Goodput:
         self.backoff = self.FIRST_BACKOFF
         self.window = 0  # speculative steps since the last back-off
 
-    def _mix(self, old: float | None, new: float, rate: bool = False) -> float:
+    def _mix_rate(self, old: float | None, new: float) -> float:
         if old is None:
             return new
-        # a step slowed by something else (a page fault, another process, the collector) counts as at most 3x the
-        # average time, or a third of the average rate: one stall must not price speculation out for the rest of
-        # the call (a stall makes a step's seconds high and its rate low)
-        return self.decay * old + (1 - self.decay) * (max(new, old / 3) if rate else min(new, 3 * old))
+        # a step slowed by something else (a page fault, another process, the collector) counts as at most a third of
+        # the average rate: one stall must not price speculation out for the rest of the call
+        return self.decay * old + (1 - self.decay) * max(new, old / 3)
 
     @property
     def seconds(self) -> float:
@@ -319,7 +318,7 @@ class Goodput:
             excess = seconds - step_cost(self.curve, nodes) * self.decode_seconds
             # a stall (another process, the collector) counts as at most 3x what the model expects
             self.overhead.add((nodes - 1) * self.batch, min(excess, 3 * self.spec_overhead(nodes)))
-        self.spec_rate = self._mix(self.spec_rate, rate, rate=True)
+        self.spec_rate = self._mix_rate(self.spec_rate, rate)
         self.window += 1
         self.since_plain += 1
         # the first judgement waits for WINDOW speculative steps (one step's acceptance is noise); a retry after a

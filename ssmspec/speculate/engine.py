@@ -118,9 +118,8 @@ def speculative_generate(
     logits = runner.prefill(input_ids, attention_mask, all_positions=topk > 0, **extra)
     drafter.set_decoding(dec)
     drafter.start(input_ids, attention_mask)
-    if wants_features:
-        for r in range(b):
-            drafter.observe_features(r, runner.features[r, -1])
+    if wants_features:  # the prefill's last position
+        _observe_features(drafter, (runner.features, [-1] * b, range(b)))
     mask = attention_mask.bool()
     prompts = input_ids.tolist()  # what HF's processors and criteria see: the padded prompt rows
     contexts = [input_ids[r][mask[r]].tolist() for r in range(b)]
@@ -220,7 +219,7 @@ def speculative_generate(
                                       reruns=getattr(runner, "reruns", False))  # fmt: skip
                 # plain decoding: the drafter's first level still tells how accurate it is now (a shadow draft costs a
                 # drafting call: SHADOW_EVERY plain steps apart, twice as far after every SHADOW_EVERY of them in
-                # a run of plain steps, up to SHADOW_MAX: at batch 32 one costs 3.8 ms against a 13 ms plain step)
+                # a run of plain steps, up to SHADOW_MAX, and at most SHADOW_SHARE of the plain steps' time)
                 if chosen == 0 and depth > 0:
                     plain_steps += 1
                     if plain_steps >= next_shadow and (shadow_budget >= shadow_cost or not goodput.measured):
@@ -414,9 +413,9 @@ CRITICAL_SLACK = 8
 
 def _observe_features(drafter: Drafter, pending: tuple | None) -> None:
     """Hand the drafter the target's features at each row's last committed position, from the step that committed
-    last (`pending`: its features [B, N, H], the committed node per row, the rows to tell): one gather, a view per
-    row. Deferred to the next drafting call: a run of plain steps (a batch where speculation does not pay) pays
-    for none of it. Returns None (nothing pending)."""
+    last (`pending`: its features [B, N, H], the committed node per row, the rows to tell; after the prefill, its
+    features and the last position): one gather, a view per row. Deferred to the next drafting call: a run of plain
+    steps (a batch where speculation does not pay) pays for none of it. Returns None (nothing pending)."""
     if pending is not None:
         feats, cut, rows = pending
         at = feats[torch.arange(len(cut), device=feats.device), torch.tensor(cut, device=feats.device)].unbind(0)
