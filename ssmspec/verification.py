@@ -66,12 +66,17 @@ def fold_states(
 class Verification:
     """The tree being verified, the commit strategy, and what every layer recorded for commit."""
 
-    def __init__(self, cache: CommittedState, tree: TokenTree, commit: str) -> None:
+    def __init__(self, cache: CommittedState, tree: TokenTree, commit: str, in_place: bool = False) -> None:
         if commit not in COMMIT_STRATEGIES:
             raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
+        if in_place and tree.num_nodes != 1:
+            raise ValueError(f"only a one-node tree is committed in place (its node is always accepted), got {tree.num_nodes}")
         self.cache = cache
         self.tree = tree
         self.commit_strategy = commit
+        # one node per row, always accepted: ops that can (SSD, the conv window) advance the committed state as they
+        # verify and record nothing (their commit would replay that one node); the others record as usual
+        self.in_place = in_place
         self.records: dict[tuple[int, int, bool, int | None], Record] = {}
         self.kv_start = cache.kv_widths()  # attention slots per layer before the tree's K/V were appended
         self.buffers: dict[tuple, torch.Tensor] = {}  # records of all layers stacked (the cache's to fill)
@@ -136,7 +141,8 @@ class Verification:
         return path, lengths
 
     def discard(self) -> None:
-        """Drop the tree: committed states were never touched; the tree's K/V slots are removed."""
+        """Drop the tree: committed states were never touched (an in-place verification's were: it ends a failed
+        step, whose cache is not used again); the tree's K/V slots are removed."""
         if not self.done:
             self.cache.drop_kv(self.kv_start)
             self.done = True

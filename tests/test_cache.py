@@ -123,3 +123,45 @@ def test_the_single_node_path_is_measured_once_and_leaves_the_cache_as_it_was(fa
         outs[choice] = torch.cat(steps, 1)
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
     assert torch.equal(outs[None], outs[path])
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "zamba", "falcon_h1", "lfm2", "qwen3_next", "mamba"])
+def test_one_node_steps_verified_in_place_equal_recorded_commits(family):
+    """A one-node tree is always accepted: verified in place (SSD and conv windows advanced as the forward runs,
+    nothing recorded for them) it leaves the same logits and committed states as the tree path's records and
+    commit, between and after branching steps, on a left-padded batch (float64); such a step cannot be
+    discarded, and `tree_path()` still gives a discardable one."""
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model(family)))
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    recorded, in_place = (ModelRunner(model, decode_single_nodes=False) for _ in range(2))
+    recorded.in_place_single_nodes = False
+    assert in_place.in_place_single_nodes
+    for runner in (recorded, in_place):
+        runner.prefill(ids, mask)
+    branching = TokenTree.from_lists([[5, 6, 7, 8], [9, 10]], [[-1, 0, 0, 1], [-1, 0]])
+    steps = [([[11], [12]], None), ([[13], [14]], None), (branching, [3, 1]), ([[15], [16]], None)]
+    records = 0
+    for tokens, last in steps:
+        tree = tokens if last is not None else TokenTree.chain(torch.tensor(tokens))
+        out = []
+        for runner in (recorded, in_place):
+            out.append(runner.verify(runner.prepare(tree)))
+            if runner is in_place and last is None:
+                records += len(runner._pending[1].records)
+            runner.commit(torch.tensor(last or [0, 0]))
+        torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-10)
+    for a, b in zip(_states(recorded.cache), _states(in_place.cache)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+    if family in ("mamba2", "bamba", "falcon_h1"):  # SSD and conv layers only record nothing (attention: no state)
+        assert records == 0
+    before = _states(in_place.cache)
+    with in_place.tree_path():
+        in_place.verify(TokenTree.chain(torch.tensor([[17], [18]])))
+        in_place.discard()
+    for a, b in zip(before, _states(in_place.cache)):
+        assert torch.equal(a, b)
+    in_place.verify(TokenTree.chain(torch.tensor([[17], [18]])))
+    with pytest.raises(RuntimeError, match="cannot be discarded"):
+        in_place.discard()

@@ -92,6 +92,7 @@ class _Verification:
 
     def __init__(self, state: torch.Tensor) -> None:
         self.state, self.records, self.tree, self.commit_strategy = state, [], None, "replay"
+        self.in_place = False
 
     def committed_state(self, layer: int, state_idx: int = 0) -> torch.Tensor:
         return self.state

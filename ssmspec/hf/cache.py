@@ -255,6 +255,9 @@ class SpecCache(DynamicCache):
         if committed is None:
             raise RuntimeError(f"layer {layer_idx}: tree verification needs a prefilled conv state")
         ext = self._conv_ext(committed.to(conv_states.dtype), conv_states)
+        if self.verification.in_place:  # one node, always accepted: the window moves by it now (what commit would do)
+            committed.copy_(ext[..., 1:])
+            return ext
         rec = Record("conv", layer_idx, state_idx, replay={"nodes": conv_states, "ext": ext})
         self.verification.record(f"layer {layer_idx}", "update_conv_state", rec)
         return ext
@@ -357,11 +360,13 @@ class SpecCache(DynamicCache):
 
     # ---------------------------------------------------------------- verification
     @contextlib.contextmanager
-    def verifying(self, tree: TokenTree) -> Iterator[Verification]:
+    def verifying(self, tree: TokenTree, in_place: bool = False) -> Iterator[Verification]:
         """Run model forwards on `tree` without changing committed state; then commit or discard.
 
         Args:
             tree: the trees to verify, one per batch row.
+            in_place: a one-node tree whose ops advance the committed state as they verify, where they can (the
+                verification cannot be discarded afterwards).
 
         Yields:
             The Verification: `commit(last)` it afterwards (or `discard()`); an exception inside discards it.
@@ -371,7 +376,7 @@ class SpecCache(DynamicCache):
         """
         if self.verification is not None:
             raise RuntimeError("SpecCache is already verifying a tree")
-        verification = Verification(self, tree, self.commit_strategy)
+        verification = Verification(self, tree, self.commit_strategy, in_place)
         self.verification = verification
         try:
             yield verification

@@ -102,6 +102,10 @@ class MixerCall:
     def commit_strategy(self) -> str:
         return self.verification.commit_strategy
 
+    @property
+    def in_place(self) -> bool:
+        return self.verification.in_place
+
     def committed_state(self, seam: str, expected: tuple[int, ...]) -> torch.Tensor | None:
         """This mixer's committed recurrent state, checked against the shape the seam call implies. A mixer that
         calls the seam once per head on a slice of its state [B, H, ...] (Zamba v1's per-head scans: its cache

@@ -139,7 +139,9 @@ def _level_plan(
 # ------------------------------------------------------------------------------------------ seam adapters
 class SeamCall(Protocol):
     """What a seam adapter sees of the verification in progress (ssmspec.hf.seams.MixerCall implements it):
-    the tree, the commit strategy, the calling mixer's committed state, and a place to leave commit records."""
+    the tree, the commit strategy, the calling mixer's committed state, and a place to leave commit records.
+    `in_place`: the tree is one node per row (always accepted), and an adapter may advance the committed state
+    by it as it verifies instead of recording (a commit would replay that one node)."""
 
     module: str
 
@@ -148,6 +150,9 @@ class SeamCall(Protocol):
 
     @property
     def commit_strategy(self) -> str: ...
+
+    @property
+    def in_place(self) -> bool: ...
 
     def committed_state(self, seam: str, expected: tuple[int, ...]) -> torch.Tensor | None: ...
 

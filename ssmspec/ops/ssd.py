@@ -176,6 +176,27 @@ def replay_terms(x, dt, A, Bm, dt_bias, path_mask, dt_softplus, dt_min, dt_max):
     return L.exp(), xw, _by_group(_as(Bm, cd))
 
 
+def ssd_step_(x, dt, A, Bm, Cm, D, dt_bias, state, dt_softplus, dt_min, dt_max) -> torch.Tensor:
+    """One token per row (x [B,1,H,P], dt [B,1,H], Bm/Cm [B,1,G,S]): `state` [B,H,P,S] (contiguous, in the compute
+    dtype) advanced in place, h = exp(dt A) h + dt x B^T, and y = C h + D x returned [B,1,H,P] (compute dtype).
+    `tree_ssd` and the replay commit of a one-node tree in one (HF's `selective_state_update`): a plain step
+    needs no record and no commit. Plain PyTorch, no custom op: a compiled graph fuses it, its state write
+    included."""
+    b, _, h, p = x.shape
+    g, s = Bm.shape[2], Bm.shape[3]
+    cd = state.dtype
+    xc = _as(x[:, 0], cd)  # [B, H, P]
+    dtc = _dt(dt[:, 0], dt_bias, dt_softplus, dt_min, dt_max, cd)  # [B, H]
+    state.mul_((dtc * _as(A, cd)).exp_()[..., None, None])
+    grouped = state.view(b * g, (h // g) * p, s)  # the heads of a group share B and C
+    grouped.baddbmm_((xc * dtc[..., None]).reshape(b * g, -1, 1), _as(Bm[:, 0], cd).reshape(b * g, 1, s))
+    y = torch.bmm(grouped, _as(Cm[:, 0], cd).reshape(b * g, s, 1)).view(b, h, p)
+    if D is not None:
+        Dc = _as(D, cd)
+        y = y.add_(xc * (Dc[:, None] if Dc.ndim == 1 else Dc))
+    return y.unsqueeze(1)
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in dtype (no dispatched call where it already is: these run per layer and per step)."""
     return t if t.dtype == dtype else t.to(dtype)
@@ -242,6 +263,9 @@ def verify_ssd(call: SeamCall, a: dict[str, Any]):
     seam = "mamba_chunk_scan_combined"
     h0 = call.committed_state(seam, (x.shape[0], x.shape[2], x.shape[3], Bm.shape[-1]))
     D, bias, sp = a.get("D"), a.get("dt_bias"), bool(a.get("dt_softplus", False))
+    if call.in_place and h0 is not None and h0.dtype == compute_dtype(x, dt, Bm, Cm) and h0.is_contiguous():
+        y = ssd_step_(x, dt, A, Bm, Cm, D, bias, h0, sp, float(lo), float(hi))  # the node committed as verified
+        return (y, h0) if a.get("return_final_states", False) else y
     mask = call.tree.ancestor_mask
     y, states = _tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, mask, sp, float(lo), float(hi), keep)
     if keep:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssmspec.ops import COMMITS, Record, conv_window, ssd_state_at
+from ssmspec.ops import COMMITS, Record, conv_window, ssd_state_at, tree_ssd
 from ssmspec.ops._common import stacked
 from ssmspec.tree import TokenTree
 
@@ -103,3 +103,34 @@ def test_window_index_on_the_host_equals_the_tensor_version():
         path, lengths = _path(tree, last, width)
         for s in (1, 3, 4, 6):
             assert torch.equal(window_index(s, path, lengths), _window_index_tensors(s, path, lengths))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("groups", "d_shape", "bias"), [(1, "h", True), (2, "hp", False), (4, None, True)])
+def test_one_node_step_equals_tree_op_and_replay(dtype, groups, d_shape, bias):
+    """ssd_step_ (a one-node tree verified and committed in one, in place) gives the tree op's output and the
+    replay commit's state, for grouped B/C, D per head or per channel or none, with and without dt_bias, inputs in
+    every dtype users run (the state in the compute dtype, as the cache keeps it)."""
+    from ssmspec.ops.ssd import ssd_step_
+
+    g = torch.Generator().manual_seed(groups)
+    b, h, p, s = 3, 4, 3, 5
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(b, 1, h, p, generator=g, dtype=D64).to(dtype)
+    dt = torch.randn(b, 1, h, generator=g, dtype=D64).to(dtype)
+    A = -torch.rand(h, generator=g, dtype=D64) - 0.5
+    Bm, Cm = (torch.randn(b, 1, groups, s, generator=g, dtype=D64).to(dtype) for _ in range(2))
+    D = {"h": torch.randn(h, generator=g, dtype=D64), "hp": torch.randn(h, p, generator=g, dtype=D64), None: None}
+    D = D[d_shape]
+    dt_bias = torch.randn(h, generator=g, dtype=D64) if bias else None
+    h0 = torch.randn(b, h, p, s, generator=g, dtype=cd)
+    one = TokenTree.chain(torch.zeros(b, 1, dtype=torch.long))
+    want_y, _ = tree_ssd(x, dt, A, Bm, Cm, D, dt_bias, h0, one.ancestor_mask, True, 0.0, float("inf"), False)
+    want_h = ssd_state_at(x, dt, A, Bm, dt_bias, h0, one.ancestor_mask[:, 0], True, 0.0, float("inf"))
+    state = h0.clone()
+    y = ssd_step_(x, dt, A, Bm, Cm, D, dt_bias, state, True, 0.0, float("inf"))
+    tol = 1e-12 if cd == torch.float64 else 1e-5
+    assert y.dtype == want_y.dtype and y.shape == want_y.shape
+    torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
+    torch.testing.assert_close(state, want_h, rtol=tol, atol=tol)
+    assert not torch.equal(state, h0)
