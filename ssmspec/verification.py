@@ -70,7 +70,7 @@ class Verification:
         if commit not in COMMIT_STRATEGIES:
             raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
         if in_place and tree.num_nodes != 1:
-            raise ValueError(f"only a one-node tree is committed in place (its node is always accepted), got {tree.num_nodes}")
+            raise ValueError(f"only a one-node tree is verified in place (it is always accepted), not {tree.num_nodes}")
         self.cache = cache
         self.tree = tree
         self.commit_strategy = commit
