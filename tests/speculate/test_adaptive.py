@@ -208,15 +208,21 @@ def adaptive_chooses(runner) -> bool:
 
 def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding():
     g = adaptive.Goodput({1: 1.0, 4: 1.5, 8: 2.0}, decode_seconds=0.010)
-    for _ in range(adaptive.Goodput.WINDOW):  # 4-node steps of 30 ms gaining 1.2 tokens per row: below 1 per 10 ms
+    # 4-node steps of 30 ms gaining 1.2 tokens per row: below 1 per 10 ms (the first one warms up: not counted)
+    for _ in range(adaptive.Goodput.WINDOW + 1):
         assert not g.plain
         g.record(4, 0.030, tokens=12, rows=10)
-    assert g.plain and g.forced == 4  # backs off for 4 plain steps
+    assert g.forced == 2 and g.backoff == 4  # losing to a bare forward: first two plain steps measure the real bar
+    for _ in range(2):
+        g.record(1, 0.010, tokens=10, rows=10)
+    assert not g.plain and g.plain_rate == pytest.approx(100)  # the first plain step warmed up; the second counts
+    g.record(4, 0.030, tokens=12, rows=10)
+    assert g.forced == 4 and g.backoff == 8  # a clear loss: backs off for 4 plain steps, the next back-off doubles
     for _ in range(4):
         g.record(1, 0.010, tokens=10, rows=10)
     assert not g.plain  # then retries, judged after one step (the running rate remembers the losing ones)
     g.record(4, 0.030, tokens=12, rows=10)
-    assert g.forced == 8  # losing again doubles the back-off
+    assert g.forced == 8 and g.backoff == 16  # losing again: twice as long
     retries = 0
     while g.backoff != 4:  # winning steps (3 tokens per row in 16 ms) lift the running rate: speculation resumes
         while g.plain:
@@ -224,6 +230,28 @@ def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding
         g.record(4, 0.016, tokens=30, rows=10)
         retries += 1
     assert retries <= 2 and not g.plain
+
+
+def test_goodput_a_tie_backs_off_without_doubling():
+    """Speculation within MARGIN of plain decoding either way backs off, but the next back-off does not grow: a few
+    unlucky retries in a row must not turn speculation off for a call where it wins on average."""
+    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
+    for _ in range(3):
+        g.record(1, 0.010, tokens=10, rows=10)
+    for _ in range(adaptive.Goodput.WINDOW + 1):  # 0.98x plain decoding, again and again
+        g.record(4, 0.010, tokens=98, rows=100)
+    for _ in range(3):  # each retry (a full window again: the back-off did not grow) ties again
+        assert g.forced == 4 and g.backoff == 4
+        while g.plain:
+            g.record(1, 0.010, tokens=10, rows=10)
+        for _ in range(adaptive.Goodput.WINDOW):
+            g.record(4, 0.010, tokens=98, rows=100)
+    for _ in range(3):  # 0.9x: a clear loss, the back-off grows
+        while g.plain:
+            g.record(1, 0.010, tokens=10, rows=10)
+        while not g.plain:
+            g.record(4, 0.010, tokens=90, rows=100)
+    assert g.backoff == 32
 
 
 def test_goodput_bar_is_the_loops_own_plain_steps():
@@ -235,10 +263,15 @@ def test_goodput_bar_is_the_loops_own_plain_steps():
     for _ in range(2 * adaptive.Goodput.WINDOW):
         g.record(4, 0.0125, tokens=115, rows=100)
     assert not g.plain and g.backoff == 4
-    g2 = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)  # no plain step yet: the bare forward is the bar
-    for _ in range(adaptive.Goodput.WINDOW):
+    # no plain step yet: losing to the bare forward measures the real bar first (not a loss: the back-off stays)
+    g2 = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
+    for _ in range(adaptive.Goodput.WINDOW + 1):
         g2.record(4, 0.0125, tokens=115, rows=100)
-    assert g2.plain
+    assert g2.forced == 2 and g2.backoff == 4
+    for _ in range(2):
+        g2.record(1, 0.012, tokens=10, rows=10)
+    g2.record(4, 0.0125, tokens=115, rows=100)
+    assert not g2.plain and g2.backoff == 4
 
 
 def test_goodput_bar_ignores_the_first_plain_step_and_one_slow_step():
@@ -254,13 +287,13 @@ def test_goodput_margin_speculation_that_only_ties_backs_off():
     g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
     for _ in range(3):
         g.record(1, 0.010, tokens=10, rows=10)
-    for _ in range(adaptive.Goodput.WINDOW):  # 1.02x plain decoding: within the margin, a tie
+    for _ in range(adaptive.Goodput.WINDOW + 1):  # 1.02x plain decoding (the first step warms up): a tie
         g.record(4, 0.010, tokens=102, rows=100)
     assert g.plain
     g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
     for _ in range(3):
         g.record(1, 0.010, tokens=10, rows=10)
-    for _ in range(adaptive.Goodput.WINDOW):  # 1.1x: beyond it
+    for _ in range(adaptive.Goodput.WINDOW + 1):  # 1.1x: beyond it
         g.record(4, 0.010, tokens=110, rows=100)
     assert not g.plain
 
