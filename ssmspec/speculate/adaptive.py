@@ -53,6 +53,37 @@ def rerun_cost(rate: float, depth: int, cost: dict[int, float] | Callable[[int],
     return sum(rate**j * (1 - rate) * (step_cost(cost, nodes + j + 1) - base) for j in range(depth))
 
 
+def depth_gains(
+    rates: Sequence[float],
+    cost: dict[int, float] | Callable[[int], float],
+    max_depth: int,
+    nodes_per_depth: float,
+    reruns: bool = False,
+) -> list[float]:
+    """Per depth 0..max_depth, the expected tokens per unit of step cost summed over rows, relative to plain decoding
+    (depth 0: 1.0); a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`)."""
+    gains = []
+    powers = [1.0] * len(rates)  # rate ** k per row
+    tokens = 0.0  # sum over rows of expected_tokens(rate, k), grown one depth at a time (a batch of 32: 0.25 ms)
+    for k in range(max_depth + 1):
+        tokens += sum(powers)
+        powers = [p * r for p, r in zip(powers, rates)]
+        n = 1 + int(round(nodes_per_depth * k))
+        rerun = sum(rerun_cost(r, k, cost, n) for r in rates) / max(len(rates), 1) if reruns else 0.0
+        gains.append(tokens / (step_cost(cost, n) + rerun))
+    plain = gains[0] or 1.0
+    return [g / plain for g in gains]
+
+
+def best_depth(gains: Sequence[float], least: int = 0) -> int:
+    """The depth (at least `least`) of the highest gain; ties go to the shallower (cheaper) depth."""
+    best, best_depth = -1.0, least
+    for k in range(least, len(gains)):
+        if gains[k] > best * 1.0001:
+            best, best_depth = gains[k], k
+    return best_depth
+
+
 def choose_depth(
     rates: Sequence[float],
     cost: dict[int, float] | Callable[[int], float],
@@ -62,18 +93,7 @@ def choose_depth(
 ) -> int:
     """The depth (0..max_depth) with the highest expected tokens per unit of step cost, summed over rows;
     a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`)."""
-    best, best_depth = -1.0, 0
-    powers = [1.0] * len(rates)  # rate ** k per row
-    tokens = 0.0  # sum over rows of expected_tokens(rate, k), grown one depth at a time (a batch of 32: 0.25 ms)
-    for k in range(max_depth + 1):
-        tokens += sum(powers)
-        powers = [p * r for p, r in zip(powers, rates)]
-        n = 1 + int(round(nodes_per_depth * k))
-        rerun = sum(rerun_cost(r, k, cost, n) for r in rates) / max(len(rates), 1) if reruns else 0.0
-        goodput = tokens / (step_cost(cost, n) + rerun)
-        if goodput > best * 1.0001:  # ties go to the shallower (cheaper) depth
-            best, best_depth = goodput, k
-    return best_depth
+    return best_depth(depth_gains(rates, cost, max_depth, nodes_per_depth, reruns))
 
 
 def step_cost(cost: dict[int, float] | Callable[[int], float], nodes: int) -> float:
@@ -219,15 +239,15 @@ class Goodput:
     10-13 ms plain step). Every step is timed; a speculative step's time beyond the curve's forward is its overhead,
     fitted as a fixed part and a part per drafted node and row (`StepOverhead`; `cost` adds it to the curve, so
     depths and drafters' own sizing weigh it). And the tokens a speculative step gained per second are compared with
-    a plain step's (the median of the loop's recent plain steps, its first aside): where speculating did not beat it
-    by MARGIN, the next `backoff` steps decode plainly (no drafting at all), and the back-off doubles each time a
-    retry loses again (up to MAX_BACKOFF): throughput never stays below plain decoding for long. Where speculation
-    wins by less than REFRESH_MARGIN, a plain step every REFRESH_EVERY speculative ones keeps that bar measured.
+    a plain step's (the median of the loop's recent plain steps, its first aside), over a window of recent
+    speculative steps sized by the rows they gain for (`window_steps`): where speculating did not beat it by MARGIN,
+    the next `backoff` steps decode plainly (no drafting at all), and the back-off doubles each time a retry clearly
+    loses again (up to MAX_BACKOFF): throughput never stays below plain decoding for long. Where speculation wins by
+    less than REFRESH_MARGIN, a plain step every REFRESH_EVERY speculative ones keeps that bar measured.
 
     Args:
         curve: the verify-cost curve (nodes -> cost relative to a decode step).
         decode_seconds: a decode step's forward in seconds (the curve's base), as measured.
-        decay: weight of the past in the running averages.
         batch: the batch's rows (a step's drafted nodes are its nodes beyond the root times the rows).
         measured: False: `record` changes nothing (sampling: seeded draws must not depend on the machine's load).
     """
@@ -240,21 +260,19 @@ class Goodput:
     REFRESH_MARGIN = 1.2
     REFRESH_EVERY = 16
     FIRST_BACKOFF = 4
-    WINDOW = 3
-    RETRY_WINDOW = 1
+    WINDOW = 3  # speculative steps a judgement needs at least
+    ROW_STEPS = 16  # ... and at least this many rows' steps together (batch 1: 16 steps; batch 8: 3)
 
     def __init__(
         self,
         curve: dict[int, float],
         decode_seconds: float | None,
-        decay: float = 0.7,
         batch: int = 1,
         measured: bool = True,
     ) -> None:
         self.curve = curve
         self.measured = measured
         self.decode_seconds = decode_seconds or 0.0  # 0: unknown (a curve given without its timing)
-        self.decay = decay
         self.batch = batch
         # what speculative steps take beyond their forward (the first one, which also sets the drafter up, aside)
         self.overhead = StepOverhead(self.PRIOR_FIXED * self.decode_seconds, self.PRIOR_SLOPE)
@@ -266,15 +284,19 @@ class Goodput:
         self.spec_rate: float | None = None  # tokens per row and second of speculative steps (rows `record` is given)
         self.plain_rate: float | None = None  # ... and of plain steps
         self.forced = 0  # plain steps still to take before speculating again
+        self.winning = False  # the last judgement found speculation beating plain decoding
+        self.retry_due = False  # a back-off ended and no speculative step has run since
         self.backoff = self.FIRST_BACKOFF
-        self.window = 0  # speculative steps since the last back-off
+        # the speculative steps since the last back-off (tokens, seconds, rows), the last `window_steps` of them judged
+        self._spec: collections.deque = collections.deque(maxlen=self.ROW_STEPS)
 
-    def _mix_rate(self, old: float | None, new: float) -> float:
-        if old is None:
-            return new
-        # a step slowed by something else (a page fault, another process, the collector) counts as at most a third of
-        # the average rate: one stall must not price speculation out for the rest of the call
-        return self.decay * old + (1 - self.decay) * max(new, old / 3)
+    def window_steps(self, rows: int) -> int:
+        """The speculative steps a judgement sums over: ROW_STEPS rows' steps, at least WINDOW steps. A step's tokens
+        per row vary most at batch 1 (a tree is rejected at its first node or accepted several deep: 1 or 4 tokens
+        in about the same time), where three steps in a row rejected early are common even where speculation wins
+        by 20-30% on average (an exponential average over about three steps backed off on them); a batch's steps
+        average their rows."""
+        return max(self.WINDOW, min(self.ROW_STEPS, -(-self.ROW_STEPS // max(rows, 1))))
 
     @property
     def seconds(self) -> float:
@@ -302,6 +324,8 @@ class Goodput:
             return
         rate = tokens / max(seconds * rows, 1e-12)  # tokens per row and second
         if nodes <= 1:
+            if self.forced == 1:
+                self.retry_due = True
             self.forced = max(0, self.forced - 1)
             self.plain_steps += 1
             self.since_plain = 0
@@ -314,48 +338,59 @@ class Goodput:
                 self.plain_rate = statistics.median(r for _, r in self._plain)
             return
         self.spec_steps += 1
+        self.retry_due = False
         if self.spec_steps == 1:  # it also set the drafter up (its first calls): neither its time nor its rate counts
             return
         if self.decode_seconds:
             excess = seconds - step_cost(self.curve, nodes) * self.decode_seconds
             # a stall (another process, the collector) counts as at most 3x what the model expects
             self.overhead.add((nodes - 1) * self.batch, min(excess, 3 * self.spec_overhead(nodes)))
-        self.spec_rate = self._mix_rate(self.spec_rate, rate)
-        self.window += 1
+        if self._spec:  # a stall counts as at most 3x the window's mean step: it must not price speculation out
+            seconds = min(seconds, 3 * sum(s for _, s, _ in self._spec) / len(self._spec))
+        self._spec.append((tokens, seconds, rows))
         self.since_plain += 1
-        # the first judgement waits for WINDOW speculative steps (one step's acceptance is noise); a retry after a
-        # back-off is judged after its first step, on the running rate that still remembers the losing steps
-        # before it (a retry of WINDOW steps is WINDOW more steps where speculation may still lose; the two measured
-        # alike within this machine's noise at batch 4 and 16)
-        if self.window < (self.WINDOW if self.backoff == self.FIRST_BACKOFF else self.RETRY_WINDOW):
+        window = self.window_steps(rows)
+        if len(self._spec) < window:  # a judgement needs a window of steps since the last back-off
             return
+        recent = list(self._spec)[-window:]
+        self.spec_rate = sum(t for t, _, _ in recent) / max(sum(s * r for _, s, r in recent), 1e-12)
         # the bar: the plain steps this loop took (the same loop around the same forward: what plain decoding
         # gives, HF's loop included, within a few percent). Before any, speculation that does not beat a bare decode
         # forward (stricter: no loop around it) first measures the real bar, two plain steps (the first one warms
         # up), without counting as a loss: once a plain step took 3.1 ms at batch 1 (a bare forward 2.96), the
         # bare bar backed off from trees that won by 20% on average
         if self.plain_rate is None:
-            if self.decode_seconds and self.spec_rate < self.MARGIN / self.decode_seconds:
+            self.winning = not (self.decode_seconds and self.spec_rate < self.MARGIN / self.decode_seconds)
+            if not self.winning:
                 self.forced = 2
             return
         bar = self.plain_rate
+        self.winning = self.spec_rate >= self.MARGIN * bar
         # speculation has to beat the bar by MARGIN: where it only breaks even, single steps' noise (10-30% on this
         # machine) decides, and every retry of a losing tree costs more than a tie gains
-        if self.spec_rate < self.MARGIN * bar:
-            # back off; the next back-off doubles only after a clear loss: where speculation ties plain decoding
-            # (within MARGIN either way) single steps' noise decides, and a few unlucky retries in a row used to
-            # turn it off for the rest of a call where it won by 20-30% on average (batch 1, once plain steps
-            # took 3.1 ms: speculating always, 1.2-1.3x plain decoding; the default, 1.1x)
+        if not self.winning:
+            # back off (a retry then gets a window of its own); the next back-off doubles only after a clear loss:
+            # where speculation ties plain decoding (within MARGIN either way) noise decides, and a few unlucky
+            # retries in a row must not turn it off for the rest of a call
             self.forced = self.backoff
             if self.spec_rate < bar / self.MARGIN:
                 self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
-            self.window = 0
+            self._spec.clear()
         else:
             self.backoff = self.FIRST_BACKOFF
             # winning narrowly: one plain step now and then keeps the bar current (it is otherwise measured only
             # where speculation loses)
             if self.spec_rate < self.REFRESH_MARGIN * bar and self.since_plain >= self.REFRESH_EVERY:
                 self.forced = 1
+
+    def keeps_speculating(self, predicted: float) -> bool:
+        """Whether to speculate where the acceptance model would decode plainly (its best expected gain over plain
+        decoding `predicted`): speculation measured winning (the measurement, not the model, decides whether it
+        pays; the model sizes the tree), or a back-off just ended and the model calls it close (within MARGIN). A
+        dip in the rates after a few short accepts used to end speculation for the rest of a call: plain steps
+        refresh no rate (only rare shadow drafts), so the model never tried again (batch 1, 8 held-out windows:
+        the default 1.9x HF greedy where speculating always, with the largest tree, gave 2.1x)."""
+        return self.measured and (self.winning or (self.retry_due and predicted * self.MARGIN >= 1.0))
 
     @property
     def plain(self) -> bool:

@@ -13,8 +13,9 @@ from ssmspec.speculate.adaptive import (
     COST_SIZES,
     Acceptance,
     Goodput,
-    choose_depth,
+    best_depth,
     chooses_packing,
+    depth_gains,
     measure_cost,
     merge_curves,
 )
@@ -215,8 +216,11 @@ def speculative_generate(
                 depth = 0  # speculation measured slower than plain decoding: back off
             elif adaptive:
                 rates = [acceptance.rate(r) for r in critical]
-                chosen = choose_depth(rates, goodput.cost, max(depth, 0), per_depth,
-                                      reruns=getattr(runner, "reruns", False))  # fmt: skip
+                gains = depth_gains(rates, goodput.cost, max(depth, 0), per_depth,
+                                    reruns=getattr(runner, "reruns", False))  # fmt: skip
+                chosen = best_depth(gains)
+                if chosen == 0 and len(gains) > 1 and goodput.keeps_speculating(max(gains[1:])):
+                    chosen = best_depth(gains, 1)  # measured winning (or a retry the model calls close)
                 # plain decoding: the drafter's first level still tells how accurate it is now (a shadow draft costs a
                 # drafting call: SHADOW_EVERY plain steps apart, twice as far after every SHADOW_EVERY of them in
                 # a run of plain steps, up to SHADOW_MAX, and at most SHADOW_SHARE of the plain steps' time)

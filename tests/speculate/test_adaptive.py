@@ -208,8 +208,9 @@ def adaptive_chooses(runner) -> bool:
 
 def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding():
     g = adaptive.Goodput({1: 1.0, 4: 1.5, 8: 2.0}, decode_seconds=0.010)
+    window = g.window_steps(10)
     # 4-node steps of 30 ms gaining 1.2 tokens per row: below 1 per 10 ms (the first one warms up: not counted)
-    for _ in range(adaptive.Goodput.WINDOW + 1):
+    for _ in range(window + 1):
         assert not g.plain
         g.record(4, 0.030, tokens=12, rows=10)
     assert g.forced == 2 and g.backoff == 4  # losing to a bare forward: first two plain steps measure the real bar
@@ -218,18 +219,46 @@ def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding
     assert not g.plain and g.plain_rate == pytest.approx(100)  # the first plain step warmed up; the second counts
     g.record(4, 0.030, tokens=12, rows=10)
     assert g.forced == 4 and g.backoff == 8  # a clear loss: backs off for 4 plain steps, the next back-off doubles
+    assert not g.winning and not g.keeps_speculating(2.0)
     for _ in range(4):
         g.record(1, 0.010, tokens=10, rows=10)
-    assert not g.plain  # then retries, judged after one step (the running rate remembers the losing ones)
-    g.record(4, 0.030, tokens=12, rows=10)
+    assert not g.plain and g.retry_due  # then retries: a window of its own
+    assert g.keeps_speculating(0.96) and not g.keeps_speculating(0.9)  # where the model calls it close
+    for _ in range(window):
+        g.record(4, 0.030, tokens=12, rows=10)
     assert g.forced == 8 and g.backoff == 16  # losing again: twice as long
     retries = 0
-    while g.backoff != 4:  # winning steps (3 tokens per row in 16 ms) lift the running rate: speculation resumes
+    while g.backoff != 4:  # winning steps (3 tokens per row in 16 ms): speculation resumes
         while g.plain:
             g.record(1, 0.010, tokens=10, rows=10)
-        g.record(4, 0.016, tokens=30, rows=10)
+        for _ in range(window):
+            g.record(4, 0.016, tokens=30, rows=10)
         retries += 1
-    assert retries <= 2 and not g.plain
+    assert retries == 1 and not g.plain and g.winning and g.keeps_speculating(0.5)
+
+
+def test_goodput_judges_a_window_of_rows_steps():
+    """A step's tokens per row vary most at batch 1 (a tree rejected at its first node, or accepted several deep):
+    a judgement sums ROW_STEPS rows' steps. Speculation winning by 25% on average, in runs of three rejected trees
+    and three accepted ones, never backs off at batch 1; judged on three steps it would, again and again."""
+    assert [adaptive.Goodput({1: 1.0}, 0.01).window_steps(b) for b in (1, 2, 4, 8, 32)] == [16, 8, 4, 3, 3]
+
+    def back_offs(row_steps: int) -> int:
+        g = adaptive.Goodput({1: 1.0, 8: 1.5}, decode_seconds=0.010)
+        g.ROW_STEPS = row_steps
+        for _ in range(3):
+            g.record(1, 0.010, tokens=1, rows=1)
+        count = 0
+        for step in range(60):
+            if g.plain:
+                g.record(1, 0.010, tokens=1, rows=1)
+                continue
+            g.record(8, 0.020, tokens=1 if step % 6 < 3 else 4, rows=1)  # 2.5 tokens per 20 ms: 1.25x plain
+            count += g.forced >= g.FIRST_BACKOFF  # a back-off (not the refresh: one plain step now and then)
+        return count
+
+    assert back_offs(adaptive.Goodput.ROW_STEPS) == 0
+    assert back_offs(3) >= 3
 
 
 def test_goodput_a_tie_backs_off_without_doubling():
