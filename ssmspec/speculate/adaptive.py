@@ -384,13 +384,16 @@ class Goodput:
                 self.forced = 1
 
     def keeps_speculating(self, predicted: float) -> bool:
-        """Whether to speculate where the acceptance model would decode plainly (its best expected gain over plain
-        decoding `predicted`): speculation measured winning (the measurement, not the model, decides whether it
-        pays; the model sizes the tree), or a back-off just ended and the model calls it close (within MARGIN). A
-        dip in the rates after a few short accepts used to end speculation for the rest of a call: plain steps
-        refresh no rate (only rare shadow drafts), so the model never tried again (batch 1, 8 held-out windows:
-        the default 1.9x HF greedy where speculating always, with the largest tree, gave 2.1x)."""
-        return self.measured and (self.winning or (self.retry_due and predicted * self.MARGIN >= 1.0))
+        """Whether to speculate where the acceptance model would decode plainly (`predicted`: its best expected gain
+        over plain decoding): speculation measured winning (the measurement, not the model, decides whether it
+        pays; the model sizes the tree), a back-off just ended (its retry), or nothing was judged yet and the model
+        calls it close (within MARGIN). Plain steps refresh no acceptance rate (only rare shadow drafts), so where
+        the model alone decided, its prior's 0.98 at batch 1 or a dip in the rates after a few early rejections
+        ended speculation for a whole call (8 held-out windows at batch 1: the default 1.9x HF greedy where
+        speculating always, with the largest tree, gave 2.1x)."""
+        if not self.measured:
+            return False
+        return self.winning or self.retry_due or (self.spec_rate is None and predicted * self.MARGIN >= 1.0)
 
     @property
     def plain(self) -> bool:

@@ -220,7 +220,7 @@ def speculative_generate(
                                     reruns=getattr(runner, "reruns", False))  # fmt: skip
                 chosen = best_depth(gains)
                 if chosen == 0 and len(gains) > 1 and goodput.keeps_speculating(max(gains[1:])):
-                    chosen = best_depth(gains, 1)  # measured winning (or a retry the model calls close)
+                    chosen = best_depth(gains, 1)  # measured winning, a back-off's retry, or a first try
                 # plain decoding: the drafter's first level still tells how accurate it is now (a shadow draft costs a
                 # drafting call: SHADOW_EVERY plain steps apart, twice as far after every SHADOW_EVERY of them in
                 # a run of plain steps, up to SHADOW_MAX, and at most SHADOW_SHARE of the plain steps' time)

@@ -222,8 +222,7 @@ def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding
     assert not g.winning and not g.keeps_speculating(2.0)
     for _ in range(4):
         g.record(1, 0.010, tokens=10, rows=10)
-    assert not g.plain and g.retry_due  # then retries: a window of its own
-    assert g.keeps_speculating(0.96) and not g.keeps_speculating(0.9)  # where the model calls it close
+    assert not g.plain and g.retry_due and g.keeps_speculating(0.5)  # then retries, whatever the model: a new window
     for _ in range(window):
         g.record(4, 0.030, tokens=12, rows=10)
     assert g.forced == 8 and g.backoff == 16  # losing again: twice as long
