@@ -78,6 +78,7 @@ class Verification:
         # verify and record nothing (their commit would replay that one node); the others record as usual
         self.in_place = in_place
         self.records: dict[tuple[int, int, bool, int | None], Record] = {}
+        self.claimed: set[tuple[int, int, bool, int | None]] = set()  # the states this forward updates (`claim`)
         self.kv_start = cache.kv_widths()  # attention slots per layer before the tree's K/V were appended
         self.buffers: dict[tuple, torch.Tensor] = {}  # records of all layers stacked (the cache's to fill)
         self.done = False
@@ -106,13 +107,19 @@ class Verification:
 
     def record(self, module: str, seam: str, rec: Record) -> None:
         """Remember what commit needs for (layer, state index); one recurrence call per state and forward."""
-        key = (rec.layer, rec.state_idx, rec.kind == "conv", rec.part)
-        if key in self.records:
-            part = "" if rec.part is None else f", part {rec.part}"
+        self.claim(module, seam, rec.layer, rec.state_idx, rec.kind == "conv", rec.part)
+        self.records[(rec.layer, rec.state_idx, rec.kind == "conv", rec.part)] = rec
+
+    def claim(self, module: str, seam: str, layer: int, state_idx: int, conv: bool, part: int | None) -> None:
+        """A state this forward updates (recorded for a commit, or advanced in place): a second call on it in the same
+        forward would read what the first one wrote, so it is refused (UnsupportedModelError naming it)."""
+        key = (layer, state_idx, conv, part)
+        if key in self.claimed:
+            where = "" if part is None else f", part {part}"
             raise UnsupportedModelError(
-                module, f"calls `{seam}` more than once per forward on layer {rec.layer}, state {rec.state_idx}{part}"
+                module, f"calls `{seam}` more than once per forward on layer {layer}, state {state_idx}{where}"
             )
-        self.records[key] = rec
+        self.claimed.add(key)
 
     def committed_state(self, layer: int, state_idx: int = 0) -> torch.Tensor | None:
         """The committed recurrent state a tree op starts from (None before the layer's first update)."""

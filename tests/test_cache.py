@@ -165,3 +165,21 @@ def test_one_node_steps_verified_in_place_equal_recorded_commits(family):
     in_place.verify(TokenTree.chain(torch.tensor([[17], [18]])))
     with pytest.raises(RuntimeError, match="cannot be discarded"):
         in_place.discard()
+
+
+def test_a_state_updated_twice_in_one_forward_is_refused_recorded_or_in_place():
+    """A mixer that calls a seam twice per forward on one state would read, the second time, what the first wrote
+    (in place) or leave two records: refused either way, naming the seam."""
+    from ssmspec.errors import UnsupportedModelError
+
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")))
+    runner = ModelRunner(model)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(4))
+    runner.prefill(ids, torch.ones_like(ids))
+    for in_place in (True, False):
+        with runner.cache.verifying(TokenTree.chain(torch.tensor([[7]])), in_place=in_place) as verification:
+            verification.claim("layer 0", "mamba_chunk_scan_combined", 0, 0, False, None)
+            verification.claim("layer 0", "update_conv_state", 0, 0, True, None)  # another state: fine
+            with pytest.raises(UnsupportedModelError, match="mamba_chunk_scan_combined` more than once"):
+                verification.claim("layer 0", "mamba_chunk_scan_combined", 0, 0, False, None)
+        verification.discard()

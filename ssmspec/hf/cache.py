@@ -256,6 +256,7 @@ class SpecCache(DynamicCache):
             raise RuntimeError(f"layer {layer_idx}: tree verification needs a prefilled conv state")
         ext = self._conv_ext(committed.to(conv_states.dtype), conv_states)
         if self.verification.in_place:  # one node, always accepted: the window moves by it now (what commit would do)
+            self.verification.claim(f"layer {layer_idx}", "update_conv_state", layer_idx, state_idx, True, None)
             committed.copy_(ext[..., 1:])
             return ext
         rec = Record("conv", layer_idx, state_idx, replay={"nodes": conv_states, "ext": ext})

@@ -127,6 +127,10 @@ class MixerCall:
             f"{tuple(h0.shape)}; ssmspec cannot tell which part of the state a call owns",
         )
 
+    def advanced(self, seam: str) -> None:
+        """This mixer's recurrent state (or the slice the call owns) was advanced in place (`in_place`)."""
+        self.verification.claim(self.module, seam, self.layer, 0, False, self.part)
+
     def record(self, seam: str, kind: str, *, states: torch.Tensor | None = None, **replay: Any) -> None:
         """Leave what commit needs for this mixer's recurrent state (or the slice the call owns)."""
         rec = Record(kind, self.layer, 0, states, replay, part=self.part)

@@ -158,6 +158,8 @@ class SeamCall(Protocol):
 
     def record(self, seam: str, kind: str, *, states: torch.Tensor | None = None, **replay: Any) -> None: ...
 
+    def advanced(self, seam: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class SeamAdapter:

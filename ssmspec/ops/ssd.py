@@ -264,6 +264,7 @@ def verify_ssd(call: SeamCall, a: dict[str, Any]):
     h0 = call.committed_state(seam, (x.shape[0], x.shape[2], x.shape[3], Bm.shape[-1]))
     D, bias, sp = a.get("D"), a.get("dt_bias"), bool(a.get("dt_softplus", False))
     if call.in_place and h0 is not None and h0.dtype == compute_dtype(x, dt, Bm, Cm) and h0.is_contiguous():
+        call.advanced(seam)  # claimed before it is written: a second call on this state in the forward is refused
         y = ssd_step_(x, dt, A, Bm, Cm, D, bias, h0, sp, float(lo), float(hi))  # the node committed as verified
         return (y, h0) if a.get("return_final_states", False) else y
     mask = call.tree.ancestor_mask
