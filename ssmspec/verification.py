@@ -107,12 +107,14 @@ class Verification:
 
     def record(self, module: str, seam: str, rec: Record) -> None:
         """Remember what commit needs for (layer, state index); one recurrence call per state and forward."""
-        self.claim(module, seam, rec.layer, rec.state_idx, rec.kind == "conv", rec.part)
-        self.records[(rec.layer, rec.state_idx, rec.kind == "conv", rec.part)] = rec
+        self.records[self.claim(module, seam, rec.layer, rec.state_idx, rec.kind == "conv", rec.part)] = rec
 
-    def claim(self, module: str, seam: str, layer: int, state_idx: int, conv: bool, part: int | None) -> None:
+    def claim(
+        self, module: str, seam: str, layer: int, state_idx: int, conv: bool, part: int | None
+    ) -> tuple[int, int, bool, int | None]:
         """A state this forward updates (recorded for a commit, or advanced in place): a second call on it in the same
-        forward would read what the first one wrote, so it is refused (UnsupportedModelError naming it)."""
+        forward would read what the first one wrote, so it is refused (UnsupportedModelError naming it). Returns its
+        key."""
         key = (layer, state_idx, conv, part)
         if key in self.claimed:
             where = "" if part is None else f", part {part}"
@@ -120,6 +122,7 @@ class Verification:
                 module, f"calls `{seam}` more than once per forward on layer {layer}, state {state_idx}{where}"
             )
         self.claimed.add(key)
+        return key
 
     def committed_state(self, layer: int, state_idx: int = 0) -> torch.Tensor | None:
         """The committed recurrent state a tree op starts from (None before the layer's first update)."""

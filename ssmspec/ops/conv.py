@@ -56,9 +56,7 @@ def tree_causal_conv1d(
     # such rows already: the mixer's projection output), so the gather copies rows and the weighted sum runs
     # over contiguous channels; tap j of node t reads its (K-1-j)-th ancestor, as weight column j expects
     rows = x_ext.transpose(1, 2).to(cd)
-    idx = ancestors.flip(-1) + s  # [B, N, K]
-    if b > 1:  # one index_select over the batch's rows (a gather with an expanded index is 3-5x slower)
-        idx = idx + torch.arange(0, b * total, total, device=idx.device).view(b, 1, 1)
+    idx = _batch_rows(ancestors.flip(-1) + s, total)  # [B, N, K]
     taps = rows.reshape(b * total, c).index_select(0, idx.view(-1)).view(b, n, k, c)
     out = (taps * weight.to(cd).t()).sum(2)  # [B, N, C]
     if bias is not None:
@@ -72,6 +70,15 @@ def tree_causal_conv1d(
 @tree_causal_conv1d.register_fake
 def _(x_ext, weight, bias, ancestors, activation):
     return x_ext.new_empty(x_ext.shape[0], ancestors.shape[1], x_ext.shape[1]).transpose(1, 2)
+
+
+def _batch_rows(idx: torch.Tensor, total: int) -> torch.Tensor:
+    """Column indices idx [B, ...] into each row's `total` columns as indices into the batch's rows laid end to end
+    ([B * total]): one index_select then gathers for every row (a gather with an expanded index is 3-5x slower)."""
+    b = idx.shape[0]
+    if b == 1:
+        return idx
+    return idx + torch.arange(0, b * total, total, device=idx.device).view(b, *[1] * (idx.dim() - 1))
 
 
 def window_index(s: int, path: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -137,8 +144,7 @@ def _window_in_place(group: list, path: torch.Tensor, lengths: torch.Tensor) -> 
     stack = stacked([t for t, _, _ in group])
     exts = stacked([e.transpose(1, 2) for _, _, e in group])  # [layers, B, S+N, C]
     if stack is not None and exts is not None:
-        total = exts.shape[2]  # S+N: one index_select over the batch's rows, as in tree_causal_conv1d
-        flat = idx + torch.arange(0, b * total, total, device=idx.device).view(b, 1) if b > 1 else idx
+        flat = _batch_rows(idx, exts.shape[2])  # one index_select over the batch's rows, as in tree_causal_conv1d
         new = exts.flatten(1, 2).index_select(1, flat.view(-1).to(exts.device)).view(len(group), b, s, c)
         stack.copy_(new.transpose(2, 3))
         return

@@ -84,18 +84,6 @@ def best_depth(gains: Sequence[float], least: int = 0) -> int:
     return best_depth
 
 
-def choose_depth(
-    rates: Sequence[float],
-    cost: dict[int, float] | Callable[[int], float],
-    max_depth: int,
-    nodes_per_depth: float,
-    reruns: bool = False,
-) -> int:
-    """The depth (0..max_depth) with the highest expected tokens per unit of step cost, summed over rows;
-    a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`)."""
-    return best_depth(depth_gains(rates, cost, max_depth, nodes_per_depth, reruns))
-
-
 def step_cost(cost: dict[int, float] | Callable[[int], float], nodes: int) -> float:
     """Relative cost of verifying `nodes` nodes, interpolated (linearly) in the measured curve (or the price a
     callable gives: Goodput.cost)."""

@@ -12,7 +12,7 @@ import torch
 import ssmspec
 from ssmspec import SpecConfig
 from ssmspec.speculate import adaptive
-from ssmspec.speculate.adaptive import Acceptance, choose_depth, expected_tokens, rerun_cost, step_cost
+from ssmspec.speculate.adaptive import Acceptance, best_depth, depth_gains, expected_tokens, rerun_cost, step_cost
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
 from ssmspec.testing.strategies import cached_tiny_model
@@ -20,21 +20,26 @@ from ssmspec.testing.strategies import cached_tiny_model
 COST = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6}
 
 
+def _choose_depth(*args, **kwargs) -> int:
+    """The depth the engine picks from the acceptance model alone (no measurement overriding it)."""
+    return best_depth(depth_gains(*args, **kwargs))
+
+
 def test_depth_follows_acceptance_and_cost():
-    assert choose_depth([0.05], COST, 8, 1.0) == 0  # drafts fail: plain decoding
-    assert choose_depth([0.95], COST, 8, 1.0) == 8  # drafts succeed: as deep as allowed
-    mid = choose_depth([0.6], COST, 8, 1.0)
+    assert _choose_depth([0.05], COST, 8, 1.0) == 0  # drafts fail: plain decoding
+    assert _choose_depth([0.95], COST, 8, 1.0) == 8  # drafts succeed: as deep as allowed
+    mid = _choose_depth([0.6], COST, 8, 1.0)
     assert 0 < mid < 8
-    assert choose_depth([0.6], {n: 1.0 for n in COST}, 8, 1.0) == 8  # free verification: always deepest
+    assert _choose_depth([0.6], {n: 1.0 for n in COST}, 8, 1.0) == 8  # free verification: always deepest
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert step_cost(COST, 3) == pytest.approx(1.3) and step_cost(COST, 32) == pytest.approx(4.2)
     # the generic path feeds the accepted prefix again after a rejection: priced, it drafts no deeper
     assert rerun_cost(1.0, 4, COST, 5) == 0.0 and rerun_cost(0.0, 4, COST, 4) == pytest.approx(1.5 - 1.4)
     assert rerun_cost(0.5, 2, COST, 2) == pytest.approx(0.5 * (1.3 - 1.2) + 0.25 * (1.4 - 1.2))
-    assert choose_depth([0.6], COST, 8, 1.0, reruns=True) <= mid
+    assert _choose_depth([0.6], COST, 8, 1.0, reruns=True) <= mid
     knee = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3, 16: 4.0}  # cheap up to 8 tokens, dear after: a carried prefix costs
-    assert choose_depth([0.7], knee, 8, 1.0) == 7 and choose_depth([0.7], knee, 8, 1.0, reruns=True) == 4
-    assert choose_depth([0.999], COST, 8, 1.0, reruns=True) == 8
+    assert _choose_depth([0.7], knee, 8, 1.0) == 7 and _choose_depth([0.7], knee, 8, 1.0, reruns=True) == 4
+    assert _choose_depth([0.999], COST, 8, 1.0, reruns=True) == 8
     acc = Acceptance(1)
     for _ in range(10):
         acc.update(0, 4, 0)
