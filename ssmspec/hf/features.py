@@ -59,6 +59,18 @@ def feature_size(model: nn.Module) -> int:
     return int(weight.shape[1])
 
 
+def install(model: nn.Module) -> bool:
+    """Put the feature hook on the model's LM head (once); True where this call put it there. A model compiled
+    before that has graphs that never call it: Dynamo does not guard on module hooks (torch internals, named
+    here), so they stay valid for it and must be compiled anew (`ssmspec.speculate.engine` does)."""
+    head = lm_head(model)
+    if head.__dict__.get(_HOOKED):
+        return False
+    head.register_forward_pre_hook(_store)
+    head.__dict__[_HOOKED] = True
+    return True
+
+
 @contextlib.contextmanager
 def capturing(model: nn.Module, enabled: bool = True) -> Iterator[Capture | None]:
     """Within: the model's forwards on this thread leave their features in the yielded Capture (the last forward's;
@@ -66,10 +78,8 @@ def capturing(model: nn.Module, enabled: bool = True) -> Iterator[Capture | None
     if not enabled:
         yield None
         return
+    install(model)
     head = lm_head(model)
-    if not head.__dict__.get(_HOOKED):
-        head.register_forward_pre_hook(_store)
-        head.__dict__[_HOOKED] = True
     outer = getattr(_LOCAL, "capture", None)
     box = _LOCAL.capture = Capture(head)
     try:

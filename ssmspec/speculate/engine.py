@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ssmspec.hf import features
 from ssmspec.speculate.adaptive import (
     COST_SIZES,
     Acceptance,
@@ -101,6 +102,12 @@ def speculative_generate(
     dec = decoding if decoding is not None else Decoding()
     stats = SpecStats()
     b = input_ids.shape[0]
+    wants_features = bool(getattr(drafter, "target_features", False))
+    if wants_features and features.install(model) and getattr(model, "ssmspec_compile_call", None) is not None:
+        # compiled before its LM head had the feature hook (a default call drafts with n-grams on a compiled model):
+        # its graphs would never hand the features over, so the model is compiled anew, as it was
+        args, kwargs = model.ssmspec_compile_call
+        model.compile(*args, **kwargs)
     runner = (GenericRunner if generic else ModelRunner)(
         model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
         max_depth=num_draft_tokens, max_nodes=max(tree_budget, num_draft_tokens) + 1,
@@ -109,7 +116,7 @@ def speculative_generate(
     stats.near_tie_tolerance = near_tie_tolerance(runner.dtype)
     # a drafter that drafts from the target's features (a draft head) gets the feature of every row's last
     # committed position after the prefill and before every later proposal (`_observe_features`)
-    runner.capture_features = wants_features = bool(getattr(drafter, "target_features", False))
+    runner.capture_features = wants_features
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
     device = input_ids.device

@@ -215,3 +215,20 @@ def test_speculative_generate_hands_the_drafter_every_committed_feature():
     assert len(seen) == len(roots) == stats.verify_steps  # the last step's feature: no proposal followed
     lm_head = model.get_output_embeddings()
     assert [int(lm_head(f).argmax()) for f in seen] == roots
+
+
+def test_a_model_compiled_before_its_features_were_hooked_drafts_with_its_head():
+    """A compiled model's default call drafts with n-grams (no feature hook); its graphs, traced without the hook, would
+    never hand a later draft-head call the features (Dynamo does not guard on module hooks): it is compiled anew, and
+    drafts as an eager model does."""
+    torch.manual_seed(0)
+    model = _transformed("mamba2", DraftHead.for_model(cached_tiny_model("mamba2")).double())
+    model.compile(backend="eager")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    model.generate(ids, max_new_tokens=4)  # n-grams: nothing hooked yet
+    assert not model.get_output_embeddings()._forward_pre_hooks
+    spec = SpecConfig(drafter="draft_head", tree=False, num_draft_tokens=2, adaptive=False)
+    out = model.generate(ids, max_new_tokens=6, speculation=spec, return_dict_in_generate=True)
+    ref = cached_tiny_model("mamba2").generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out.sequences, ref)
+    assert out.spec_stats["drafter"]["head_calls"] > 0
