@@ -11,7 +11,7 @@ import torch
 
 import ssmspec
 from ssmspec import SpecConfig
-from ssmspec.speculate import adaptive
+from ssmspec.speculate import adaptive, engine
 from ssmspec.speculate.adaptive import Acceptance, best_depth, depth_gains, expected_tokens, rerun_cost, step_cost
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
@@ -50,7 +50,7 @@ def test_depth_follows_acceptance_and_cost():
 
 
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
-def test_adaptive_output_is_hfs_and_depth_adapts(family):
+def test_adaptive_output_is_hfs_and_depth_adapts(family, monkeypatch):
     ref = cached_tiny_model(family)
     model = ssmspec.transform(copy.deepcopy(ref))
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [0, 0, 0, 0, 9, 10, 11, 9, 10, 11, 9, 10]])
@@ -66,7 +66,9 @@ def test_adaptive_output_is_hfs_and_depth_adapts(family):
     assert measured[1] == 1.0 and all(
         measured[a] <= measured[b] for a, b in zip(sorted(measured), sorted(measured)[1:])
     )
-    model._ssmspec_cost_curves[(2, "cpu")] = COST  # a fixed curve: the decisions below do not depend on timing
+    # a fixed curve and no measured goodput: the decisions below are the acceptance model's, whatever the timing
+    model._ssmspec_cost_curves[(2, "cpu")] = COST
+    monkeypatch.setattr(engine, "Goodput", Unmeasured)
     wrong, stats_wrong, _ = speculative_generate(model, ids, mask, drafter=RandomDrafter(96, chain=True),
                                                  adaptive=True, **common)  # fmt: skip
     right, stats_right, _ = speculative_generate(model, ids, mask, drafter=OracleDrafter(rows, vocab_size=96),
@@ -76,6 +78,13 @@ def test_adaptive_output_is_hfs_and_depth_adapts(family):
     assert sum(n == 1 for n in stats_wrong.tree_nodes_per_step) > 0.7 * stats_wrong.verify_steps
     assert stats_right.mean_accepted_per_step > 4
     assert set(model._ssmspec_cost_curves) == {(2, "cpu")}  # measured once for this batch size
+
+
+class Unmeasured(adaptive.Goodput):
+    """Goodput that no timing moves (as when sampling)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "measured": False})
 
 
 def test_adaptive_sampling_stays_lossless_by_construction():
@@ -129,7 +138,7 @@ def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
     """Other processes' load only adds time: the curve keeps each size's fastest run, the sizes taking turns,
     so a burst that covers several consecutive runs (all the repeats of one size, timed one size after the
     other) does not make drafting look dear."""
-    from ssmspec.speculate import adaptive
+    from ssmspec.speculate import adaptive, engine
 
     true_cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5}
     clock = {"now": 0.0, "runs": 0}
@@ -150,7 +159,7 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
     """Whether oneDNN's packed weights or F.linear is faster depends on the CPU: where the runner may choose, every
     size is timed both ways, the faster kept per size (`runner.packed_sizes`) and priced in the curve."""
     from ssmspec import linear
-    from ssmspec.speculate import adaptive
+    from ssmspec.speculate import adaptive, engine
 
     packed = {1: 1.2, 2: 1.25, 4: 1.3, 8: 1.4}  # packed: dearer for few rows, cheaper for many
     plain = {1: 1.0, 2: 1.1, 4: 1.5, 8: 2.0}
@@ -436,3 +445,22 @@ def test_goodput_under_sampling_follows_no_timing():
         g.record(1, 0.010, tokens=4, rows=4)
         g.record(4, 0.500, tokens=4, rows=4)  # speculation far slower than plain decoding
     assert not g.plain and [g.cost(n) for n in (1, 2, 4)] == before
+
+
+def test_goodput_a_judgement_that_speculation_wins_stands_for_its_windows_steps():
+    """The rows a batch waits for shrink at its end, and the window of steps grows (four rows: 4 steps; one row: 16):
+    a judgement that speculation wins, made on four rows' steps, stands for as many steps as it summed, then the
+    acceptance model decides until the next judgement (it stood for 13 steps that lost)."""
+    g = adaptive.Goodput({1: 1.0, 8: 1.5}, decode_seconds=0.010, batch=4)
+    for _ in range(3):
+        g.record(1, 0.010, tokens=4, rows=4)  # plain decoding: 1 token per row in 10 ms
+    for _ in range(5):
+        g.record(8, 0.015, tokens=12, rows=4)  # 3 tokens per row in 15 ms: 2x plain decoding
+    assert g.winning and g.measured_winning and g.keeps_speculating(0.5)
+    stood = 0
+    while g.keeps_speculating(0.5):  # the last row, its drafts rejected: 1 token in 15 ms
+        g.record(8, 0.015, tokens=1, rows=1)
+        stood += 1
+        assert stood < 16
+    # not judged again yet (one row: a window of 16 steps); the engine speculates where the acceptance model says so
+    assert stood == g.window_steps(4) and g.winning and not g.measured_winning and not g.plain
