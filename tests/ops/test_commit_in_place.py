@@ -134,3 +134,24 @@ def test_one_node_step_equals_tree_op_and_replay(dtype, groups, d_shape, bias):
     torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
     torch.testing.assert_close(state, want_h, rtol=tol, atol=tol)
     assert not torch.equal(state, h0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "s", "k"), [(1, 3, 4), (3, 3, 4), (2, 5, 3)])
+@pytest.mark.parametrize("activation", ["silu", ""])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_step_is_the_tree_conv_of_one_node(dtype, b, s, k, activation, bias):
+    """A plain step's conv reads its taps in place (the last K columns): the same values as the tree conv gathering
+    them by ancestor index, bit for bit, whatever the committed columns beyond the width (s >= k - 1)."""
+    from ssmspec.ops.conv import conv_step, tree_causal_conv1d
+
+    g = torch.Generator().manual_seed(b * 10 + s)
+    c = 24
+    x_ext = torch.randn(b, s + 1, c, generator=g).to(dtype).transpose(1, 2)  # time-major, as the cache builds it
+    weight = torch.randn(c, k, generator=g).to(dtype)
+    b_ = torch.randn(c, generator=g).to(dtype) if bias else None
+    ancestors = TokenTree.from_lists([[0]] * b, [[-1]] * b).ancestors(k)
+    want = tree_causal_conv1d(x_ext, weight, b_, ancestors, activation)
+    got = conv_step(x_ext, weight, b_, activation)
+    assert got.dtype == want.dtype and got.shape == want.shape == (b, c, 1)
+    assert torch.equal(got, want)

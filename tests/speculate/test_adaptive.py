@@ -138,7 +138,7 @@ def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
     """Other processes' load only adds time: the curve keeps each size's fastest run, the sizes taking turns,
     so a burst that covers several consecutive runs (all the repeats of one size, timed one size after the
     other) does not make drafting look dear."""
-    from ssmspec.speculate import adaptive, engine
+    from ssmspec.speculate import adaptive
 
     true_cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5}
     clock = {"now": 0.0, "runs": 0}
@@ -159,7 +159,7 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
     """Whether oneDNN's packed weights or F.linear is faster depends on the CPU: where the runner may choose, every
     size is timed both ways, the faster kept per size (`runner.packed_sizes`) and priced in the curve."""
     from ssmspec import linear
-    from ssmspec.speculate import adaptive, engine
+    from ssmspec.speculate import adaptive
 
     packed = {1: 1.2, 2: 1.25, 4: 1.3, 8: 1.4}  # packed: dearer for few rows, cheaper for many
     plain = {1: 1.0, 2: 1.1, 4: 1.5, 8: 2.0}
