@@ -143,8 +143,11 @@ def verify_conv(call: SeamCall, a: dict[str, Any]) -> torch.Tensor:
     mixer's own `[..., -seq_len:]` slice picks the node outputs."""
     x_ext, weight = a["hidden_states"], a["weight"]
     tree = call.tree
-    if tree.num_nodes == 1 and not torch.compiler.is_compiling() and type(x_ext) is torch.Tensor and (
-        x_ext.device.type == "cpu"
+    if (
+        tree.num_nodes == 1
+        and not torch.compiler.is_compiling()
+        and type(x_ext) is torch.Tensor
+        and (x_ext.device.type == "cpu")
     ):  # a plain step (eager, on a CPU: where the reference runs, `eager_fast_path`)
         out = conv_step(x_ext, weight, a.get("bias"), a.get("activation") or "")
     else:
