@@ -58,13 +58,19 @@ def tree_causal_conv1d(
     rows = x_ext.transpose(1, 2).to(cd)
     idx = _batch_rows(ancestors.flip(-1) + s, total)  # [B, N, K]
     taps = rows.reshape(b * total, c).index_select(0, idx.view(-1)).view(b, n, k, c)
+    return _weighted(taps, weight, bias, act, cd, x_ext.dtype)
+
+
+def _weighted(taps: torch.Tensor, weight, bias, act: str | None, cd: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """taps [B, N, K, C] (rows of contiguous channels, in `cd`) weighted by weight [C, K] and summed over K, plus the
+    bias and the activation: [B, C, N] in `dtype`, time-major (the tree conv and its one-node form share it)."""
     out = (taps * weight.to(cd).t()).sum(2)  # [B, N, C]
     if bias is not None:
         out = out.add_(bias.to(cd))
     fn = _ACTIVATIONS[act]
     if fn is not None:
         out = fn(out, inplace=True)
-    return out.to(x_ext.dtype).transpose(1, 2)
+    return out.to(dtype).transpose(1, 2)
 
 
 @tree_causal_conv1d.register_fake
@@ -80,14 +86,8 @@ def conv_step(x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _check_activation(act)
     k = weight.shape[-1]
     cd = compute_dtype(x_ext, weight)
-    taps = x_ext[..., -k:].transpose(1, 2).to(cd)  # [B, K, C]: rows of contiguous channels
-    out = (taps * weight.to(cd).t()).sum(1, keepdim=True)  # [B, 1, C]
-    if bias is not None:
-        out = out.add_(bias.to(cd))
-    fn = _ACTIVATIONS[act]
-    if fn is not None:
-        out = fn(out, inplace=True)
-    return out.to(x_ext.dtype).transpose(1, 2)
+    taps = x_ext[..., -k:].transpose(1, 2).to(cd).unsqueeze(1)  # [B, 1, K, C]: rows of contiguous channels
+    return _weighted(taps, weight, bias, act, cd, x_ext.dtype)
 
 
 def _batch_rows(idx: torch.Tensor, total: int) -> torch.Tensor:
@@ -143,12 +143,8 @@ def verify_conv(call: SeamCall, a: dict[str, Any]) -> torch.Tensor:
     mixer's own `[..., -seq_len:]` slice picks the node outputs."""
     x_ext, weight = a["hidden_states"], a["weight"]
     tree = call.tree
-    if (
-        tree.num_nodes == 1
-        and not torch.compiler.is_compiling()
-        and type(x_ext) is torch.Tensor
-        and (x_ext.device.type == "cpu")
-    ):  # a plain step (eager, on a CPU: where the reference runs, `eager_fast_path`)
+    plain_cpu = type(x_ext) is torch.Tensor and x_ext.device.type == "cpu" and not torch.compiler.is_compiling()
+    if tree.num_nodes == 1 and plain_cpu:  # a plain step, eager on a CPU (where the reference runs: eager_fast_path)
         out = conv_step(x_ext, weight, a.get("bias"), a.get("activation") or "")
     else:
         out = _tree_conv(x_ext, weight, a.get("bias"), tree.ancestors(weight.shape[-1]), a.get("activation") or "")
