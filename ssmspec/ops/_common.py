@@ -50,6 +50,12 @@ def reference_impl(op: torch._ops.OpOverload | str) -> Callable:
     return _REFERENCES[name]
 
 
+def eager_reference(first: torch.Tensor) -> bool:
+    """Whether a reference op called on `first` runs its Python function directly (`eager_fast_path`): eager, on a
+    plain CPU tensor."""
+    return not torch.compiler.is_compiling() and type(first) is torch.Tensor and first.device.type == "cpu"
+
+
 def eager_fast_path(op: Callable) -> Callable:
     """Wrap a reference op so that eager calls on plain CPU tensors run its Python function directly.
 
@@ -59,11 +65,7 @@ def eager_fast_path(op: Callable) -> Callable:
     fn = reference_impl(op._qualname if hasattr(op, "_qualname") else op)
 
     def call(*args):
-        if not torch.compiler.is_compiling():
-            first = args[0]
-            if type(first) is torch.Tensor and first.device.type == "cpu":
-                return fn(*args)
-        return op(*args)
+        return fn(*args) if eager_reference(args[0]) else op(*args)
 
     call.__name__ = call.__qualname__ = fn.__name__
     call.__doc__ = fn.__doc__

@@ -19,6 +19,7 @@ from ssmspec.ops._common import (
     commits,
     compute_dtype,
     eager_fast_path,
+    eager_reference,
     in_place_commit,
     reference_op,
     seam_adapter,
@@ -143,8 +144,7 @@ def verify_conv(call: SeamCall, a: dict[str, Any]) -> torch.Tensor:
     mixer's own `[..., -seq_len:]` slice picks the node outputs."""
     x_ext, weight = a["hidden_states"], a["weight"]
     tree = call.tree
-    plain_cpu = type(x_ext) is torch.Tensor and x_ext.device.type == "cpu" and not torch.compiler.is_compiling()
-    if tree.num_nodes == 1 and plain_cpu:  # a plain step, eager on a CPU (where the reference runs: eager_fast_path)
+    if tree.num_nodes == 1 and eager_reference(x_ext):  # a plain step, where the reference op would run
         out = conv_step(x_ext, weight, a.get("bias"), a.get("activation") or "")
     else:
         out = _tree_conv(x_ext, weight, a.get("bias"), tree.ancestors(weight.shape[-1]), a.get("activation") or "")

@@ -393,7 +393,7 @@ class Goodput:
         Where the rows a batch waits for shrink (its last rows), the window grows (batch 4 to 1: 4 steps to 16) and
         no judgement comes for a while; one made on four rows' steps stood for 13 single-row steps that lost
         (compiled, batch 4: 0.84-0.90x plain decoding). Until the next judgement the model decides."""
-        return self.winning and self._unjudged < max(self._judged_window, self.WINDOW)
+        return self.winning and self._unjudged < self._judged_window
 
     @property
     def plain(self) -> bool:
