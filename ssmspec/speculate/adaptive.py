@@ -2,14 +2,16 @@
 maximise expected goodput = expected tokens per step / step cost. Acceptance is tracked online per row; the
 step cost of verifying n nodes, relative to one decode step, is measured on the running model once.
 
-Under a per-token acceptance rate a, a chain of depth k yields 1 + a + ... + a^k tokens in expectation (the
-accepted drafts and the bonus token); a tree gives at least that. With a low rate the best depth is 0: the
+Where a draft's j-th token is accepted with probability s_j (its survival, measured level by level: `Acceptance`), a
+chain of depth k yields 1 + s_1 + ... + s_k tokens in expectation (the accepted drafts and the bonus token); under
+one rate a per token, s_j = a^j. With a low rate the best depth is 0: the
 step is plain decoding and costs nothing extra.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,55 +23,141 @@ from ssmspec.tree import TokenTree
 
 
 class Acceptance:
-    """Per-row acceptance rate of drafted tokens, an exponentially decayed success ratio with a weak prior."""
+    """Per-row acceptance of drafted tokens, level by level: the rate at which a draft's j-th token is accepted where
+    the j - 1 before it were. Drafts are not accepted at one rate per token: a row's acceptance comes in runs
+    (repeated code, a phrase a head foresees), so a draft that got past its first tokens goes on more often than the
+    first were accepted (the embedded target on held-out code, 16 prompts: the draft head's trees 0.84, 0.70, 0.62,
+    0.65, 0.78, 0.85 per level; prompt lookup's 0.28, 0.69, 0.75, 0.82, 0.88, 0.92). One rate per row priced deep
+    trees from their first level: after three early rejections it called a tree that then gained 2.7 tokens a step a
+    loss, and the call decoded plainly. Each level's rate is a decayed success ratio per row, pulled toward that
+    level's rate over all rows (batch 1: the row's own), itself pulled toward a weak prior.
+    """
 
-    def __init__(self, rows: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8) -> None:
-        self.success = [prior * weight] * rows
-        self.trials = [weight] * rows
+    PLAIN_DECAY = 0.93  # per plain step (one token), about what a speculative step's `decay` is per token
+
+    def __init__(
+        self, rows: int, prior: float | Sequence[float] = 0.5, weight: float = 2.0, decay: float = 0.8
+    ) -> None:
+        self.priors = [float(prior)] if isinstance(prior, (int, float)) else [float(p) for p in prior] or [0.5]
+        self.weight = weight
         self.decay = decay
+        self.success: list[list[float]] = [[] for _ in range(rows)]  # per row and level (level j at index j - 1)
+        self.trials: list[list[float]] = [[] for _ in range(rows)]
+        # every row's counts together, decayed per row's update so that they span as many steps as one row's
+        self.pooled_success: list[float] = []
+        self.pooled_trials: list[float] = []
+        self._pooled_decay = decay ** (1.0 / max(rows, 1))
+        self.total_success: list[float] = []  # ... and over the whole call, undecayed (`profile`)
+        self.total_trials: list[float] = []
 
     def update(self, row: int, drafted: int, accepted: int) -> None:
-        """A step drafted `drafted` tokens deep for `row` and `accepted` of them were accepted."""
+        """A step drafted `drafted` tokens deep for `row` and `accepted` of them were accepted: levels 1..accepted
+        succeeded, level accepted + 1 failed (if drafted), deeper levels were not reached."""
         if drafted <= 0:
             return
-        self.success[row] = self.decay * self.success[row] + accepted
-        self.trials[row] = self.decay * self.trials[row] + accepted + (1 if accepted < drafted else 0)
+        reached = min(drafted, accepted + 1)
+        for counts, totals, decay in (
+            (self.success[row], self.trials[row], self.decay),
+            (self.pooled_success, self.pooled_trials, self._pooled_decay),
+            (self.total_success, self.total_trials, 1.0),
+        ):
+            while len(totals) < reached:
+                counts.append(0.0)
+                totals.append(0.0)
+            for j in range(len(totals)):
+                counts[j] *= decay
+                totals[j] *= decay
+                if j < reached:
+                    totals[j] += 1.0
+                    counts[j] += 1.0 if j < accepted else 0.0
+
+    def elapse(self, row: int) -> None:
+        """`row` decoded a token plainly: its own counts age by PLAIN_DECAY, toward the rates over all rows and calls.
+        A row's acceptance comes in runs, and a plain step tells nothing about the run it is in now: where a few
+        early rejections priced speculation out, the counts that did so would otherwise stand for the rest of the
+        call (held-out code at batch 1: 92 plain steps in a row on a prompt where trees gained 2.7 tokens a step)."""
+        for counts in (self.success[row], self.trials[row]):
+            for j in range(len(counts)):
+                counts[j] *= self.PLAIN_DECAY
+
+    def level_rates(self, row: int, depth: int) -> list[float]:
+        """The rates of levels 1..depth for `row` (each given the levels before it were accepted)."""
+        rates = []
+        success, trials = self.success[row], self.trials[row]
+        for j in range(depth):
+            pooled = prior = self.priors[min(j, len(self.priors) - 1)]
+            if j < len(self.pooled_trials):
+                pooled = (self.pooled_success[j] + self.weight * prior) / (self.pooled_trials[j] + self.weight)
+            own_s, own_t = (success[j], trials[j]) if j < len(trials) else (0.0, 0.0)
+            rates.append((own_s + self.weight * pooled) / (own_t + self.weight))
+        return rates
+
+    def survival(self, row: int, depth: int) -> list[float]:
+        """P(at least j drafted tokens accepted) for j = 1..depth: the chance a chain `depth` deep gets past each."""
+        out, p = [], 1.0
+        for r in self.level_rates(row, depth):
+            p *= r
+            out.append(p)
+        return out
+
+    def profile(self) -> list[float]:
+        """Every level's rate over all rows and all of this call's steps (the prior where a level was never reached):
+        the prior of the next call with the same drafter on the same model."""
+        levels = max(len(self.total_trials), len(self.priors))
+        out = []
+        for j in range(levels):
+            prior = self.priors[min(j, len(self.priors) - 1)]
+            if j < len(self.total_trials):
+                prior = (self.total_success[j] + self.weight * prior) / (self.total_trials[j] + self.weight)
+            out.append(prior)
+        return out
 
     def rate(self, row: int) -> float:
-        return self.success[row] / max(self.trials[row], 1e-9)
+        """The first level's rate: how often `row`'s next token is among the draft's first."""
+        return self.level_rates(row, 1)[0]
 
 
-def expected_tokens(rate: float, depth: int) -> float:
-    """Expected tokens of one step (accepted drafts + bonus) for a chain of `depth` at acceptance `rate`."""
-    return sum(rate**i for i in range(depth + 1))
+def geometric(rate: float, depth: int) -> list[float]:
+    """The survival of a draft whose every token is accepted at `rate`: rate^j for j = 1..depth."""
+    return [rate**j for j in range(1, depth + 1)]
 
 
-def rerun_cost(rate: float, depth: int, cost: dict[int, float] | Callable[[int], float], nodes: int) -> float:
+def expected_tokens(survival: float | Sequence[float], depth: int) -> float:
+    """Expected tokens of one step (accepted drafts + bonus) for a chain of `depth`, given its survival (or a rate
+    for every token)."""
+    s = geometric(survival, depth) if isinstance(survival, (int, float)) else survival
+    return 1.0 + sum(s[:depth])
+
+
+def rerun_cost(
+    survival: float | Sequence[float], depth: int, cost: dict[int, float] | Callable[[int], float], nodes: int
+) -> float:
     """Expected extra cost of an `nodes`-node chain step of `depth` on a path whose partial commits feed the
-    accepted prefix again, in the next step's forward (ssmspec.speculate.generic): with probability
-    1 - rate^depth a draft is rejected, and the root and the accepted drafts (j of them with probability
-    rate^j (1 - rate)) lengthen the next forward by j + 1 tokens."""
+    accepted prefix again, in the next step's forward (ssmspec.speculate.generic): where a draft is rejected after
+    j accepted tokens (probability survival[j] - survival[j + 1]), the root and those j lengthen the next forward
+    by j + 1 tokens. `survival`: a rate for every token, or P(at least j accepted) for j = 1..depth."""
+    s = [1.0, *(geometric(survival, depth) if isinstance(survival, (int, float)) else survival[:depth])]
     base = step_cost(cost, nodes)
-    return sum(rate**j * (1 - rate) * (step_cost(cost, nodes + j + 1) - base) for j in range(depth))
+    return sum((s[j] - s[j + 1]) * (step_cost(cost, nodes + j + 1) - base) for j in range(depth))
 
 
 def depth_gains(
-    rates: Sequence[float],
+    rates: Sequence[float | Sequence[float]],
     cost: dict[int, float] | Callable[[int], float],
     max_depth: int,
     nodes_per_depth: float,
     reruns: bool = False,
 ) -> list[float]:
     """Per depth 0..max_depth, the expected tokens per unit of step cost summed over rows, relative to plain decoding
-    (depth 0: 1.0); a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`)."""
+    (depth 0: 1.0); a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`).
+    `rates`: per row a rate for every token, or its survival (`Acceptance.survival`, at least max_depth long)."""
+    survival = [geometric(r, max_depth) if isinstance(r, (int, float)) else list(r) for r in rates]
     gains = []
-    powers = [1.0] * len(rates)  # rate ** k per row
-    tokens = 0.0  # sum over rows of expected_tokens(rate, k), grown one depth at a time (a batch of 32: 0.25 ms)
+    tokens = 0.0  # sum over rows of expected_tokens at depth k, grown one depth at a time (a batch of 32: 0.25 ms)
     for k in range(max_depth + 1):
-        tokens += sum(powers)
-        powers = [p * r for p, r in zip(powers, rates)]
+        tokens += sum(s[k - 1] for s in survival) if k else len(survival)
         n = 1 + int(round(nodes_per_depth * k))
-        rerun = sum(rerun_cost(r, k, cost, n) for r in rates) / max(len(rates), 1) if reruns else 0.0
+        rerun = sum(rerun_cost(s, k, cost, n) for s in survival) / max(len(survival), 1) if reruns else 0.0
         gains.append(tokens / (step_cost(cost, n) + rerun))
     plain = gains[0] or 1.0
     return [g / plain for g in gains]
@@ -226,12 +314,17 @@ class Goodput:
     whether speculation pays (on the embedded target, batch 32, one level of drafting cost about 5 ms against a
     10-13 ms plain step). Every step is timed; a speculative step's time beyond the curve's forward is its overhead,
     fitted as a fixed part and a part per drafted node and row (`StepOverhead`; `cost` adds it to the curve, so
-    depths and drafters' own sizing weigh it). And the tokens a speculative step gained per second are compared with
-    a plain step's (the median of the loop's recent plain steps, its first aside), over a window of recent
-    speculative steps sized by the rows they gain for (`window_steps`): where speculating did not beat it by MARGIN,
-    the next `backoff` steps decode plainly (no drafting at all), and the back-off doubles each time a retry clearly
-    loses again (up to MAX_BACKOFF): throughput never stays below plain decoding for long. Where speculation wins by
-    less than REFRESH_MARGIN, a plain step every REFRESH_EVERY speculative ones keeps that bar measured.
+    depths and drafters' own sizing weigh it).
+
+    And the tokens speculative steps gained per second, summed over the call with a long memory (LONG_DECAY per
+    step, plain steps included), are compared with a plain step's (the median of the loop's recent plain steps, its
+    first aside) after every speculative step from the WINDOW-th on. Where speculating has not beaten it, the next
+    `backoff` steps decode plainly (no drafting at all) and the back-off doubles up to MAX_BACKOFF; where it has, it
+    goes on whatever the acceptance model says, which then only sizes the trees. A step's tokens are heavy-tailed (a
+    tree rejected at its first node, or accepted eight deep in repeated code), so a few steps judge it badly:
+    windows of 16 steps at batch 1 backed off from calls where always speculating measured 1.56x plain decoding, and
+    the default reached 1.40x. Where speculation wins by less than REFRESH_MARGIN, a plain step every REFRESH_EVERY
+    speculative ones keeps the bar measured.
 
     Args:
         curve: the verify-cost curve (nodes -> cost relative to a decode step).
@@ -241,15 +334,18 @@ class Goodput:
     """
 
     MAX_BACKOFF = 64
+    FIRST_BACKOFF = 4
+    LONG_DECAY = 1 - 1 / 64  # the weight a step's tokens and seconds lose per later step
     PRIOR_FIXED = 0.3  # the fixed overhead's prior, in decode steps
     PRIOR_SLOPE = 30e-6  # seconds per drafted node and row (the embedded target on a 2-core Xeon: 30-35 us)
     PLAIN_SAMPLES = 8
-    MARGIN = 1.05
+    MARGIN = 1.05  # how close to plain decoding the model must price a try, and how much a first try must beat a bare
+    # decode forward by, before any plain step measured the bar
     REFRESH_MARGIN = 1.2
     REFRESH_EVERY = 16
-    FIRST_BACKOFF = 4
-    WINDOW = 3  # speculative steps a judgement needs at least
-    ROW_STEPS = 16  # ... and at least this many rows' steps together (batch 1: 16 steps; batch 8: 3)
+    WINDOW = 3  # speculative steps (beyond the first) before the first judgement
+    CONFIDENCE = 1.0  # standard errors of the measured rate below the bar that judge speculation losing
+    RECENT = 16  # speculative steps whose mean bounds a stall
 
     def __init__(
         self,
@@ -269,24 +365,16 @@ class Goodput:
         self.since_plain = 0  # speculative steps since the last plain one
         self._plain: collections.deque = collections.deque(maxlen=self.PLAIN_SAMPLES)  # (seconds, rate)
         self.plain_seconds: float | None = None  # seconds a plain step takes, all in
-        self.spec_rate: float | None = None  # tokens per row and second of speculative steps (rows `record` is given)
-        self.plain_rate: float | None = None  # ... and of plain steps
+        self.spec_rate: float | None = None  # tokens per row and second of speculative steps, long memory
+        self.plain_rate: float | None = None  # ... and of plain steps (the median of the recent ones)
         self.forced = 0  # plain steps still to take before speculating again
         self.winning = False  # the last judgement found speculation beating plain decoding
-        self._unjudged = 0  # speculative steps since the last judgement (`winning` stands for a window's steps)
-        self._judged_window = 0  # the steps that judgement summed
         self.retry_due = False  # a back-off ended and no speculative step has run since
         self.backoff = self.FIRST_BACKOFF
-        # the speculative steps since the last back-off (tokens, seconds, rows), the last `window_steps` of them judged
-        self._spec: collections.deque = collections.deque(maxlen=self.ROW_STEPS)
-
-    def window_steps(self, rows: int) -> int:
-        """The speculative steps a judgement sums over: ROW_STEPS rows' steps, at least WINDOW steps. A step's tokens
-        per row vary most at batch 1 (a tree is rejected at its first node or accepted several deep: 1 or 4 tokens
-        in about the same time), where three steps in a row rejected early are common even where speculation wins
-        by 20-30% on average (an exponential average over about three steps backed off on them); a batch's steps
-        average their rows."""
-        return max(self.WINDOW, min(self.ROW_STEPS, -(-self.ROW_STEPS // max(rows, 1))))
+        # speculative steps' tokens x and row-seconds t (sums of x, t, x^2, t^2, x t), decayed by LONG_DECAY per step
+        self._sums = [0.0] * 5
+        self._counted = 0  # speculative steps in those sums
+        self._recent: collections.deque = collections.deque(maxlen=self.RECENT)  # recent speculative steps' seconds
 
     @property
     def seconds(self) -> float:
@@ -307,12 +395,13 @@ class Goodput:
             return step_cost(self.curve, nodes)
         return (step_cost(self.curve, nodes) * self.decode_seconds + self.spec_overhead(nodes)) / self.seconds
 
-    def record(self, nodes: int, seconds: float, tokens: int, rows: int) -> None:
+    def record(self, nodes: int, seconds: float, tokens: float, rows: int = 1) -> None:
         """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over `rows` rows
-        (the engine passes the rows the batch waits for, `engine.critical_rows`)."""
+        (the engine passes the batch's progress, the tokens its slowest row gained: `engine.batch_progress`)."""
         if not self.measured:  # priced by the prior alone, never backing off: decisions that no timing moves
             return
         rate = tokens / max(seconds * rows, 1e-12)  # tokens per row and second
+        self._sums = [self.LONG_DECAY * v for v in self._sums]
         if nodes <= 1:
             if self.forced == 1:
                 self.retry_due = True
@@ -335,39 +424,40 @@ class Goodput:
             excess = seconds - step_cost(self.curve, nodes) * self.decode_seconds
             # a stall (another process, the collector) counts as at most 3x what the model expects
             self.overhead.add((nodes - 1) * self.batch, min(excess, 3 * self.spec_overhead(nodes)))
-        if self._spec:  # a stall counts as at most 3x the window's mean step: it must not price speculation out
-            seconds = min(seconds, 3 * sum(s for _, s, _ in self._spec) / len(self._spec))
-        self._spec.append((tokens, seconds, rows))
+        if self._recent:  # a stall counts as at most 3x the recent steps' mean: it must not price speculation out
+            seconds = min(seconds, 3 * sum(self._recent) / len(self._recent))
+        self._recent.append(seconds)
+        row_seconds = seconds * rows
+        for i, v in enumerate((tokens, row_seconds, tokens * tokens, row_seconds * row_seconds, tokens * row_seconds)):
+            self._sums[i] += v
+        self._counted += 1
         self.since_plain += 1
-        self._unjudged += 1
-        window = self.window_steps(rows)
-        if len(self._spec) < window:  # a judgement needs a window of steps since the last back-off
+        if self._counted < self.WINDOW:
             return
-        recent = list(self._spec)[-window:]
-        self._unjudged, self._judged_window = 0, window
-        self.spec_rate = sum(t for t, _, _ in recent) / max(sum(s * r for _, s, r in recent), 1e-12)
+        x, t, xx, tt, xt = self._sums
+        self.spec_rate = rate = x / max(t, 1e-12)
+        # the rate's standard error (a ratio of sums: the delta method over the weighted steps)
+        spread = math.sqrt(max(xx - 2 * rate * xt + rate * rate * tt, 0.0)) / max(t, 1e-12)
         # the bar: the plain steps this loop took (the same loop around the same forward: what plain decoding
         # gives, HF's loop included, within a few percent). Before any, speculation that does not beat a bare decode
         # forward (stricter: no loop around it) first measures the real bar, two plain steps (the first one warms
         # up), without counting as a loss: once a plain step took 3.1 ms at batch 1 (a bare forward 2.96), the
         # bare bar backed off from trees that won by 20% on average
         if self.plain_rate is None:
-            self.winning = not (self.decode_seconds and self.spec_rate < self.MARGIN / self.decode_seconds)
+            # without a decode step's timing (a curve given without it) there is no bar at all: measured first too
+            self.winning = bool(self.decode_seconds) and rate >= self.MARGIN / self.decode_seconds
             if not self.winning:
                 self.forced = 2
             return
         bar = self.plain_rate
-        self.winning = self.spec_rate >= self.MARGIN * bar
-        # speculation has to beat the bar by MARGIN: where it only breaks even, single steps' noise (10-30% on this
-        # machine) decides, and every retry of a losing tree costs more than a tie gains
+        # losing only where the rate is below the bar by more than CONFIDENCE standard errors: a step's tokens are
+        # heavy-tailed, and where speculation loses, its steps' gains are alike and the error soon small (a rejected
+        # draft gains one token a step, every step)
+        self.winning = rate + self.CONFIDENCE * spread >= bar
         if not self.winning:
-            # back off (a retry then gets a window of its own); the next back-off doubles only after a clear loss:
-            # where speculation ties plain decoding (within MARGIN either way) noise decides, and a few unlucky
-            # retries in a row must not turn it off for the rest of a call
             self.forced = self.backoff
-            if self.spec_rate < bar / self.MARGIN:
-                self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
-            self._spec.clear()
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+            self._counted = 0  # the retry gets a window of its own before it is judged (with what came before)
         else:
             self.backoff = self.FIRST_BACKOFF
             # winning narrowly: one plain step now and then keeps the bar current (it is otherwise measured only
@@ -377,23 +467,15 @@ class Goodput:
 
     def keeps_speculating(self, predicted: float) -> bool:
         """Whether to speculate where the acceptance model would decode plainly (`predicted`: its best expected gain
-        over plain decoding): speculation measured winning (the measurement, not the model, decides whether it
-        pays; the model sizes the tree), a back-off just ended (its retry), or nothing was judged yet and the model
-        calls it close (within MARGIN). Plain steps refresh no acceptance rate (only rare shadow drafts), so where
-        the model alone decided, its prior's 0.98 at batch 1 or a dip in the rates after a few early rejections
-        ended speculation for a whole call (8 held-out windows at batch 1: the default 1.9x HF greedy where
-        speculating always, with the largest tree, gave 2.1x)."""
+        over plain decoding): speculation was judged not to lose (the measurement then decides; the model only sizes
+        the tree), or it is still to be judged, a first try or a back-off's retry, and the model calls it close
+        (within MARGIN). Plain steps refresh no acceptance rate (only rare shadow drafts), so where the model alone
+        decided once speculation had run, a few early rejections ended it for most of a call (8 held-out windows at
+        batch 1: the default 1.40x ssmspec's plain decoding, always speculating 1.56x); a try the model prices as a
+        clear loss is not made (batch 32: a try of three steps cost as much as nine plain ones)."""
         if not self.measured:
             return False
-        return self.measured_winning or self.retry_due or (self.spec_rate is None and predicted * self.MARGIN >= 1.0)
-
-    @property
-    def measured_winning(self) -> bool:
-        """The last judgement found speculation winning and still stands: for as many speculative steps as it summed.
-        Where the rows a batch waits for shrink (its last rows), the window grows (batch 4 to 1: 4 steps to 16) and
-        no judgement comes for a while; one made on four rows' steps stood for 13 single-row steps that lost
-        (compiled, batch 4: 0.84-0.90x plain decoding). Until the next judgement the model decides."""
-        return self.winning and self._unjudged < self._judged_window
+        return self.winning or ((self.retry_due or self._counted < self.WINDOW) and predicted * self.MARGIN >= 1.0)
 
     @property
     def plain(self) -> bool:

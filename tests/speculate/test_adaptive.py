@@ -46,7 +46,46 @@ def test_depth_follows_acceptance_and_cost():
     assert acc.rate(0) < 0.1
     for _ in range(10):
         acc.update(0, 4, 4)
-    assert acc.rate(0) > 0.9
+    assert acc.rate(0) > 0.85 and min(acc.level_rates(0, 4)) > 0.85
+    # a survival (P(at least j accepted)) prices a chain as the rate does where every level has that rate
+    assert expected_tokens([0.5, 0.25], 2) == expected_tokens(0.5, 2)
+    assert depth_gains([[0.5**j for j in range(1, 9)]], COST, 8, 1.0) == pytest.approx(depth_gains([0.5], COST, 8, 1.0))
+    assert rerun_cost([0.5, 0.25], 2, COST, 2) == pytest.approx(rerun_cost(0.5, 2, COST, 2))
+
+
+def test_acceptance_is_measured_level_by_level():
+    """Drafts are accepted in runs: a draft that got past its first token goes on more often than first tokens are
+    accepted. A row whose 6-deep drafts are rejected at once or accepted whole, half and half, gains 4 tokens a step:
+    its first level is at 0.5 and deeper levels near 1. One rate per token (6 accepted of 7 tried) prices the chain
+    at 4.6 tokens and a one-token draft at 1.86, not 1.5."""
+    acc = Acceptance(1)
+    for step in range(40):
+        acc.update(0, 6, 6 if step % 2 else 0)
+    rates = acc.level_rates(0, 6)
+    assert 0.3 < rates[0] < 0.7 and min(rates[1:]) > 0.85
+    assert expected_tokens(acc.survival(0, 6), 6) == pytest.approx(4.0, abs=0.4)
+    assert expected_tokens(acc.survival(0, 1), 1) == pytest.approx(1.5, abs=0.2)
+    assert expected_tokens(6 / 7, 6) > 4.5 and expected_tokens(6 / 7, 1) > 1.8  # one rate for every token
+    # a level never reached is its prior's; a profile (a list) is a prior per level, its last for deeper levels
+    assert Acceptance(1, prior=[0.9, 0.7]).level_rates(0, 3) == pytest.approx([0.9, 0.7, 0.7])
+    # the call's profile: every level's rate over all of it (the next call's prior)
+    profile = acc.profile()
+    assert len(profile) == 6 and 0.3 < profile[0] < 0.7 and min(profile[1:]) > 0.85
+    # rows pull toward the rates over all rows: a row with nothing measured takes the others'
+    two = Acceptance(2)
+    for _ in range(20):
+        two.update(0, 4, 4)
+    assert two.rate(1) > 0.8 and two.rate(1) < two.rate(0)
+    # a plain step ages a row's own counts toward those rates (the run it was in may be over)
+    lone = Acceptance(2)
+    for _ in range(10):
+        lone.update(0, 4, 0)
+        lone.update(1, 4, 4)
+    low = lone.rate(0)
+    for _ in range(30):
+        lone.elapse(0)
+    assert lone.rate(0) > low + 0.2
+    assert Acceptance(1).update(0, 0, 0) is None and Acceptance(1).level_rates(0, 2) == [0.5, 0.5]
 
 
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
@@ -220,82 +259,6 @@ def adaptive_chooses(runner) -> bool:
     return chooses_packing(runner)
 
 
-def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding():
-    g = adaptive.Goodput({1: 1.0, 4: 1.5, 8: 2.0}, decode_seconds=0.010)
-    window = g.window_steps(10)
-    # 4-node steps of 30 ms gaining 1.2 tokens per row: below 1 per 10 ms (the first one warms up: not counted)
-    for _ in range(window + 1):
-        assert not g.plain
-        g.record(4, 0.030, tokens=12, rows=10)
-    assert g.forced == 2 and g.backoff == 4  # losing to a bare forward: first two plain steps measure the real bar
-    for _ in range(2):
-        g.record(1, 0.010, tokens=10, rows=10)
-    assert not g.plain and g.plain_rate == pytest.approx(100)  # the first plain step warmed up; the second counts
-    g.record(4, 0.030, tokens=12, rows=10)
-    assert g.forced == 4 and g.backoff == 8  # a clear loss: backs off for 4 plain steps, the next back-off doubles
-    assert not g.winning and not g.keeps_speculating(2.0)
-    for _ in range(4):
-        g.record(1, 0.010, tokens=10, rows=10)
-    assert not g.plain and g.retry_due and g.keeps_speculating(0.5)  # then retries, whatever the model: a new window
-    for _ in range(window):
-        g.record(4, 0.030, tokens=12, rows=10)
-    assert g.forced == 8 and g.backoff == 16  # losing again: twice as long
-    retries = 0
-    while g.backoff != 4:  # winning steps (3 tokens per row in 16 ms): speculation resumes
-        while g.plain:
-            g.record(1, 0.010, tokens=10, rows=10)
-        for _ in range(window):
-            g.record(4, 0.016, tokens=30, rows=10)
-        retries += 1
-    assert retries == 1 and not g.plain and g.winning and g.keeps_speculating(0.5)
-
-
-def test_goodput_judges_a_window_of_rows_steps():
-    """A step's tokens per row vary most at batch 1 (a tree rejected at its first node, or accepted several deep):
-    a judgement sums ROW_STEPS rows' steps. Speculation winning by 25% on average, in runs of three rejected trees
-    and three accepted ones, never backs off at batch 1; judged on three steps it would, again and again."""
-    assert [adaptive.Goodput({1: 1.0}, 0.01).window_steps(b) for b in (1, 2, 4, 8, 32)] == [16, 8, 4, 3, 3]
-
-    def back_offs(row_steps: int) -> int:
-        g = adaptive.Goodput({1: 1.0, 8: 1.5}, decode_seconds=0.010)
-        g.ROW_STEPS = row_steps
-        for _ in range(3):
-            g.record(1, 0.010, tokens=1, rows=1)
-        count = 0
-        for step in range(60):
-            if g.plain:
-                g.record(1, 0.010, tokens=1, rows=1)
-                continue
-            g.record(8, 0.020, tokens=1 if step % 6 < 3 else 4, rows=1)  # 2.5 tokens per 20 ms: 1.25x plain
-            count += g.forced >= g.FIRST_BACKOFF  # a back-off (not the refresh: one plain step now and then)
-        return count
-
-    assert back_offs(adaptive.Goodput.ROW_STEPS) == 0
-    assert back_offs(3) >= 3
-
-
-def test_goodput_a_tie_backs_off_without_doubling():
-    """Speculation within MARGIN of plain decoding either way backs off, but the next back-off does not grow: a few
-    unlucky retries in a row must not turn speculation off for a call where it wins on average."""
-    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
-    for _ in range(3):
-        g.record(1, 0.010, tokens=10, rows=10)
-    for _ in range(adaptive.Goodput.WINDOW + 1):  # 0.98x plain decoding, again and again
-        g.record(4, 0.010, tokens=98, rows=100)
-    for _ in range(3):  # each retry (a full window again: the back-off did not grow) ties again
-        assert g.forced == 4 and g.backoff == 4
-        while g.plain:
-            g.record(1, 0.010, tokens=10, rows=10)
-        for _ in range(adaptive.Goodput.WINDOW):
-            g.record(4, 0.010, tokens=98, rows=100)
-    for _ in range(3):  # 0.9x: a clear loss, the back-off grows
-        while g.plain:
-            g.record(1, 0.010, tokens=10, rows=10)
-        while not g.plain:
-            g.record(4, 0.010, tokens=90, rows=100)
-    assert g.backoff == 32
-
-
 def test_goodput_bar_is_the_loops_own_plain_steps():
     # plain steps of this loop take 12 ms (a bare decode forward 10 ms): speculation gaining 1.15 tokens per row in
     # 12.5 ms beats them by more than the margin, though not the bare forward
@@ -323,21 +286,6 @@ def test_goodput_bar_ignores_the_first_plain_step_and_one_slow_step():
     for seconds in (0.012, 0.012, 0.040, 0.012):  # one slow step among them (another process): the median holds
         g.record(1, seconds, tokens=10, rows=10)
     assert g.plain_seconds == pytest.approx(0.012) and g.plain_rate == pytest.approx(1 / 0.012)
-
-
-def test_goodput_margin_speculation_that_only_ties_backs_off():
-    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
-    for _ in range(3):
-        g.record(1, 0.010, tokens=10, rows=10)
-    for _ in range(adaptive.Goodput.WINDOW + 1):  # 1.02x plain decoding (the first step warms up): a tie
-        g.record(4, 0.010, tokens=102, rows=100)
-    assert g.plain
-    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
-    for _ in range(3):
-        g.record(1, 0.010, tokens=10, rows=10)
-    for _ in range(adaptive.Goodput.WINDOW + 1):  # 1.1x: beyond it
-        g.record(4, 0.010, tokens=110, rows=100)
-    assert not g.plain
 
 
 def test_goodput_refreshes_the_bar_where_speculation_wins_narrowly():
@@ -447,20 +395,123 @@ def test_goodput_under_sampling_follows_no_timing():
     assert not g.plain and [g.cost(n) for n in (1, 2, 4)] == before
 
 
-def test_goodput_a_judgement_that_speculation_wins_stands_for_its_windows_steps():
-    """The rows a batch waits for shrink at its end, and the window of steps grows (four rows: 4 steps; one row: 16):
-    a judgement that speculation wins, made on four rows' steps, stands for as many steps as it summed, then the
-    acceptance model decides until the next judgement (it stood for 13 steps that lost)."""
-    g = adaptive.Goodput({1: 1.0, 8: 1.5}, decode_seconds=0.010, batch=4)
+def test_goodput_backs_off_where_speculating_measured_slower_than_plain_decoding():
+    g = adaptive.Goodput({1: 1.0, 4: 1.5, 8: 2.0}, decode_seconds=0.010)
+    # 4-node steps of 30 ms gaining 1.2 tokens per row: below 1 per 10 ms (the first one warms up: not counted)
+    for _ in range(g.WINDOW + 1):
+        assert not g.plain and g.keeps_speculating(1.0)  # a first try: the model calls it close
+        g.record(4, 0.030, tokens=12, rows=10)
+    assert g.forced == 2 and g.backoff == 4  # losing to a bare forward: two plain steps measure the real bar first
+    for _ in range(2):
+        g.record(1, 0.010, tokens=10, rows=10)
+    assert not g.plain and g.plain_rate == pytest.approx(100)  # the first plain step warmed up; the second counts
+    g.record(4, 0.030, tokens=12, rows=10)  # judged against the real bar at once
+    assert g.forced == 4 and g.backoff == 8  # losing: backs off for 4 plain steps, the next back-off doubles
+    assert not g.winning and g.plain
+    for _ in range(4):
+        g.record(1, 0.010, tokens=10, rows=10)
+    assert not g.plain and g.retry_due and g.keeps_speculating(1.0)  # then a retry, where the model calls it close
+    assert not g.keeps_speculating(0.5)  # ... and none where it prices speculation as a clear loss
+    for _ in range(g.WINDOW):  # the retry gets a window of its own before it is judged
+        assert not g.plain
+        g.record(4, 0.030, tokens=12, rows=10)
+    assert g.forced == 8 and g.backoff == 16  # losing again: twice as long
+    retries = 0
+    while not g.winning:  # winning steps (3 tokens per row in 16 ms): they outweigh the losing ones after a while
+        while g.plain:
+            g.record(1, 0.010, tokens=10, rows=10)
+        for _ in range(g.WINDOW):
+            g.record(4, 0.016, tokens=30, rows=10)
+        retries += 1
+    assert retries <= 3 and not g.plain and g.backoff == 4 and g.keeps_speculating(0.5)
+
+
+def test_goodput_judges_heavy_tailed_steps_by_a_long_memory_and_their_spread():
+    """A step's tokens are heavy-tailed at batch 1 (a tree rejected at its first node, or accepted several deep).
+    Speculation winning by 25% on average, in runs of three rejected trees and three accepted ones, never backs off;
+    judged on the last two steps' mean it backs off again and again. Steps that lose alike back off at once."""
+
+    def back_offs(tokens, decay: float = adaptive.Goodput.LONG_DECAY, confidence: float = 1.0) -> int:
+        g = adaptive.Goodput({1: 1.0, 8: 1.5}, decode_seconds=0.010)
+        g.LONG_DECAY, g.CONFIDENCE = decay, confidence
+        for _ in range(3):
+            g.record(1, 0.010, tokens=1, rows=1)
+        count = 0
+        for step in range(60):
+            if g.plain:
+                g.record(1, 0.010, tokens=1, rows=1)
+                continue
+            g.record(8, 0.020, tokens=tokens(step), rows=1)
+            count += g.forced >= g.FIRST_BACKOFF  # a back-off (not the refresh: one plain step now and then)
+        return count
+
+    def runs(step: int) -> int:  # 2.5 tokens per 20 ms: 1.25x plain decoding
+        return 1 if step % 6 < 3 else 4
+
+    assert back_offs(runs) == 0
+    assert back_offs(runs, decay=0.5, confidence=0.0) >= 3
+    assert back_offs(lambda step: 1) >= 3  # 0.5x plain decoding, every step alike
+
+
+def test_goodput_notices_when_speculation_stops_paying():
+    """Where a call's drafts stop being accepted (its repeated part is over), speculation that won for a while backs
+    off within a few dozen steps: the long memory that rides out heavy-tailed steps forgets it won."""
+    g = adaptive.Goodput({1: 1.0, 8: 1.5}, decode_seconds=0.010)
     for _ in range(3):
-        g.record(1, 0.010, tokens=4, rows=4)  # plain decoding: 1 token per row in 10 ms
-    for _ in range(5):
-        g.record(8, 0.015, tokens=12, rows=4)  # 3 tokens per row in 15 ms: 2x plain decoding
-    assert g.winning and g.measured_winning and g.keeps_speculating(0.5)
-    stood = 0
-    while g.keeps_speculating(0.5):  # the last row, its drafts rejected: 1 token in 15 ms
+        g.record(1, 0.010, tokens=1, rows=1)
+    for _ in range(20):
+        g.record(8, 0.015, tokens=3, rows=1)  # 2x plain decoding
+    assert g.winning and not g.plain and g.keeps_speculating(0.5)
+    steps = 0
+    while not g.plain:  # then 1 token in 15 ms: 0.67x
         g.record(8, 0.015, tokens=1, rows=1)
-        stood += 1
-        assert stood < 16
-    # not judged again yet (one row: a window of 16 steps); the engine speculates where the acceptance model says so
-    assert stood == g.window_steps(4) and g.winning and not g.measured_winning and not g.plain
+        steps += 1
+        assert steps < 60
+    assert steps > 5
+
+
+def test_batch_progress_is_how_much_nearer_its_end_a_step_brought_the_batch():
+    from ssmspec.speculate.engine import batch_progress
+
+    def step(generated_before, gained, done=None, max_new=10):
+        remaining = [max_new - n for n in generated_before]
+        before = [False] * len(gained)
+        generated = [[0] * (n + k) for n, k in zip(generated_before, gained)]
+        return batch_progress(remaining, before, generated, done or before, max_new, [[0] * k for k in gained])
+
+    assert step([3, 3, 3], [1, 4, 2]) == 1  # the batch waits for its slowest row
+    assert step([3, 5], [4, 1]) == 3  # the row that was behind passed the other: 7 -> 4 left at most
+    assert step([3, 5], [2, 1], done=[True, False]) == 2  # a row that stopped (EOS) ends no sooner for the other
+    assert step([3, 3], [5, 5], done=[True, True], max_new=8) == 5  # the batch's last step
+
+
+def test_acceptance_profile_carries_to_the_next_greedy_call_not_to_sampling(monkeypatch):
+    """A greedy call leaves each level's acceptance on the model as the next call's prior (per drafter and tree shape,
+    as the cost curves are kept); a sampling call neither reads nor writes it: a seed draws the same tokens whatever
+    ran before."""
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
+    spec = SpecConfig(adaptive=True, num_draft_tokens=4, tree_budget=8)
+    priors = []
+    real = engine.Acceptance
+
+    def spy(rows, prior=0.5):
+        priors.append(prior)
+        return real(rows, prior=prior)
+
+    monkeypatch.setattr(engine, "Acceptance", spy)
+    want = ref.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=24, speculation=spec), want)
+    (key, profile), *others = model._ssmspec_acceptance.items()
+    assert not others and key == ("PromptLookupDrafter", 8, 4) and all(0.0 < p <= 1.0 for p in profile)
+    assert torch.equal(model.generate(ids, max_new_tokens=24, speculation=spec), want)
+    assert priors[0] == 0.5 and priors[1] == profile != [0.5]  # the second call started from the first's profile
+    seeded = [
+        model.generate(
+            ids, max_new_tokens=24, do_sample=True, speculation=spec, generator=torch.Generator().manual_seed(5)
+        )
+        for _ in range(2)
+    ]
+    assert priors[2:] == [0.5, 0.5] and torch.equal(seeded[0], seeded[1])
+    assert len(model._ssmspec_acceptance) == 1
