@@ -375,7 +375,7 @@ def speculative_generate(
                 pending = (runner.features, list(cut), [r for r in range(b) if active[r] and r not in forced])
             runner.commit(torch.tensor(cut, dtype=torch.long))  # on the host: the commit uploads what it needs
             stream.release(generated, done)
-            if goodput is not None:  # judged on the rows the batch waits for
+            if goodput is not None:  # judged by how much nearer its end the step brought the batch
                 seconds = time.perf_counter() - started - shadow_seconds
                 goodput.record(tree.num_nodes, seconds, batch_progress(remaining, done_before, generated, done,
                                                                        max_new_tokens, emitted))  # fmt: skip
