@@ -80,25 +80,36 @@ class Acceptance:
             for j in range(len(counts)):
                 counts[j] *= self.PLAIN_DECAY
 
-    def level_rates(self, row: int, depth: int) -> list[float]:
-        """The rates of levels 1..depth for `row` (each given the levels before it were accepted)."""
-        rates = []
-        success, trials = self.success[row], self.trials[row]
+    def _pooled(self, depth: int) -> list[float]:
+        """Each level's rate over all rows (1..depth), pulled toward its prior."""
+        out = []
         for j in range(depth):
-            pooled = prior = self.priors[min(j, len(self.priors) - 1)]
+            prior = self.priors[min(j, len(self.priors) - 1)]
             if j < len(self.pooled_trials):
-                pooled = (self.pooled_success[j] + self.weight * prior) / (self.pooled_trials[j] + self.weight)
-            own_s, own_t = (success[j], trials[j]) if j < len(trials) else (0.0, 0.0)
-            rates.append((own_s + self.weight * pooled) / (own_t + self.weight))
-        return rates
+                prior = (self.pooled_success[j] + self.weight * prior) / (self.pooled_trials[j] + self.weight)
+            out.append(prior)
+        return out
 
-    def survival(self, row: int, depth: int) -> list[float]:
+    def level_rates(self, row: int, depth: int, pooled: list[float] | None = None) -> list[float]:
+        """The rates of levels 1..depth for `row` (each given the levels before it were accepted); `pooled`: the
+        rates over all rows (`_pooled`), where a caller asks for many rows."""
+        pooled = self._pooled(depth) if pooled is None else pooled
+        success, trials, w = self.success[row], self.trials[row], self.weight
+        known = min(depth, len(trials))
+        return [(success[j] + w * pooled[j]) / (trials[j] + w) for j in range(known)] + pooled[known:depth]
+
+    def survival(self, row: int, depth: int, pooled: list[float] | None = None) -> list[float]:
         """P(at least j drafted tokens accepted) for j = 1..depth: the chance a chain `depth` deep gets past each."""
         out, p = [], 1.0
-        for r in self.level_rates(row, depth):
+        for r in self.level_rates(row, depth, pooled):
             p *= r
             out.append(p)
         return out
+
+    def survivals(self, rows: Sequence[int], depth: int) -> list[list[float]]:
+        """`survival` of each of `rows` (the rates over all rows computed once)."""
+        pooled = self._pooled(depth)
+        return [self.survival(r, depth, pooled) for r in rows]
 
     def profile(self) -> list[float]:
         """Every level's rate over all rows and all of this call's steps (the prior where a level was never reached):
