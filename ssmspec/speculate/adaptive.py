@@ -106,10 +106,16 @@ class Acceptance:
             out.append(p)
         return out
 
-    def survivals(self, rows: Sequence[int], depth: int) -> list[list[float]]:
-        """`survival` of each of `rows` (the rates over all rows computed once)."""
+    def mean_survival(self, rows: Sequence[int], depth: int) -> list[float]:
+        """The mean of `rows`' survivals: what `depth_gains` needs of them (expected tokens and rerun costs are
+        linear in a row's survival, so the rows' mean prices the batch as the rows one by one do, at one row's cost:
+        at batch 32 the per-row gains took 0.05 ms a step)."""
         pooled = self._pooled(depth)
-        return [self.survival(r, depth, pooled) for r in rows]
+        total = [0.0] * depth
+        for r in rows:
+            for j, p in enumerate(self.survival(r, depth, pooled)):
+                total[j] += p
+        return [t / max(len(rows), 1) for t in total]
 
     def profile(self) -> list[float]:
         """Every level's rate over all rows and all of this call's steps (the prior where a level was never reached):

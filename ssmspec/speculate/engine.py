@@ -228,7 +228,7 @@ def speculative_generate(
             if goodput is not None and goodput.plain:
                 depth = 0  # speculation measured slower than plain decoding: back off
             elif adaptive:
-                rates = acceptance.survivals(critical, max(depth, 0))
+                rates = [acceptance.mean_survival(critical, max(depth, 0))]
                 gains = depth_gains(rates, goodput.cost, max(depth, 0), per_depth,
                                     reruns=getattr(runner, "reruns", False))  # fmt: skip
                 chosen = best_depth(gains)

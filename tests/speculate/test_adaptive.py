@@ -86,6 +86,11 @@ def test_acceptance_is_measured_level_by_level():
         lone.elapse(0)
     assert lone.rate(0) > low + 0.2
     assert Acceptance(1).update(0, 0, 0) is None and Acceptance(1).level_rates(0, 2) == [0.5, 0.5]
+    # the rows' mean survival prices a batch as its rows one by one do (both are linear in each row's survival)
+    rows = [lone.survival(r, 6) for r in range(2)]
+    mean = lone.mean_survival([0, 1], 6)
+    assert depth_gains([mean], COST, 6, 2.0) == pytest.approx(depth_gains(rows, COST, 6, 2.0))
+    assert depth_gains([mean], COST, 6, 2.0, reruns=True) == pytest.approx(depth_gains(rows, COST, 6, 2.0, reruns=True))
 
 
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
