@@ -80,15 +80,18 @@ class Acceptance:
             for j in range(len(counts)):
                 counts[j] *= self.PLAIN_DECAY
 
+    def _pulled(self, success: list[float], trials: list[float], levels: int) -> list[float]:
+        """Levels 1..`levels`' success ratios in these counts, each pulled toward its prior (a level without counts:
+        the prior; a list of priors shorter than the levels: its last for the deeper ones)."""
+        out = []
+        for j in range(levels):
+            prior = self.priors[min(j, len(self.priors) - 1)]
+            out.append((success[j] + self.weight * prior) / (trials[j] + self.weight) if j < len(trials) else prior)
+        return out
+
     def _pooled(self, depth: int) -> list[float]:
         """Each level's rate over all rows (1..depth), pulled toward its prior."""
-        out = []
-        for j in range(depth):
-            prior = self.priors[min(j, len(self.priors) - 1)]
-            if j < len(self.pooled_trials):
-                prior = (self.pooled_success[j] + self.weight * prior) / (self.pooled_trials[j] + self.weight)
-            out.append(prior)
-        return out
+        return self._pulled(self.pooled_success, self.pooled_trials, depth)
 
     def level_rates(self, row: int, depth: int, pooled: list[float] | None = None) -> list[float]:
         """The rates of levels 1..depth for `row` (each given the levels before it were accepted); `pooled`: the
@@ -120,14 +123,7 @@ class Acceptance:
     def profile(self) -> list[float]:
         """Every level's rate over all rows and all of this call's steps (the prior where a level was never reached):
         the prior of the next call with the same drafter on the same model."""
-        levels = max(len(self.total_trials), len(self.priors))
-        out = []
-        for j in range(levels):
-            prior = self.priors[min(j, len(self.priors) - 1)]
-            if j < len(self.total_trials):
-                prior = (self.total_success[j] + self.weight * prior) / (self.total_trials[j] + self.weight)
-            out.append(prior)
-        return out
+        return self._pulled(self.total_success, self.total_trials, max(len(self.total_trials), len(self.priors)))
 
     def rate(self, row: int) -> float:
         """The first level's rate: how often `row`'s next token is among the draft's first."""
