@@ -4,8 +4,8 @@ step cost of verifying n nodes, relative to one decode step, is measured on the 
 
 Where a draft's j-th token is accepted with probability s_j (its survival, measured level by level: `Acceptance`), a
 chain of depth k yields 1 + s_1 + ... + s_k tokens in expectation (the accepted drafts and the bonus token); under
-one rate a per token, s_j = a^j. With a low rate the best depth is 0: the
-step is plain decoding and costs nothing extra.
+one rate a per token, s_j = a^j. With a low rate the best depth is 0: the step is plain decoding and costs nothing
+extra.
 """
 
 from __future__ import annotations
