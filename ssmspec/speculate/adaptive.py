@@ -130,16 +130,18 @@ class Acceptance:
         return self.level_rates(row, 1)[0]
 
 
-def geometric(rate: float, depth: int) -> list[float]:
-    """The survival of a draft whose every token is accepted at `rate`: rate^j for j = 1..depth."""
-    return [rate**j for j in range(1, depth + 1)]
+def survival_of(rates: float | Sequence[float], depth: int) -> list[float]:
+    """P(at least j drafted tokens accepted) for j = 1..depth: a survival as given (its first `depth`), or of a draft
+    whose every token is accepted at one rate (rate^j)."""
+    if isinstance(rates, (int, float)):
+        return [rates**j for j in range(1, depth + 1)]
+    return list(rates[:depth])
 
 
 def expected_tokens(survival: float | Sequence[float], depth: int) -> float:
     """Expected tokens of one step (accepted drafts + bonus) for a chain of `depth`, given its survival (or a rate
     for every token)."""
-    s = geometric(survival, depth) if isinstance(survival, (int, float)) else survival
-    return 1.0 + sum(s[:depth])
+    return 1.0 + sum(survival_of(survival, depth))
 
 
 def rerun_cost(
@@ -149,7 +151,7 @@ def rerun_cost(
     accepted prefix again, in the next step's forward (ssmspec.speculate.generic): where a draft is rejected after
     j accepted tokens (probability survival[j] - survival[j + 1]), the root and those j lengthen the next forward
     by j + 1 tokens. `survival`: a rate for every token, or P(at least j accepted) for j = 1..depth."""
-    s = [1.0, *(geometric(survival, depth) if isinstance(survival, (int, float)) else survival[:depth])]
+    s = [1.0, *survival_of(survival, depth)]
     base = step_cost(cost, nodes)
     return sum((s[j] - s[j + 1]) * (step_cost(cost, nodes + j + 1) - base) for j in range(depth))
 
@@ -164,7 +166,7 @@ def depth_gains(
     """Per depth 0..max_depth, the expected tokens per unit of step cost summed over rows, relative to plain decoding
     (depth 0: 1.0); a depth-k step verifies about 1 + nodes_per_depth * k nodes (`reruns`: plus `rerun_cost`).
     `rates`: per row a rate for every token, or its survival (`Acceptance.survival`, at least max_depth long)."""
-    survival = [geometric(r, max_depth) if isinstance(r, (int, float)) else list(r) for r in rates]
+    survival = [survival_of(r, max_depth) for r in rates]
     gains = []
     tokens = 0.0  # sum over rows of expected_tokens at depth k, grown one depth at a time (a batch of 32: 0.25 ms)
     for k in range(max_depth + 1):
@@ -448,9 +450,9 @@ class Goodput:
         if self._counted < self.WINDOW:
             return
         x, t, xx, tt, xt = self._sums
-        self.spec_rate = rate = x / max(t, 1e-12)
+        self.spec_rate = spec = x / max(t, 1e-12)
         # the rate's standard error (a ratio of sums: the delta method over the weighted steps)
-        spread = math.sqrt(max(xx - 2 * rate * xt + rate * rate * tt, 0.0)) / max(t, 1e-12)
+        spread = math.sqrt(max(xx - 2 * spec * xt + spec * spec * tt, 0.0)) / max(t, 1e-12)
         # the bar: the plain steps this loop took (the same loop around the same forward: what plain decoding
         # gives, HF's loop included, within a few percent). Before any, speculation that does not beat a bare decode
         # forward (stricter: no loop around it) first measures the real bar, two plain steps (the first one warms
@@ -458,7 +460,7 @@ class Goodput:
         # bare bar backed off from trees that won by 20% on average
         if self.plain_rate is None:
             # without a decode step's timing (a curve given without it) there is no bar at all: measured first too
-            self.winning = bool(self.decode_seconds) and rate >= self.MARGIN / self.decode_seconds
+            self.winning = bool(self.decode_seconds) and spec >= self.MARGIN / self.decode_seconds
             if not self.winning:
                 self.forced = 2
             return
@@ -466,7 +468,7 @@ class Goodput:
         # losing only where the rate is below the bar by more than CONFIDENCE standard errors: a step's tokens are
         # heavy-tailed, and where speculation loses, its steps' gains are alike and the error soon small (a rejected
         # draft gains one token a step, every step)
-        self.winning = rate + self.CONFIDENCE * spread >= bar
+        self.winning = spec + self.CONFIDENCE * spread >= bar
         if not self.winning:
             self.forced = self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
