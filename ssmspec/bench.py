@@ -396,7 +396,9 @@ def run_batched(args: argparse.Namespace, progress: bool = True) -> dict:
     plain decoding where speculating measured slower) and its plain decoding; generated tokens per second, best of
     `args.repeats`, every output asserted identical to HF's. With `args.compiled`, also HF greedy on a compiled model
     and ssmspec's default on a target compiled with the ssmspec backend (each batch size warmed up first)."""
+    device = torch.device(getattr(args, "device", None) or "cpu")
     ref, tok = models.load("mamba2-target")
+    ref = ref.to(device)
     target = ssmspec.transform(copy.deepcopy(ref))
     prompts = batch_prompts(tok, max(args.batch), args.prompt_tokens)
     plain = {"do_sample": False}
@@ -409,12 +411,13 @@ def run_batched(args: argparse.Namespace, progress: bool = True) -> dict:
         compiled.compile(backend="ssmspec", options=COMPILE_OPTIONS)
         runs["HF greedy (compiled)"] = (compiled_ref, plain)
         runs[f"{DEFAULT} (compiled)"] = (compiled, {})
-    result = {"setup": f"embedded mamba2-target, CPU {torch.get_num_threads()} threads, float32, batches of different "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {torch.get_num_threads()} threads"
+    result = {"setup": f"embedded mamba2-target, {where}, float32, batches of different "
               f"held-out prompts x {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens per row, best of "
               f"{args.repeats}; all outputs identical to HF greedy batched", "batches": {}}  # fmt: skip
     result["best_plain"] = {}  # per batch size: the faster of HF's and ssmspec's own plain decoding
     for batch in tqdm(args.batch, desc="batch sizes", disable=not progress):
-        ids = torch.stack(prompts[:batch])
+        ids = torch.stack(prompts[:batch]).to(device)
         for model, kw in runs.values():  # warm-up: the cost curve and compiled graphs of this batch size
             model.generate(ids, max_new_tokens=args.max_new_tokens, **kw)
         best = dict.fromkeys(runs, float("inf"))
@@ -510,6 +513,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="batched throughput instead: batches of this many different held-out prompts, HF greedy batched vs "
         "ssmspec's default (e.g. --batch 1 4 8 16 32)",
     )
+    p.add_argument("--device", default="cpu", help="batched throughput: where the models run (cpu, cuda, cuda:1)")
     return p
 
 

@@ -217,12 +217,13 @@ def test_train_head_saves_a_head_beside_the_checkpoint_that_transform_finds(tmp_
 
 def test_bench_batched_writes_json(tmp_path, capsys):
     """`ssmspec bench --batch`: per batch size HF greedy batched, the default and ssmspec's plain decoding, with the
-    default's outputs asserted identical to HF's (the command fails otherwise)."""
+    default's outputs asserted identical to HF's (the command fails otherwise); `--device` says where they run."""
     target = tmp_path / "batched.json"
     args = ["bench", "--batch", "1", "3", "--max-new-tokens", "6", "--prompt-tokens", "32", "--no-progress",
-            "--json", str(target)]  # fmt: skip
+            "--device", "cpu", "--json", str(target)]  # fmt: skip
     assert main(args) == 0
     result = json.loads(target.read_text())
+    assert "CPU" in result["setup"]
     assert set(result["batches"]) == {"1", "3"}
     for batch, rows in result["batches"].items():
         assert set(rows) == {"HF greedy", "ssmspec default", "ssmspec autoregressive"}
