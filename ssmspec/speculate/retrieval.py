@@ -18,7 +18,7 @@ import bisect
 import hashlib
 import json
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from os import PathLike
 from pathlib import Path
 
@@ -188,24 +188,49 @@ class ContextIndex:
     n <= `max_ngram`, the end positions of each n-gram, appended as tokens arrive. Finding the earlier
     occurrences of the context's tail then costs what it finds, not a scan of the whole context.
 
+    The end positions are hash chains (each n-gram's latest end, and per position the previous end of the n-gram
+    ending there): a handful of containers per index whatever its length. A batch's indexes live through a whole
+    generate call, and as one list per n-gram (8k at batch 32 on the embedded target) they were what made Python's
+    garbage collector run full collections during the call (150-180 ms each, one every few calls at batch 32).
+
     Args:
         max_ngram: the longest tail match looked up (prompt lookup's `max_matching_ngram_size`).
     """
 
     def __init__(self, max_ngram: int) -> None:
         self.max_ngram = max(1, int(max_ngram))
-        self.tokens: list[int] = []
-        self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(self.max_ngram)]
+        self._start()
         self._source: Sequence[int] | None = None  # the sequence last synced (the engine appends to it)
+
+    def _start(self) -> None:
+        """Empty: per n, each n-gram's latest end, and per position the previous end of the n-gram ending there."""
+        self.tokens: list[int] = []
+        self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram)]
+        self._previous: list[list[int]] = [[] for _ in range(self.max_ngram)]
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Index tokens appended to the sequence."""
-        toks, ends = self.tokens, self._ends
+        toks, latest, previous = self.tokens, self._latest, self._previous
         for t in tokens:
             toks.append(int(t))
             i = len(toks) - 1
-            for m in range(1, min(self.max_ngram, i + 1) + 1):
-                ends[m - 1].setdefault(tuple(toks[i - m + 1 : i + 1]), []).append(i)
+            for m in range(1, self.max_ngram + 1):
+                if m > i + 1:  # no n-gram this long ends here yet
+                    previous[m - 1].append(-1)
+                    continue
+                key = tuple(toks[i - m + 1 : i + 1])
+                previous[m - 1].append(latest[m - 1].get(key, -1))
+                latest[m - 1][key] = i
+
+    def ends(self, ngram: Sequence[int]) -> Iterator[int]:
+        """Where `ngram` ends in the indexed sequence, latest first."""
+        m = len(ngram)
+        if not 1 <= m <= self.max_ngram:
+            return
+        end, previous = self._latest[m - 1].get(tuple(ngram), -1), self._previous[m - 1]
+        while end >= 0:
+            yield end
+            end = previous[end]
 
     def sync(self, context: Sequence[int]) -> None:
         """Bring the index to `context`: extend it when `context` continues what was indexed, else rebuild."""
@@ -216,7 +241,7 @@ class ContextIndex:
             and list(context[:n]) == self.tokens
         )
         if not grows:
-            self.tokens, self._ends = [], [{} for _ in range(self.max_ngram)]
+            self._start()
             n = 0
         self.extend(context[n:])
         self._source = context
@@ -238,7 +263,7 @@ class ContextIndex:
         found = [(length(e), e) for e in range(k, n - 1) if context[e] == context[n - 1]]
         for m in range(min(self.max_ngram, n), 0, -1):
             taken = 0
-            for end in reversed(self._ends[m - 1].get(tuple(context[n - m :]), ())):
+            for end in self.ends(context[n - m :]):
                 if end >= n - 1 or length(end) != m:  # the tail itself, or a longer match (counted above)
                     continue
                 found.append((m, end))
