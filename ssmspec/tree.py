@@ -64,6 +64,15 @@ class TokenTree:
         par = self.parents.tolist()
         if any(row[0] != -1 for row in par):
             raise InvalidTreeError("node 0 is the root: parents[:, 0] must be -1")
+        if self.acceptable is None:
+            self.acceptable = torch.ones_like(self.tokens, dtype=torch.bool)
+        elif self.acceptable.shape != self.tokens.shape:
+            raise InvalidTreeError("acceptable must have the shape of tokens")
+        dev = self.tokens.device
+        if n == 1:  # one node per row, a plain decoding step (most steps at large batches): nothing to derive
+            ones = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
+            self._derived(par, [[0] for _ in range(b)], torch.zeros_like(self.parents), ones)
+            return
         for row, pr in enumerate(par):
             bad = next((t for t in range(1, n) if not 0 <= pr[t] < t), None)
             if bad is not None:
@@ -71,10 +80,6 @@ class TokenTree:
                     f"row {row}: node {bad} has parent {pr[bad]}; every node's parent must be an earlier node "
                     "(topological order, no cycles)"
                 )
-        if self.acceptable is None:
-            self.acceptable = torch.ones_like(self.tokens, dtype=torch.bool)
-        elif self.acceptable.shape != self.tokens.shape:
-            raise InvalidTreeError("acceptable must have the shape of tokens")
         depth = [[0] * n for _ in range(b)]
         anc = [[[False] * n for _ in range(n)] for _ in range(b)]
         for r in range(b):
@@ -86,13 +91,20 @@ class TokenTree:
                 row = a[t]
                 row[:t] = a[p][:t]
                 row[t] = True
-        dev = self.tokens.device
+        depth_tensor, anc_tensor = torch.tensor(depth, device=dev), torch.tensor(anc, dtype=torch.bool, device=dev)
+        self._derived(par, depth, depth_tensor, anc_tensor)
+
+    def _derived(
+        self, par: list[list[int]], depth: list[list[int]], depth_tensor: torch.Tensor, ancestor_mask: torch.Tensor
+    ) -> None:
+        """Keep what construction derived: the depths (host and device), the ancestor mask, host copies."""
+        n = self.tokens.shape[1]
         self.depth_is_index = all(d == list(range(n)) for d in depth)  # every row a chain (positions = slots)
         # host copies of the structure: verification walks and paths read these, never the device tensors
         self._parents_list = par
         self._depth_list = depth
-        self.depth = torch.tensor(depth, dtype=torch.long, device=dev)
-        self.ancestor_mask = torch.tensor(anc, dtype=torch.bool, device=dev)
+        self.depth = depth_tensor
+        self.ancestor_mask = ancestor_mask
         self._ancestors: dict[int, torch.Tensor] = {}
         # per row, the index each node had in the tree this one was level-aligned from (-1: padding)
         self.origin: list[list[int]] | None = None
@@ -144,6 +156,12 @@ class TokenTree:
             if num_nodes < n:
                 raise InvalidTreeError(f"a row has {n} nodes, more than num_nodes={num_nodes}")
             n = num_nodes
+        if n == 1 and all(len(t) == 1 for t in tokens):  # a root per row (a plain decoding step): no padding
+            if any(len(p) != 1 for p in parents):
+                raise InvalidTreeError("each row needs as many parents as tokens")
+            roots = torch.tensor([t[0] for t in tokens], dtype=torch.long).view(-1, 1)
+            host = cls(roots, torch.tensor([p[0] for p in parents], dtype=torch.long).view(-1, 1))
+            return host.to(device) if device is not None else host
         tok, par, ok = [], [], []
         for row_t, row_p in zip(tokens, parents):
             if len(row_t) != len(row_p):
@@ -344,6 +362,9 @@ class TokenTree:
         """
         if width is not None and (last.device.type != "cpu" or torch.compiler.is_compiling()):
             return self._static_paths(upload(last, self.tokens.device), min(int(width), self.num_nodes))
+        if self.num_nodes == 1:  # roots only: every path is the root (nothing to read or upload)
+            root = torch.zeros(self.batch_size, 1, dtype=torch.long, device=self.tokens.device)
+            return root, root[:, 0] + 1
         paths = [self.path_nodes(r, node) for r, node in enumerate(last.tolist())]
         m = max(map(len, paths)) if width is None else min(int(width), self.num_nodes)
         rows = [(p + [p[-1]] * (m - len(p)))[:m] for p in paths]

@@ -95,3 +95,29 @@ def test_moving_a_tree_is_one_packed_transfer_of_every_field(tree):
 def test_chain(n):
     tree = TokenTree.chain(torch.arange(n)[None])
     assert tree.depth.tolist() == [list(range(n))]
+
+
+def test_one_node_trees_are_roots_as_the_general_construction_derives_them():
+    """A plain decoding step's tree (a root per row) skips the per-row derivation: the same structure, the same
+    checks, the same paths and verification as any tree."""
+    from ssmspec.speculate.verify import greedy_verify
+
+    roots = TokenTree.from_lists([[5], [7], [9]], [[-1], [-1], [-1]])
+    padded = TokenTree.from_lists([[5, 1], [7], [9]], [[-1, 0], [-1], [-1]])  # the general path, 2 nodes per row
+    assert roots.tokens.tolist() == [[5], [7], [9]] and roots.parents.tolist() == [[-1]] * 3
+    assert roots.depth.tolist() == padded.depth[:, :1].tolist() and roots.depth.dtype == torch.long
+    assert roots.ancestor_mask.tolist() == padded.ancestor_mask[:, :1, :1].tolist()
+    assert roots.acceptable.tolist() == [[True]] * 3 and roots.depth_is_index
+    path, lengths = roots.paths(torch.tensor([0, 0, 0]))
+    assert path.tolist() == [[0]] * 3 and lengths.tolist() == [1, 1, 1]
+    last, emitted = greedy_verify(roots, None, target=[[4], [6], [8]])
+    assert last.tolist() == [0, 0, 0] and emitted == [[4], [6], [8]]
+    logits = torch.zeros(3, 1, 10)
+    logits[0, 0, 3] = logits[1, 0, 2] = logits[2, 0, 2] = logits[2, 0, 7] = 1.0  # row 2: a tie, the first wins
+    assert greedy_verify(roots, logits)[1] == [[3], [2], [2]]
+    with pytest.raises(InvalidTreeError, match="root"):
+        TokenTree.from_lists([[5], [7]], [[-1], [0]])
+    with pytest.raises(InvalidTreeError, match="as many parents"):
+        TokenTree.from_lists([[5], [7]], [[-1], [-1, 0]])
+    with pytest.raises(InvalidTreeError, match="at least its root"):
+        TokenTree.from_lists([[5], []], [[-1], []])

@@ -268,9 +268,13 @@ def speculative_generate(
                     if k >= 0:
                         forced[r] = k
                     continue
+                q = d[2] if len(d) > 2 else None
+                if len(d[0]) == 1 and not q:  # a root alone (plain decoding): nothing to trim
+                    drafts.append((d[0], d[1]))
+                    qs.append(None)
+                    continue
                 tokens, parents, index = _trim(d[0], d[1], remaining[r] - 1)
                 drafts.append((tokens, parents))
-                q = d[2] if len(d) > 2 else None
                 qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
             if verify_memory is not None and bytes_per_node > 0:
                 fits = max(1, int(verify_memory // (bytes_per_node * b)))

@@ -49,6 +49,8 @@ def greedy_verify(
     """
     if target is None:
         target = logits.argmax(-1).tolist()  # [B, N]
+    if tree.num_nodes == 1:  # roots only (a plain decoding step): every row emits the target's choice at its root
+        return torch.zeros(tree.batch_size, dtype=torch.long), [[row[0]] for row in target]
 
     def walk(b: int, kids: dict[int, list[int]], tokens: list[int]) -> tuple[int, list[int]]:
         cur, out = 0, []
