@@ -80,26 +80,25 @@ class Acceptance:
             for j in range(len(counts)):
                 counts[j] *= self.PLAIN_DECAY
 
-    def _pulled(self, success: list[float], trials: list[float], levels: int) -> list[float]:
-        """Levels 1..`levels`' success ratios in these counts, each pulled toward its prior (a level without counts:
-        the prior; a list of priors shorter than the levels: its last for the deeper ones)."""
-        out = []
-        for j in range(levels):
-            prior = self.priors[min(j, len(self.priors) - 1)]
-            out.append((success[j] + self.weight * prior) / (trials[j] + self.weight) if j < len(trials) else prior)
-        return out
+    def _pulled(self, success: list[float], trials: list[float], toward: Sequence[float]) -> list[float]:
+        """Each level's success ratio in these counts pulled toward its target in `toward` (one per level asked for;
+        a level without counts: its target)."""
+        w, known = self.weight, min(len(toward), len(trials))
+        return [(success[j] + w * toward[j]) / (trials[j] + w) for j in range(known)] + list(toward[known:])
+
+    def _priors(self, levels: int) -> list[float]:
+        """Levels 1..`levels`' priors (a list of priors shorter than the levels: its last for the deeper ones)."""
+        return [self.priors[min(j, len(self.priors) - 1)] for j in range(levels)]
 
     def _pooled(self, depth: int) -> list[float]:
         """Each level's rate over all rows (1..depth), pulled toward its prior."""
-        return self._pulled(self.pooled_success, self.pooled_trials, depth)
+        return self._pulled(self.pooled_success, self.pooled_trials, self._priors(depth))
 
     def level_rates(self, row: int, depth: int, pooled: list[float] | None = None) -> list[float]:
-        """The rates of levels 1..depth for `row` (each given the levels before it were accepted); `pooled`: the
-        rates over all rows (`_pooled`), where a caller asks for many rows."""
+        """The rates of levels 1..depth for `row` (each given the levels before it were accepted), pulled toward the
+        rates over all rows; `pooled`: those (`_pooled`), where a caller asks for many rows."""
         pooled = self._pooled(depth) if pooled is None else pooled
-        success, trials, w = self.success[row], self.trials[row], self.weight
-        known = min(depth, len(trials))
-        return [(success[j] + w * pooled[j]) / (trials[j] + w) for j in range(known)] + pooled[known:depth]
+        return self._pulled(self.success[row], self.trials[row], pooled[:depth])
 
     def survival(self, row: int, depth: int, pooled: list[float] | None = None) -> list[float]:
         """P(at least j drafted tokens accepted) for j = 1..depth: the chance a chain `depth` deep gets past each."""
@@ -113,20 +112,18 @@ class Acceptance:
         """The mean of `rows`' survivals: what `depth_gains` needs of them (expected tokens and rerun costs are
         linear in a row's survival, so the rows' mean prices the batch as the rows one by one do, at one row's cost:
         at batch 32 the per-row gains took 0.05 ms a step)."""
-        pooled, w = self._pooled(depth), self.weight
+        pooled = self._pooled(depth)
         total = [0.0] * depth
-        for r in rows:  # `survival` row by row, inlined (once per step for every critical row)
-            success, trials, p = self.success[r], self.trials[r], 1.0
-            known = min(depth, len(trials))
-            for j in range(depth):
-                p *= (success[j] + w * pooled[j]) / (trials[j] + w) if j < known else pooled[j]
+        for r in rows:
+            for j, p in enumerate(self.survival(r, depth, pooled)):
                 total[j] += p
         return [t / max(len(rows), 1) for t in total]
 
     def profile(self) -> list[float]:
         """Every level's rate over all rows and all of this call's steps (the prior where a level was never reached):
         the prior of the next call with the same drafter on the same model."""
-        return self._pulled(self.total_success, self.total_trials, max(len(self.total_trials), len(self.priors)))
+        levels = max(len(self.total_trials), len(self.priors))
+        return self._pulled(self.total_success, self.total_trials, self._priors(levels))
 
     def rate(self, row: int) -> float:
         """The first level's rate: how often `row`'s next token is among the draft's first."""
