@@ -156,24 +156,23 @@ class TokenTree:
             if num_nodes < n:
                 raise InvalidTreeError(f"a row has {n} nodes, more than num_nodes={num_nodes}")
             n = num_nodes
-        if n == 1 and all(len(t) == 1 for t in tokens):  # a root per row (a plain decoding step): no padding
-            if any(len(p) != 1 for p in parents):
-                raise InvalidTreeError("each row needs as many parents as tokens")
-            roots = torch.tensor([t[0] for t in tokens], dtype=torch.long).view(-1, 1)
-            host = cls(roots, torch.tensor([p[0] for p in parents], dtype=torch.long).view(-1, 1))
-            return host.to(device) if device is not None else host
-        tok, par, ok = [], [], []
         for row_t, row_p in zip(tokens, parents):
             if len(row_t) != len(row_p):
                 raise InvalidTreeError("each row needs as many parents as tokens")
             if len(row_t) == 0:
                 raise InvalidTreeError("a token tree needs at least its root node")
-            pad = n - len(row_t)
-            tok.append(list(row_t) + [pad_token_id] * pad)
-            # padding continues the row's last node as a chain: a row of chains stays a chain
-            par.append(list(row_p) + list(range(len(row_t) - 1, n - 1)))
-            ok.append([True] * len(row_t) + [False] * pad)
-        host = cls(torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long), torch.tensor(ok))
+        if n == 1:  # a root per row (a plain decoding step): no padding
+            roots = torch.tensor([t[0] for t in tokens], dtype=torch.long).view(-1, 1)
+            host = cls(roots, torch.tensor([p[0] for p in parents], dtype=torch.long).view(-1, 1))
+        else:
+            tok, par, ok = [], [], []
+            for row_t, row_p in zip(tokens, parents):
+                pad = n - len(row_t)
+                tok.append(list(row_t) + [pad_token_id] * pad)
+                # padding continues the row's last node as a chain: a row of chains stays a chain
+                par.append(list(row_p) + list(range(len(row_t) - 1, n - 1)))
+                ok.append([True] * len(row_t) + [False] * pad)
+            host = cls(torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long), torch.tensor(ok))
         return host.to(device) if device is not None else host
 
     def to(self, device: torch.device | str) -> TokenTree:
