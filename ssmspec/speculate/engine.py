@@ -268,13 +268,9 @@ def speculative_generate(
                     if k >= 0:
                         forced[r] = k
                     continue
-                q = d[2] if len(d) > 2 else None
-                if len(d[0]) == 1 and not q:  # a root alone (plain decoding): nothing to trim
-                    drafts.append((d[0], d[1]))
-                    qs.append(None)
-                    continue
                 tokens, parents, index = _trim(d[0], d[1], remaining[r] - 1)
                 drafts.append((tokens, parents))
+                q = d[2] if len(d) > 2 else None
                 qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
             if verify_memory is not None and bytes_per_node > 0:
                 fits = max(1, int(verify_memory // (bytes_per_node * b)))
@@ -570,6 +566,8 @@ def cost_seconds(model: nn.Module, runner: ModelRunner | GenericRunner) -> float
 def _trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], dict[int, int]]:
     """Drop drafted nodes deeper than max_depth (no use drafting past max_new_tokens); returns the kept
     tokens, their parents and where each kept node went."""
+    if len(tokens) == 1:  # a root alone (a plain decoding step, most steps at large batches): nothing to trim
+        return [tokens[0]], [-1], {0: 0}
     depth = [0] * len(tokens)
     keep = [0]
     new_index = {0: 0}
