@@ -7,8 +7,9 @@ depth, ancestor mask, the k nearest ancestors (for tree conv) and root-to-node p
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -106,6 +107,7 @@ class TokenTree:
         self.depth = depth_tensor
         self.ancestor_mask = ancestor_mask
         self._ancestors: dict[int, torch.Tensor] = {}
+        self._derived_tensors: dict = {}  # `derived`'s
         # per row, the index each node had in the tree this one was level-aligned from (-1: padding)
         self.origin: list[list[int]] | None = None
 
@@ -195,6 +197,7 @@ class TokenTree:
         moved.parents, moved.depth = parents.view(b, n), depth.view(b, n)
         moved.acceptable, moved.ancestor_mask = ok.view(b, n).bool(), anc.view(b, n, n).bool()
         moved._ancestors = {}
+        moved._derived_tensors = {}
         return moved
 
     @classmethod
@@ -312,6 +315,17 @@ class TokenTree:
                 out.append(rows)
             self._ancestors[k] = upload(torch.tensor(out, dtype=torch.long), self.tokens.device)
         return self._ancestors[k]
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """What `make()` returns, made once per tree and kept under `key`: a form of the structure that the ops of
+        every layer need (an ancestor mask in the compute dtype, a conv's tap indices), made once per verify step
+        rather than once per layer (each op costs microseconds on a small model). Not kept under torch.compile,
+        whose graphs would guard on this Python-side cache."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self._derived_tensors:
+            self._derived_tensors[key] = make()
+        return self._derived_tensors[key]
 
     def _ancestors_tensor(self, k: int) -> torch.Tensor:
         b, n = self.tokens.shape

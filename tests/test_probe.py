@@ -208,11 +208,11 @@ def test_the_probe_compares_with_hf_s_decode_steps(monkeypatch):
     ref = cached_tiny_model("zamba2", 1)
     assert ref.config.time_step_min > 0
     assert ssmspec.transform(copy.deepcopy(ref)).ssmspec_info.trees
-    unclamped = ssd._tree_ssd
+    unclamped = ssd._masked_ssd  # what the tree op computes, given its masks
 
-    def clamped(x, dt, A, Bm, Cm, D, bias, h0, mask, softplus, lo, hi, keep):
-        return unclamped(x, dt, A, Bm, Cm, D, bias, h0, mask, softplus, ref.config.time_step_min, hi, keep)
+    def clamped(x, dt, A, Bm, Cm, D, bias, h0, anc_t, outside, softplus, lo, hi, keep):
+        return unclamped(x, dt, A, Bm, Cm, D, bias, h0, anc_t, outside, softplus, ref.config.time_step_min, hi, keep)
 
-    monkeypatch.setattr(ssd, "_tree_ssd", clamped)
+    monkeypatch.setattr(ssd, "_masked_ssd", clamped)
     with pytest.raises(UnsupportedModelError, match="differs from what HF's generate computes"):
         ssmspec.transform(copy.deepcopy(ref))

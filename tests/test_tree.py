@@ -121,3 +121,67 @@ def test_one_node_trees_are_roots_as_the_general_construction_derives_them():
         TokenTree.from_lists([[5], [7]], [[-1], [-1, 0]])
     with pytest.raises(InvalidTreeError, match="at least its root"):
         TokenTree.from_lists([[5], []], [[-1], []])
+
+
+def test_derived_makes_each_form_once_per_tree():
+    tree = TokenTree.from_lists([[5, 6, 7], [8, 9]], [[-1, 0, 0], [-1, 0]])
+    made = []
+
+    def make():
+        made.append(1)
+        return torch.ones(1)
+
+    first = tree.derived(("form", 1), make)
+    assert tree.derived(("form", 1), make) is first and len(made) == 1
+    tree.derived(("form", 2), make)
+    assert len(made) == 2
+    moved = tree._moved(lambda flat: flat.clone())  # a moved tree derives its own (its tensors are elsewhere)
+    moved.derived(("form", 1), make)
+    assert len(made) == 3
+
+
+def test_a_verify_step_derives_the_tree_ops_masks_once_for_all_layers():
+    """The tree SSD's masks and the tree conv's tap rows are made once per verify step (one tree), not per layer,
+    and give the outputs of the ops that derive them per call (the reference ops)."""
+    import copy
+
+    import ssmspec
+    from ssmspec.ops import conv as conv_ops
+    from ssmspec.ops import ssd as ssd_ops
+    from ssmspec.speculate.runner import ModelRunner
+    from ssmspec.testing.configs import build_tiny_model
+
+    model = ssmspec.transform(copy.deepcopy(build_tiny_model("mamba2", dtype=torch.float64)))
+    assert model.config.num_hidden_layers > 1
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    tree = TokenTree.from_lists([[4, 9, 11, 12], [6, 7, 8]], [[-1, 0, 0, 1], [-1, 0, 1]])
+    runner = ModelRunner(model)
+    runner.prefill(ids, torch.ones_like(ids))
+    calls = {"ssd": 0, "conv": 0}
+    masks, taps = ssd_ops.ssd_masks, conv_ops.tap_index
+
+    def count(kind, fn):
+        def wrapped(*args):
+            calls[kind] += 1
+            return fn(*args)
+
+        return wrapped
+
+    snap = runner.snapshot()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ssd_ops, "ssd_masks", count("ssd", masks))
+        mp.setattr(conv_ops, "tap_index", count("conv", taps))
+        fast = runner.verify(runner.prepare(tree))
+    runner.discard()
+    assert calls == {"ssd": 1, "conv": 1}
+    assert len(tree._derived_tensors) == 2  # the SSD masks (float64) and the conv's taps
+    # the same step through the ops themselves (the reference path every layer derives its own masks on)
+    runner.restore(snap)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ssd_ops, "eager_reference", lambda x: False)
+        mp.setattr(conv_ops, "eager_reference", lambda x: False)
+        slow = runner.verify(
+            runner.prepare(TokenTree.from_lists([[4, 9, 11, 12], [6, 7, 8]], [[-1, 0, 0, 1], [-1, 0, 1]]))
+        )
+    runner.discard()
+    assert torch.equal(fast, slow)

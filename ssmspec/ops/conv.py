@@ -43,10 +43,24 @@ def tree_causal_conv1d(
     transposed view of [B, N, C] memory, as the mixer's own projections are: its later slices stay rows of
     contiguous channels); computed in at least float32 (half-precision inputs accumulate in float32, as a GPU
     conv does)."""
+    total, n = x_ext.shape[2], ancestors.shape[1]
+    return _tapped(x_ext, weight, bias, tap_index(ancestors, total), n, activation)
+
+
+def tap_index(ancestors: torch.Tensor, total: int) -> torch.Tensor:
+    """The rows `tree_causal_conv1d` gathers for ancestors [B, N, K] from [committed | nodes] of `total` columns
+    per row: [B * N * K] indices into the batch's time-major rows laid end to end, tap j of node t its (K-1-j)-th
+    ancestor (as weight column j expects). The same for every layer of a verify step whose conv has this width
+    and window: the seam adapter makes it once per tree (`TokenTree.derived`)."""
+    return _batch_rows(ancestors.flip(-1) + (total - ancestors.shape[1]), total).view(-1)
+
+
+def _tapped(x_ext, weight, bias, index, n: int, activation: str) -> torch.Tensor:
+    """`tree_causal_conv1d` of n nodes given its tap rows (`tap_index`)."""
     act = activation or None
     _check_activation(act)
     b, c, total = x_ext.shape
-    n, k = ancestors.shape[1], ancestors.shape[2]
+    k = index.shape[0] // (b * n)
     s = total - n
     if weight.shape != (c, k):
         raise ValueError(f"tree_causal_conv1d: weight {tuple(weight.shape)} does not match [C={c}, K={k}]")
@@ -55,10 +69,9 @@ def tree_causal_conv1d(
     cd = compute_dtype(x_ext, weight)
     # time-major [B, S+N, C]: each tap is a row of C contiguous channels (x_ext is usually a transposed view of
     # such rows already: the mixer's projection output), so the gather copies rows and the weighted sum runs
-    # over contiguous channels; tap j of node t reads its (K-1-j)-th ancestor, as weight column j expects
+    # over contiguous channels
     rows = x_ext.transpose(1, 2).to(cd)
-    idx = _batch_rows(ancestors.flip(-1) + s, total)  # [B, N, K]
-    taps = rows.reshape(b * total, c).index_select(0, idx.view(-1)).view(b, n, k, c)
+    taps = rows.reshape(b * total, c).index_select(0, index).view(b, n, k, c)
     return _weighted(taps, weight, bias, act, cd, x_ext.dtype)
 
 
@@ -146,6 +159,10 @@ def verify_conv(call: SeamCall, a: dict[str, Any]) -> torch.Tensor:
     tree = call.tree
     if tree.num_nodes == 1 and eager_reference(x_ext):  # a plain step, where the reference op would run
         out = conv_step(x_ext, weight, a.get("bias"), a.get("activation") or "")
+    elif eager_reference(x_ext):  # the reference op's own computation, its tap rows made once for all layers
+        k, total = weight.shape[-1], x_ext.shape[-1]
+        index = tree.derived(("conv_taps", k, total), lambda: tap_index(tree.ancestors(k), total))
+        out = _tapped(x_ext, weight, a.get("bias"), index, tree.num_nodes, a.get("activation") or "")
     else:
         out = _tree_conv(x_ext, weight, a.get("bias"), tree.ancestors(weight.shape[-1]), a.get("activation") or "")
     b, c, n = out.shape

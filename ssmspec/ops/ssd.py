@@ -23,6 +23,7 @@ from ssmspec.ops._common import (
     commits,
     compute_dtype,
     eager_fast_path,
+    eager_reference,
     in_place_commit,
     reference_op,
     seam_adapter,
@@ -82,33 +83,46 @@ def tree_ssd(
     Few, large ops (each eager op costs microseconds, a visible share of a small tree's step): C.B and C.h0
     once per group (the heads of a group share them), the decay of every head in one [B,H,t,s] tensor, and the
     outputs accumulated head-major as [B,H,P,t] by one batched matmul onto the h0 term."""
+    cd = compute_dtype(x, dt, Bm, Cm)
+    return _masked_ssd(x, dt, A, Bm, Cm, D, dt_bias, h0, *ssd_masks(ancestor_mask, cd), dt_softplus, dt_min, dt_max,
+                       return_states)  # fmt: skip
+
+
+def ssd_masks(ancestor_mask: torch.Tensor, cd: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ancestor mask [B, t, s] in the two forms `tree_ssd` uses: in the compute dtype, transposed to [B, s, t]
+    (L = dA @ it sums each node's ancestors), and negated as [B, 1, t, s] (the decays it masks to exp(-inf) = 0).
+    The same for every layer of a verify step: the seam adapter makes them once per tree (`TokenTree.derived`)."""
+    return ancestor_mask.to(cd).transpose(1, 2), ~ancestor_mask[:, None]
+
+
+def _masked_ssd(x, dt, A, Bm, Cm, D, dt_bias, h0, anc_t, outside, dt_softplus, dt_min, dt_max, return_states):
+    """`tree_ssd` given its masks (`ssd_masks`)."""
     b, n, h, p = x.shape
     g, s = Bm.shape[2], Bm.shape[3]
     r = h // g
     cd = compute_dtype(x, dt, Bm, Cm)
-    xc = x.to(cd)
+    xc = _as(x, cd)
     dtc = _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd)  # [B, N, H]
-    dA = dtc * A.to(cd)
-    anc = ancestor_mask
-    L = torch.bmm(dA.transpose(1, 2), anc.to(cd).transpose(1, 2))  # [B, H, t]: sum over t's ancestors, t included
+    dA = dtc * _as(A, cd)
+    L = torch.bmm(dA.transpose(1, 2), anc_t)  # [B, H, t]: sum over t's ancestors, t included
     # decay from s to t (exclusive of s) where s is an ancestor of t, else exp(-inf) = 0
-    seg = torch.where(anc[:, None], L[..., :, None] - L[..., None, :], float("-inf")).exp_()  # [B, H, t, s]
+    seg = (L[..., :, None] - L[..., None, :]).masked_fill_(outside, float("-inf")).exp_()  # [B, H, t, s]
     dts = dtc.transpose(1, 2).reshape(b, g, r, 1, n)  # dt_s
-    Cg, Bg = _by_group(Cm.to(cd)), _by_group(Bm.to(cd))  # [B*G, N, S]
+    Cg, Bg = _by_group(_as(Cm, cd)), _by_group(_as(Bm, cd))  # [B*G, N, S]
     cb = torch.bmm(Cg, Bg.transpose(1, 2)).view(b, g, 1, n, n)  # C_t . B_s, shared by the heads of a group
     decay = seg.view(b, g, r, n, n)
     w = decay * cb * dts if return_states else decay.mul_(cb).mul_(dts)  # [B, G, R, t, s]
     xt = xc.permute(0, 2, 3, 1).reshape(b * h, p, n)  # [B*H, P, s]
     wt = w.view(b * h, n, n).transpose(1, 2)
     if h0 is not None:  # exp(L_t) C_t . h0, for every head of a group from one matmul
-        h0c = h0.to(cd)
+        h0c = _as(h0, cd)
         yt = torch.bmm(h0c.reshape(b * g, r * p, s), Cg.transpose(1, 2)).view(b, h, p, n)
         yt = yt.mul_(L.exp().unsqueeze(2)).view(b * h, p, n).baddbmm_(xt, wt)
     else:
         yt = torch.bmm(xt, wt)
     yt = yt.view(b, h, p, n).permute(0, 3, 1, 2)  # [B, N, H, P] (strided)
     if D is not None:  # contiguous output: callers .view() it (FalconH1Mixer does)
-        Dc = D.to(cd)
+        Dc = _as(D, cd)
         y = (xc * (Dc[:, None] if Dc.ndim == 1 else Dc)).add_(yt)
     else:
         y = yt.contiguous()
@@ -268,7 +282,12 @@ def verify_ssd(call: SeamCall, a: dict[str, Any]):
         y = ssd_step_(x, dt, A, Bm, Cm, D, bias, h0, sp, float(lo), float(hi))  # the node committed as verified
         return (y, h0) if a.get("return_final_states", False) else y
     mask = call.tree.ancestor_mask
-    y, states = _tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, mask, sp, float(lo), float(hi), keep)
+    if eager_reference(x):  # the reference op's own computation, with the tree's masks made once for all layers
+        cd = compute_dtype(x, dt, Bm, Cm)
+        masks = call.tree.derived(("ssd_masks", cd), lambda: ssd_masks(mask, cd))
+        y, states = _masked_ssd(x, dt, A, Bm, Cm, D, bias, h0, *masks, sp, float(lo), float(hi), keep)
+    else:
+        y, states = _tree_ssd(x, dt, A, Bm, Cm, D, bias, h0, mask, sp, float(lo), float(hi), keep)
     if keep:
         call.record(seam, "ssd", states=states)
     else:
