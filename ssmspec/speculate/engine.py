@@ -209,16 +209,19 @@ def speculative_generate(
     next_shadow, shadows = 1, 0
     # seconds shadow drafts may still spend (SHADOW_SHARE of the plain steps' time), and what the last one took
     shadow_budget, shadow_cost = 0.0, 0.0
+    reprice_at = 0  # the step from which the policy prices depths again (it pauses while far from speculating)
     try:
         while not all(done):
             started = time.perf_counter()
             remaining = [max_new_tokens - len(g) for g in generated]
             depth = min(depth_limit, max(remaining) - 1)
-            # the rows the batch waits for: a batch ends with its last row, and a row that finished early holds its
-            # slot idle until then, so speculation pays only where it speeds up the rows with the most left to do
-            # (at batch 8 on the embedded target, speculating for the mean row measured 0.94x HF greedy: the rows
-            # that accepted less finished 20 steps after the others)
-            critical = critical_rows(remaining, done, CRITICAL_SLACK)
+            # the batch ends with its last row, and a row that finished early holds its slot idle until then, so a
+            # depth is priced by how much nearer it brings that end (`Acceptance.progress_survival`: each unfinished
+            # row by how far it is ahead of the row with the most left; at batch 8 on the embedded target,
+            # speculating for the mean row measured 0.94x HF greedy: the rows that accepted less finished 20 steps
+            # after the others)
+            unfinished = [r for r in range(b) if not done[r]]
+            most = max(remaining[r] for r in unfinished)
             done_before = list(done)
             shadow_seconds = 0.0
             # the heuristic schedule may go deeper than num_draft_tokens (as HF's): the budget grows with it, so a
@@ -228,12 +231,19 @@ def speculative_generate(
             if goodput is not None and goodput.plain:
                 depth = 0  # speculation measured slower than plain decoding: back off
             elif adaptive:
-                rates = [acceptance.mean_survival(critical, max(depth, 0))]
-                gains = depth_gains(rates, goodput.cost, max(depth, 0), per_depth,
-                                    reruns=getattr(runner, "reruns", False))  # fmt: skip
-                chosen = best_depth(gains)
-                if chosen == 0 and len(gains) > 1 and goodput.keeps_speculating(max(gains[1:])):
-                    chosen = best_depth(gains, 1)  # measured winning, a back-off's retry, or a first try
+                if stats.verify_steps < reprice_at:
+                    chosen = 0  # priced far from paying a few steps ago: acceptance moves slowly, plain until repriced
+                else:
+                    behind = [most - remaining[r] for r in unfinished]
+                    rates = [acceptance.progress_survival(unfinished, behind, max(depth, 0))]
+                    gains = depth_gains(rates, goodput.cost, max(depth, 0), per_depth,
+                                        reruns=getattr(runner, "reruns", False))  # fmt: skip
+                    chosen = best_depth(gains)
+                    best = max(gains[1:], default=0.0)
+                    if chosen == 0 and len(gains) > 1 and goodput.keeps_speculating(best):
+                        chosen = best_depth(gains, 1)  # measured winning, a back-off's retry, or a first try
+                    elif chosen == 0 and best < FAR_FROM_PAYING:  # (nothing measured could make it speculate)
+                        reprice_at = stats.verify_steps + REPRICE_EVERY
                 # plain decoding: the drafter's first level still tells how accurate it is now (a shadow draft costs a
                 # drafting call: SHADOW_EVERY plain steps apart, twice as far after every SHADOW_EVERY of them in
                 # a run of plain steps, up to SHADOW_MAX, and at most SHADOW_SHARE of the plain steps' time)
@@ -247,6 +257,7 @@ def speculative_generate(
                         shadow_cost = shadow_seconds
                         shadow_budget -= shadow_seconds
                         shadows += 1
+                        reprice_at = 0  # its rates are news: priced again next step
                         next_shadow = plain_steps + min(SHADOW_MAX, SHADOW_EVERY * 2 ** (shadows // SHADOW_EVERY))
                 elif chosen > 0:
                     plain_steps, next_shadow, shadows = 0, 1, 0
@@ -429,8 +440,11 @@ SHADOW_MAX = 32
 # ... and spends at most this share of the plain steps' time on them (at batch 32 on the embedded target a shadow
 # draft cost about 5 ms against a 10-13 ms plain step: every 4 steps, about 10% of the time)
 SHADOW_SHARE = 0.01
-# rows within this many tokens of the row with the most left to generate count as the rows a batch waits for
-CRITICAL_SLACK = 8
+# where the acceptance model prices every depth below this fraction of plain decoding's rate (and nothing measured
+# says otherwise), the next REPRICE_EVERY steps decode plainly without pricing: at batch 8-32, where speculation does
+# not pay on the embedded target, pricing every step cost about 1% of a call (8 ms of 640 at batch 8)
+FAR_FROM_PAYING = 0.85
+REPRICE_EVERY = 4
 
 
 def _observe_features(drafter: Drafter, pending: tuple | None) -> None:
@@ -471,16 +485,6 @@ def batch_progress(
     after = [max_new_tokens - len(g) for g, d in zip(generated, done) if not d]
     most = max((len(e) for e, d in zip(emitted, done_before) if not d), default=0)
     return max(0, min(max(before) - max(after, default=0), most))
-
-
-def critical_rows(remaining: list[int], done: list[bool], slack: int) -> list[int]:
-    """The unfinished rows within `slack` tokens of the most `remaining` tokens left: the ones the batch's end
-    waits for (all rows while they keep pace; a lone straggler once others pulled ahead)."""
-    left = [n for n, d in zip(remaining, done) if not d]
-    if not left:
-        return []
-    most = max(left)
-    return [r for r, (n, d) in enumerate(zip(remaining, done)) if not d and n >= most - slack]
 
 
 # prompt positions (the last ones) whose top-k a recycling drafter is told after the prefill

@@ -86,11 +86,8 @@ def test_acceptance_is_measured_level_by_level():
         lone.elapse(0)
     assert lone.rate(0) > low + 0.2
     assert Acceptance(1).update(0, 0, 0) is None and Acceptance(1).level_rates(0, 2) == [0.5, 0.5]
-    # the rows' mean survival prices a batch as its rows one by one do (both are linear in each row's survival)
-    rows = [lone.survival(r, 6) for r in range(2)]
-    mean = lone.mean_survival([0, 1], 6)
-    assert depth_gains([mean], COST, 6, 2.0) == pytest.approx(depth_gains(rows, COST, 6, 2.0))
-    assert depth_gains([mean], COST, 6, 2.0, reruns=True) == pytest.approx(depth_gains(rows, COST, 6, 2.0, reruns=True))
+    # one row: the batch's progress is the row's tokens
+    assert lone.progress_survival([1], [0], 6) == pytest.approx(lone.survival(1, 6))
 
 
 def test_a_few_failures_do_not_collapse_the_next_calls_deeper_levels():
@@ -155,9 +152,12 @@ def test_adaptive_output_is_hfs_and_depth_adapts(family, monkeypatch):
     right, stats_right, _ = speculative_generate(model, ids, mask, drafter=OracleDrafter(rows, vocab_size=96),
                                                  adaptive=True, **common)  # fmt: skip
     assert torch.equal(wrong, want[:, : wrong.shape[1]]) and torch.equal(right, want[:, : right.shape[1]])
-    # random drafts: after a few failures the steps are plain decoding; an oracle: steps stay deep
+    # random drafts: after a few failures the steps are plain decoding; an oracle: steps go deeper as its drafts pass
+    # (two rows priced by their joint progress: a level both must pass, from the fresh prior of 0.5 per level)
     assert sum(n == 1 for n in stats_wrong.tree_nodes_per_step) > 0.7 * stats_wrong.verify_steps
-    assert stats_right.mean_accepted_per_step > 4
+    assert stats_right.mean_accepted_per_step > 3
+    deep = stats_right.tree_nodes_per_step
+    assert max(deep) >= 5 and max(deep[len(deep) // 2 :]) > max(deep[:2])
     assert set(model._ssmspec_cost_curves) == {(2, "cpu")}  # measured once for this batch size
 
 
@@ -377,14 +377,44 @@ def test_goodput_prices_a_steps_overhead_and_one_stall_does_not_price_speculatio
     assert g.spec_overhead(4) == pytest.approx((decay * 0.005 + 3 * 0.005) / (decay + 1))
 
 
-def test_critical_rows_are_the_ones_the_batch_waits_for():
-    from ssmspec.speculate.engine import critical_rows
+def test_a_batch_is_priced_by_how_much_nearer_its_end_a_step_brings_it():
+    """`progress_survival` is the chance a step brings the batch's end more than j tokens nearer (what
+    `batch_progress` measures): rows that keep pace must all pass a level together, a row ahead of the last one
+    needs fewer; checked against steps drawn from the rows' survivals."""
+    from ssmspec.speculate.engine import batch_progress
 
-    # all rows keep pace: all of them; one row pulled ahead by more than the slack: the others; finished rows never
-    assert critical_rows([40, 38, 33, 40], [False] * 4, 8) == [0, 1, 2, 3]
-    assert critical_rows([40, 38, 20, 40], [False] * 4, 8) == [0, 1, 3]
-    assert critical_rows([40, 38, 20, 50], [False, False, False, True], 8) == [0, 1]
-    assert critical_rows([0, 0], [True, True], 8) == []
+    acc = Acceptance(3, prior=[0.8, 0.7, 0.9, 0.9])
+    for _ in range(6):
+        acc.update(0, 4, 4)
+        acc.update(1, 4, 1)
+    survivals = [acc.survival(r, 4) for r in range(3)]
+    # three rows level: each level passed by all three
+    level = acc.progress_survival([0, 1, 2], [0, 0, 0], 4)
+    assert level == pytest.approx([survivals[0][j] * survivals[1][j] * survivals[2][j] for j in range(4)])
+    # row 1 two tokens ahead: it holds the batch up only from the third token on, and then two levels less deep
+    ahead = acc.progress_survival([0, 1, 2], [0, 2, 0], 4)
+    assert ahead[:2] == pytest.approx([survivals[0][j] * survivals[2][j] for j in range(2)])
+    assert ahead[2] == pytest.approx(survivals[0][2] * survivals[2][2] * survivals[1][0])
+    assert acc.progress_survival([0, 1, 2], [0, 9, 9], 4) == pytest.approx(survivals[0])  # far ahead: no matter
+    assert min(a - b for a, b in zip(ahead, level)) >= 0
+    # the expectation is what batch_progress measures on steps drawn from the rows' survivals
+    g = torch.Generator().manual_seed(0)
+    max_new, generated_before = 40, [10, 12, 10]
+    remaining = [max_new - n for n in generated_before]
+    behind = [max(remaining) - n for n in remaining]
+    total, draws = 0, 20000
+    for _ in range(draws):
+        gained = []
+        for s in survivals:
+            u = float(torch.rand((), generator=g))
+            gained.append(1 + sum(1 for p in s if u < p))  # accepted = how many levels' survivals exceed u
+        generated = [[0] * (n + k) for n, k in zip(generated_before, gained)]
+        total += batch_progress(remaining, [False] * 3, generated, [False] * 3, max_new, [[0] * k for k in gained])
+    expected = 1 + sum(acc.progress_survival([0, 1, 2], behind, 4))
+    assert total / draws == pytest.approx(expected, abs=0.03)
+    # the rows' mean survival (the earlier measure) overprices a batch whose rows keep pace
+    mean = [sum(s[j] for s in survivals) / 3 for j in range(4)]
+    assert 1 + sum(mean) > expected + 0.5
 
 
 def test_shadow_drafts_spend_a_bounded_share_of_plain_decoding(monkeypatch):
@@ -424,6 +454,38 @@ def test_shadow_drafts_spend_a_bounded_share_of_plain_decoding(monkeypatch):
     # a plain step of the tiny model takes a few ms: 1% of them buys one 5 ms shadow in more steps than the call has
     assert shadows[default] <= 2
     assert shadows[1.0] >= 5  # without the budget: the geometric schedule alone (4, 8, ... steps apart)
+
+
+def test_far_from_paying_the_policy_prices_every_few_steps(monkeypatch):
+    """Where the acceptance model prices every depth far below plain decoding (a batch of rows that rarely accept),
+    the next REPRICE_EVERY steps decode plainly without pricing; a shadow draft's news is priced at once."""
+    from ssmspec.speculate import engine
+
+    priced = []
+    gains = engine.depth_gains
+    monkeypatch.setattr(engine, "depth_gains", lambda *a, **k: priced.append(1) or gains(*a, **k))
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.randint(3, 90, (4, 8), generator=torch.Generator().manual_seed(1))
+    want = ref.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    model._ssmspec_cost_curves = {(4, "cpu"): COST}  # a fixed curve: the depths do not depend on timing
+    model._ssmspec_acceptance = {}
+    out, stats, _ = speculative_generate(
+        model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
+        drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
+    )  # fmt: skip
+    assert torch.equal(out, want)
+    steps = stats.verify_steps
+    assert sum(n > 1 for n in stats.tree_nodes_per_step) == 0  # 0.5 per level for each of 4 rows: never tried
+    assert len(priced) <= steps // engine.REPRICE_EVERY + 4  # (+ the repricing after each shadow draft)
+    # nothing far: every step priced
+    priced.clear()
+    monkeypatch.setattr(engine, "FAR_FROM_PAYING", 0.0)
+    speculative_generate(
+        model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
+        drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
+    )  # fmt: skip
+    assert len(priced) == steps
 
 
 def test_goodput_under_sampling_follows_no_timing():
