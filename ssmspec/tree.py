@@ -72,7 +72,7 @@ class TokenTree:
         dev = self.tokens.device
         if n == 1:  # one node per row, a plain decoding step (most steps at large batches): nothing to derive
             ones = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
-            self._derived(par, [[0] for _ in range(b)], torch.zeros_like(self.parents), ones)
+            self._keep_structure(par, [[0] for _ in range(b)], torch.zeros_like(self.parents), ones)
             return
         for row, pr in enumerate(par):
             bad = next((t for t in range(1, n) if not 0 <= pr[t] < t), None)
@@ -93,9 +93,9 @@ class TokenTree:
                 row[:t] = a[p][:t]
                 row[t] = True
         depth_tensor, anc_tensor = torch.tensor(depth, device=dev), torch.tensor(anc, dtype=torch.bool, device=dev)
-        self._derived(par, depth, depth_tensor, anc_tensor)
+        self._keep_structure(par, depth, depth_tensor, anc_tensor)
 
-    def _derived(
+    def _keep_structure(
         self, par: list[list[int]], depth: list[list[int]], depth_tensor: torch.Tensor, ancestor_mask: torch.Tensor
     ) -> None:
         """Keep what construction derived: the depths (host and device), the ancestor mask, host copies."""
@@ -106,8 +106,7 @@ class TokenTree:
         self._depth_list = depth
         self.depth = depth_tensor
         self.ancestor_mask = ancestor_mask
-        self._ancestors: dict[int, torch.Tensor] = {}
-        self._derived_tensors: dict = {}  # `derived`'s
+        self._derived_tensors: dict = {}  # `derived`'s (the nearest ancestors per k among them)
         # per row, the index each node had in the tree this one was level-aligned from (-1: padding)
         self.origin: list[list[int]] | None = None
 
@@ -196,7 +195,6 @@ class TokenTree:
         moved.tokens = tokens.view(b, n).to(self.tokens.dtype)
         moved.parents, moved.depth = parents.view(b, n), depth.view(b, n)
         moved.acceptable, moved.ancestor_mask = ok.view(b, n).bool(), anc.view(b, n, n).bool()
-        moved._ancestors = {}
         moved._derived_tensors = {}
         return moved
 
@@ -302,19 +300,21 @@ class TokenTree:
         (and recompile for) the Python-side cache of each new tree."""
         if torch.compiler.is_compiling():
             return self._ancestors_tensor(k)
-        if k not in self._ancestors:
-            out = []
-            for pr in self._parents_list:
-                rows = []
-                for t in range(len(pr)):
-                    chain, cur = [], t
-                    while len(chain) < k and cur >= 0:
-                        chain.append(cur)
-                        cur = pr[cur]
-                    rows.append(chain + [-(i + 1) for i in range(k - len(chain))])
-                out.append(rows)
-            self._ancestors[k] = upload(torch.tensor(out, dtype=torch.long), self.tokens.device)
-        return self._ancestors[k]
+        return self.derived(("ancestors", k), lambda: self._ancestors_walked(k))
+
+    def _ancestors_walked(self, k: int) -> torch.Tensor:
+        """`ancestors(k)` walked on the host (the parents' Python copy), one upload."""
+        out = []
+        for pr in self._parents_list:
+            rows = []
+            for t in range(len(pr)):
+                chain, cur = [], t
+                while len(chain) < k and cur >= 0:
+                    chain.append(cur)
+                    cur = pr[cur]
+                rows.append(chain + [-(i + 1) for i in range(k - len(chain))])
+            out.append(rows)
+        return upload(torch.tensor(out, dtype=torch.long), self.tokens.device)
 
     def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """What `make()` returns, made once per tree and kept under `key`: a form of the structure that the ops of

@@ -174,7 +174,8 @@ def test_a_verify_step_derives_the_tree_ops_masks_once_for_all_layers():
         fast = runner.verify(runner.prepare(tree))
     runner.discard()
     assert calls == {"ssd": 1, "conv": 1}
-    assert len(tree._derived_tensors) == 2  # the SSD masks (float64) and the conv's taps
+    # the SSD masks (float64), the conv's taps and the nearest ancestors they were made from, one of each
+    assert sorted(key[0] for key in tree._derived_tensors) == ["ancestors", "conv_taps", "ssd_masks"]
     # the same step through the ops themselves (the reference path every layer derives its own masks on)
     runner.restore(snap)
     with pytest.MonkeyPatch.context() as mp:
