@@ -14,7 +14,7 @@ import collections
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -100,21 +100,22 @@ class Acceptance:
         one above it or more (held-out code: 0.84, 0.70, 0.62, ... for the draft head); a level priced far below it
         is never drafted, so never measured again: a profile whose third level read 0.11 (seven failures in one
         call) kept every later call two levels deep."""
-        out: list[float] = []
-        for j in range(levels):
-            p = self.priors[j] if j < len(self.priors) else out[-1]
-            out.append(max(p, self.FLOOR * out[-1]) if out else p)
-        return out
+        out = self._floored(list(self.priors[:levels]), range(1, min(levels, len(self.priors))))
+        return out + out[-1:] * (levels - len(out))
+
+    def _floored(self, rates: list[float], levels: Iterable[int]) -> list[float]:
+        """`rates` with each of `levels` (ascending, not the first) at least FLOOR times the level above's, in place."""
+        for j in levels:
+            rates[j] = max(rates[j], self.FLOOR * rates[j - 1])
+        return rates
 
     def _pooled(self, depth: int) -> list[float]:
         """Each level's rate over all rows (1..depth), pulled toward its prior; a level no row has reached yet in this
         call at least FLOOR times the level above's (as the priors: `_priors`), so that the level gets drafted and
         measured once the levels above it prove better than their priors said."""
         rates = self._pulled(self.pooled_success, self.pooled_trials, self._priors(depth))
-        for j in range(1, depth):
-            if j >= len(self.pooled_trials) or self.pooled_trials[j] < 1.0:
-                rates[j] = max(rates[j], self.FLOOR * rates[j - 1])
-        return rates
+        unreached = (j for j in range(1, depth) if j >= len(self.pooled_trials) or self.pooled_trials[j] < 1.0)
+        return self._floored(rates, unreached)
 
     def level_rates(self, row: int, depth: int, pooled: list[float] | None = None) -> list[float]:
         """The rates of levels 1..depth for `row` (each given the levels before it were accepted), pulled toward the

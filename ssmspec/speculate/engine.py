@@ -215,13 +215,6 @@ def speculative_generate(
             started = time.perf_counter()
             remaining = [max_new_tokens - len(g) for g in generated]
             depth = min(depth_limit, max(remaining) - 1)
-            # the batch ends with its last row, and a row that finished early holds its slot idle until then, so a
-            # depth is priced by how much nearer it brings that end (`Acceptance.progress_survival`: each unfinished
-            # row by how far it is ahead of the row with the most left; at batch 8 on the embedded target,
-            # speculating for the mean row measured 0.94x HF greedy: the rows that accepted less finished 20 steps
-            # after the others)
-            unfinished = [r for r in range(b) if not done[r]]
-            most = max(remaining[r] for r in unfinished)
             done_before = list(done)
             shadow_seconds = 0.0
             # the heuristic schedule may go deeper than num_draft_tokens (as HF's): the budget grows with it, so a
@@ -234,6 +227,13 @@ def speculative_generate(
                 if stats.verify_steps < reprice_at:
                     chosen = 0  # priced far from paying a few steps ago: acceptance moves slowly, plain until repriced
                 else:
+                    # the batch ends with its last row, and a row that finished early holds its slot idle until then,
+                    # so a depth is priced by how much nearer it brings that end (`Acceptance.progress_survival`: each
+                    # unfinished row by how far it is ahead of the row with the most left; at batch 8 on the embedded
+                    # target, speculating for the mean row measured 0.94x HF greedy: the rows that accepted less
+                    # finished 20 steps after the others)
+                    unfinished = [r for r in range(b) if not done[r]]
+                    most = max(remaining[r] for r in unfinished)
                     behind = [most - remaining[r] for r in unfinished]
                     rates = [acceptance.progress_survival(unfinished, behind, max(depth, 0))]
                     gains = depth_gains(rates, goodput.cost, max(depth, 0), per_depth,
