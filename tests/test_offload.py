@@ -76,6 +76,26 @@ def test_transform_installs_inside_accelerates_hooks_and_uninstalls_cleanly(offl
     assert target is model
 
 
+@pytest.mark.parametrize("family", ["zamba", "zaya", "inkling2"])
+def test_the_loader_keeps_tied_layers_together_parameters_off_the_layers_and_dtypes(tmp_path, family):
+    """Zamba's hybrid layers share one attention block (tied weights: accelerate needs them on one device, as
+    its own device_map="auto" keeps them), Zaya has parameters on the model beside its layers, inkling2 a float32
+    router in a float64 model: each loads offloaded, HF's generate on it equals the model's, and ssmspec's equals
+    both."""
+    model = build_tiny_model(family)
+    mapped = load_device_mapped(model, tmp_path)
+    assert "disk" in set(mapped.hf_device_map.values())
+    assert {n: p.dtype for n, p in mapped.named_parameters()} == {n: p.dtype for n, p in model.named_parameters()}
+    ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(0))
+    want = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(mapped.generate(ids, max_new_tokens=10, do_sample=False), want)
+    got = ssmspec.transform(copy.deepcopy(mapped)).generate(ids, max_new_tokens=10, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+    if family == "zamba":
+        devices = {mapped.hf_device_map[f"model.layers.{i}"] for i in (1, 2)}  # the two layers sharing the block
+        assert len(devices) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a cpu / cuda split needs a GPU")
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_speculative_equals_hf_greedy_split_between_cuda_and_cpu(tmp_path, family):

@@ -1023,7 +1023,9 @@ def load_device_mapped(
 ) -> nn.Module:
     """The model saved in `directory` and loaded back with accelerate's big-model inference: its decoder layers
     spread over `devices` in turn ("disk": offloaded to `directory`/offload, loaded per forward by accelerate's hooks;
-    "cpu", "cuda:0": placed there), everything else on the first device; the model's dtype kept. Needs accelerate.
+    "cpu", "cuda:0": placed there), everything else on the first device; each parameter's dtype kept. A layer that
+    shares weights with an earlier one (Zamba's shared attention block) goes where that one went, as accelerate's
+    own `device_map="auto"` keeps tied weights together. Needs accelerate.
 
     Args:
         model: a model built here (any family; its layers are the largest nn.ModuleList it has).
@@ -1038,19 +1040,34 @@ def load_device_mapped(
     parts = path.split(".")
     for depth in range(len(parts)):  # beside each module on the way to the layers: the first device
         parent = ".".join(parts[:depth])
-        for name, _ in model.get_submodule(parent).named_children():
+        module = model.get_submodule(parent)
+        prefix = f"{parent}." if parent else ""
+        for name, _ in module.named_children():
             if name != parts[depth]:
-                device_map[f"{parent}.{name}" if parent else name] = devices[0]
-    for name, _ in model.named_parameters(recurse=False):
-        device_map[name] = devices[0]
-    for i in range(len(layers)):
-        device_map[f"{path}.{i}"] = devices[i % len(devices)]
+                device_map[prefix + name] = devices[0]
+        for name, _ in module.named_parameters(recurse=False):
+            device_map[prefix + name] = devices[0]
+        for name, _ in module.named_buffers(recurse=False):
+            device_map[prefix + name] = devices[0]
+    placed: dict[int, str] = {}  # a parameter's id -> the device of the first layer holding it
+    for i, layer in enumerate(layers):
+        shared = [placed[id(p)] for p in layer.parameters() if id(p) in placed]
+        device_map[f"{path}.{i}"] = shared[0] if shared else devices[i % len(devices)]
+        for p in layer.parameters():
+            placed.setdefault(id(p), device_map[f"{path}.{i}"])
     dtype = next(model.parameters()).dtype
     kwargs = {"experts_implementation": "eager"} if hasattr(model, "set_experts_implementation") else {}
-    return type(model).from_pretrained(
+    loaded = type(model).from_pretrained(
         directory / "checkpoint",
         device_map=device_map,
         offload_folder=str(directory / "offload"),
         dtype=dtype,
         **kwargs,
     )
+    # A parameter kept in another dtype than the rest (inkling2's float32 router) loads in `dtype`; set it back.
+    # Offloaded ones are meta tensors here, and accelerate casts what it loads to their dtype.
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    for name, p in loaded.named_parameters():
+        if name in dtypes and p.dtype != dtypes[name]:
+            p.data = p.data.to(dtypes[name])
+    return loaded

@@ -32,7 +32,19 @@ FLOAT32_IN_HF_CODE = {
     "`lm_head(...).float()`)",
     "bailing_hybrid": "KDA recurrent state stored in float32 (explicit cast); MoE router in float32",
     "qwen3_5_moe": "GDN gate `softplus(a.float() + dt_bias)`, recurrent state in float32; MoE router in float32",
+    "glm5_next": "gated delta rule in float32, its recurrent state cached in float32; MoE router in float32",
+    "qwen4_exp": "GDN gate `softplus(a.float() + dt_bias)`, gated delta rule inputs cast to float32",
 }
+
+
+def computes_in_float32(model: Any) -> bool:
+    """Whether `model`'s HF code is one of FLOAT32_IN_HF_CODE's (by its config's model_type, a composite model's
+    text config's too; "qwen3_5_text" is qwen3_5): its committed states agree only to float32 accuracy."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    types = {getattr(config, "model_type", None), getattr(config.get_text_config(), "model_type", None)}
+    return any(t is not None and t.removesuffix("_text") in FLOAT32_IN_HF_CODE for t in types)
 
 _REPORT: dict[str, dict[str, Any]] = {}
 
