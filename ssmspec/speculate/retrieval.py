@@ -210,17 +210,19 @@ class ContextIndex:
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Index tokens appended to the sequence."""
-        toks, latest, previous = self.tokens, self._latest, self._previous
-        for t in tokens:
-            toks.append(int(t))
-            i = len(toks) - 1
-            for m in range(1, self.max_ngram + 1):
-                if m > i + 1:  # no n-gram this long ends here yet
-                    previous[m - 1].append(-1)
-                    continue
-                key = tuple(toks[i - m + 1 : i + 1])
-                previous[m - 1].append(latest[m - 1].get(key, -1))
-                latest[m - 1][key] = i
+        toks = self.tokens
+        start = len(toks)
+        toks.extend(map(int, tokens))
+        n = len(toks)
+        for m in range(1, self.max_ngram + 1):  # one n at a time over all new ends (a prompt: 3k tokens at batch 32)
+            latest, previous = self._latest[m - 1], self._previous[m - 1]
+            first = max(start, m - 1)  # the first new position an m-gram ends at
+            previous.extend([-1] * (min(first, n) - start))  # positions too early for an m-gram
+            get = latest.get
+            # the m-grams ending at first..n-1: their j-th tokens are toks[first - m + 1 + j : n - m + 1 + j]
+            for i, key in enumerate(zip(*(toks[first - m + 1 + j : n - m + 1 + j] for j in range(m))), first):
+                previous.append(get(key, -1))
+                latest[key] = i
 
     def ends(self, ngram: Sequence[int]) -> Iterator[int]:
         """Where `ngram` ends in the indexed sequence, latest first."""

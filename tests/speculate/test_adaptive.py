@@ -619,3 +619,39 @@ def test_acceptance_profile_carries_to_the_next_greedy_call_not_to_sampling(monk
     ]
     assert priors[2:] == [0.5, 0.5] and torch.equal(seeded[0], seeded[1])
     assert len(model._ssmspec_acceptance) == 1
+
+
+def test_plain_steps_age_a_rows_counts_when_they_are_next_read():
+    """`elapse` only counts a row's plain steps; its counts take PLAIN_DECAY per step where they are next read or
+    updated (a batch of 32 decoding plainly aged every row's levels every step). The rates are those of aging at
+    once, over any mix of steps."""
+    import random
+
+    class AtOnce(Acceptance):  # the eager form: every plain step ages the row's counts then and there
+        def elapse(self, row):
+            for counts in (self.success[row], self.trials[row]):
+                for j in range(len(counts)):
+                    counts[j] *= self.PLAIN_DECAY
+
+    rng = random.Random(0)
+    for _ in range(50):
+        rows = rng.randint(1, 4)
+        lazy, eager = Acceptance(rows, prior=[0.8, 0.6]), AtOnce(rows, prior=[0.8, 0.6])
+        for _ in range(rng.randint(1, 60)):
+            r, what = rng.randrange(rows), rng.random()
+            if what < 0.5:
+                for acc in (lazy, eager):
+                    acc.elapse(r)
+            elif what < 0.8:
+                drafted = rng.randint(0, 5)
+                accepted = rng.randint(0, drafted)
+                for acc in (lazy, eager):
+                    acc.update(r, drafted, accepted)
+            else:
+                depth = rng.randint(1, 6)
+                assert lazy.survival(r, depth) == pytest.approx(eager.survival(r, depth), rel=1e-12)
+        behind = [rng.randint(0, 3) for _ in range(rows)]
+        assert lazy.progress_survival(range(rows), behind, 5) == pytest.approx(
+            eager.progress_survival(range(rows), behind, 5), rel=1e-12
+        )
+        assert lazy.profile() == eager.profile()
