@@ -46,6 +46,7 @@ def computes_in_float32(model: Any) -> bool:
     types = {getattr(config, "model_type", None), getattr(config.get_text_config(), "model_type", None)}
     return any(t is not None and t.removesuffix("_text") in FLOAT32_IN_HF_CODE for t in types)
 
+
 _REPORT: dict[str, dict[str, Any]] = {}
 
 
