@@ -13,14 +13,19 @@ import argparse
 
 import torch
 
-from ssmspec.bench import add_arguments, report, run, run_sampling
+from ssmspec.bench import add_arguments, report, report_batched, run, run_batched, run_sampling, unused_options
 
 
 def main() -> None:
     p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--plot", help="write a bar chart of the speed-ups over HF greedy (PNG, needs matplotlib)")
     args = p.parse_args()
+    if unused_options(args):
+        p.error(f"{', '.join(unused_options(args))} not used {'with' if args.batch else 'without'} --batch")
     torch.set_num_threads(2)
+    if args.batch:  # batched throughput, as `ssmspec bench --batch`
+        report_batched(run_batched(args), args)
+        return
     result = run(args)
     if args.sampling:
         result["sampling"] = run_sampling(args)

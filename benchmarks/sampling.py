@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-tests", action="store_true")
     args = p.parse_args()
+    if args.batch or args.device != "cpu":
+        p.error("--batch and --device: batched throughput is `ssmspec bench --batch`")
     torch.set_num_threads(2)
     if not args.skip_tests:
         (DATA / "sampling_tests.json").write_text(json.dumps(distribution_tests(args.samples), indent=2))

@@ -375,18 +375,34 @@ def report_sampling(result: dict) -> None:
                   f"{row.get('mean_accepted_per_step', float('nan')):>14.2f}")  # fmt: skip
 
 
-def batch_prompts(tok, count: int, prompt_tokens: int, stride: int = 400) -> list[torch.Tensor]:
-    """`count` different held-out prompts of `prompt_tokens` tokens: windows `stride` tokens apart in the held-out
-    files, taken round robin over the files (a batch mixes files), the same on every machine."""
+def batch_prompts(
+    tok, count: int, prompt_tokens: int, stride: int = 400, prompt_set: str = "held-out"
+) -> list[torch.Tensor]:
+    """`count` different prompts of `prompt_tokens` tokens from a prompt set (`held_out_prompts`'): windows `stride`
+    tokens apart in its texts, taken round robin over the texts (a batch mixes files), each window once, the same on
+    every machine; "random": seeded random non-special tokens."""
+    if prompt_set == "random":
+        return [p[0] for p in held_out_prompts(tok, count, prompt_tokens, "random")]
+    if prompt_set in ("held-out", "third-party"):
+        files = corpus_files()[1] if prompt_set == "held-out" else third_party_files()
+        texts = [path.read_text(encoding="utf-8", errors="replace") for path in files]
+    elif prompt_set == "prose":
+        texts = package_descriptions()
+    else:
+        raise ValueError(f"prompt_set must be one of {sorted(PROMPT_SETS)}, got {prompt_set!r}")
     windows: list[list[torch.Tensor]] = []
-    for path in corpus_files()[1]:
-        ids = tok(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt")["input_ids"][0]
+    for text in texts:
+        ids = tok(text, return_tensors="pt")["input_ids"][0]
         windows.append([ids[s : s + prompt_tokens] for s in range(0, ids.shape[0] - prompt_tokens + 1, stride)])
-    out = []
+    out, seen = [], set()
     for k in range(max(map(len, windows), default=0)):
-        out += [w[k] for w in windows if k < len(w)]
+        for w in windows:  # a window met before (a licence header several files open with) is left out
+            if k < len(w) and (key := tuple(w[k].tolist())) not in seen:
+                seen.add(key)
+                out.append(w[k])
     if len(out) < count:
-        raise ValueError(f"the held-out files hold {len(out)} windows of {prompt_tokens} tokens, not {count}")
+        raise ValueError(f"the {PROMPT_SETS[prompt_set]} texts hold {len(out)} windows of {prompt_tokens} tokens, "
+                         f"not {count}")  # fmt: skip
     return out[:count]
 
 
@@ -401,7 +417,8 @@ def run_batched(args: argparse.Namespace, progress: bool = True) -> dict:
     ref, tok = models.load("mamba2-target")
     ref = ref.to(device)
     target = ssmspec.transform(copy.deepcopy(ref))
-    prompts = batch_prompts(tok, max(args.batch), args.prompt_tokens)
+    prompt_set = getattr(args, "prompt_set", "held-out")
+    prompts = batch_prompts(tok, max(args.batch), args.prompt_tokens, prompt_set=prompt_set)
     plain = {"do_sample": False}
     runs = {"HF greedy": (ref, plain), DEFAULT: (target, {}),
             "ssmspec autoregressive": (target, dict(speculation=ssmspec.SpecConfig(drafter="none")))}  # fmt: skip
@@ -415,9 +432,10 @@ def run_batched(args: argparse.Namespace, progress: bool = True) -> dict:
         # ssmspec's own plain decoding, compiled: the best plain decoder where the default is compiled
         runs["ssmspec autoregressive (compiled)"] = (compiled, dict(speculation=ssmspec.SpecConfig(drafter="none")))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {torch.get_num_threads()} threads"
-    result = {"setup": f"embedded mamba2-target, {where}, float32, batches of different "
-              f"held-out prompts x {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens per row, best of "
-              f"{args.repeats}; all outputs identical to HF greedy batched", "batches": {}}  # fmt: skip
+    setup = (f"embedded mamba2-target, {where}, float32, batches of different {PROMPT_SETS[prompt_set]} prompts x "
+             f"{args.prompt_tokens} tokens, {args.max_new_tokens} new tokens per row, best of {args.repeats}; all "
+             "outputs identical to HF greedy batched")  # fmt: skip
+    result = {"setup": setup, "batches": {}}
     result["best_plain"] = {}  # per batch size: the faster of HF's and ssmspec's own plain decoding
     for batch in tqdm(args.batch, desc="batch sizes", disable=not progress):
         ids = torch.stack(prompts[:batch]).to(device)
@@ -478,6 +496,20 @@ def report_batched(result: dict, args: argparse.Namespace) -> None:
     print("best plain decoding:", ", ".join(f"batch {b}: {name}" for b, name in result["best_plain"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+# the options only one mode of the benchmark reads: batched throughput (--batch) or the per-prompt methods
+_PER_PROMPT_ONLY = ("prompts", "draft_tokens", "tree_budget", "methods", "sampling", "temperatures", "top_p")
+_BATCHED_ONLY = ("device",)
+
+
+def unused_options(args: argparse.Namespace) -> list[str]:
+    """The options set away from their defaults that the mode `args` asks for does not read (`--batch` times HF
+    greedy, the default call and plain decoding on a batch of prompts; without it, the methods on one prompt at a
+    time): a benchmark must not run while quietly ignoring one."""
+    defaults = vars(add_arguments(argparse.ArgumentParser()).parse_args([]))
+    ignored = _PER_PROMPT_ONLY if getattr(args, "batch", None) else _BATCHED_ONLY
+    return [f"--{name.replace('_', '-')}" for name in ignored if getattr(args, name, defaults[name]) != defaults[name]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -262,6 +262,32 @@ def test_bench_batched_compiled_counts_ssmspecs_compiled_plain_decoding_as_a_pla
     assert all(rows[name]["speedup_vs_best_plain"] <= 1.0 + 1e-12 for name in plain)
 
 
+def test_bench_refuses_options_its_mode_does_not_read(capsys):
+    """`--batch` read neither --prompt-set nor the per-prompt methods' options, and without it --device was not read:
+    each ran a benchmark that quietly ignored what was asked. Now --prompt-set chooses the batch's prompts, and an
+    option the mode does not read is a one-line error naming it, before anything runs."""
+    for args, named in ((["--batch", "2", "--sampling"], "--sampling"), (["--batch", "2", "--tree-budget", "4"],
+                        "--tree-budget"), (["--batch", "2", "--methods", "x"], "--methods"),
+                        (["--device", "cuda"], "--device")):  # fmt: skip
+        assert main(["bench", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and named in err and "not used by" in err
+
+
+@pytest.mark.parametrize("prompt_set", ["prose", "random", "third-party"])
+def test_batch_prompts_follow_the_prompt_set(prompt_set):
+    from ssmspec import models
+    from ssmspec.bench import batch_prompts
+
+    _, tok = models.load("mamba2-target")
+    prompts = batch_prompts(tok, 6, 32, prompt_set=prompt_set)
+    assert len(prompts) == 6 and all(p.shape == (32,) for p in prompts)
+    assert len({tuple(p.tolist()) for p in prompts}) == 6
+    held = {tuple(p.tolist()) for p in batch_prompts(tok, 6, 32)}
+    assert not held & {tuple(p.tolist()) for p in prompts}
+    assert [p.tolist() for p in batch_prompts(tok, 6, 32, prompt_set=prompt_set)] == [p.tolist() for p in prompts]
+
+
 def test_batch_prompts_are_different_windows_of_held_out_files():
     from ssmspec import models
     from ssmspec.bench import batch_prompts
