@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import instance as hf_instance
 from ssmspec.hf.generic import HFState
 from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner
@@ -92,7 +93,7 @@ class _Probe:
         self.model = model
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab = model.config.get_text_config().vocab_size
-        self.device = next(model.parameters()).device
+        self.device = hf_instance.input_device(model)
         self.dtype = next(model.parameters()).dtype
         found = decoder_layers(model)
         self.layers_path, self.layers = found if found else ("", None)
@@ -270,14 +271,21 @@ def _narrowed(result: ProbeResult) -> str | None:
 def _upcast(model: nn.Module) -> Iterator[None]:
     """The model's floating-point weights and buffers in float32 for the duration, then each back in its own
     dtype (bfloat16/float16 -> float32 -> back is exact: the user's model is left bit for bit as it was). It
-    needs the float32 weights' memory while it lasts."""
+    needs the float32 weights' memory while it lasts.
 
-    def tensors():  # by name: Module.to keeps parameter objects but replaces buffers
+    Tensor by tensor, not `model.to`: accelerate refuses to move a model with layers offloaded to the CPU or disk
+    ("You can't move a model that has some modules offloaded"). An offloaded weight is a meta tensor between
+    forwards, and accelerate's hook casts what it loads to that tensor's dtype, so it is upcast alike (the files on
+    disk are left as they are)."""
+
+    def tensors():
         return [*model.named_parameters(), *model.named_buffers()]
 
     dtypes = {name: t.dtype for name, t in tensors()}
-    model.to(torch.float32)
     try:
+        for _, t in tensors():
+            if t.is_floating_point():
+                t.data = t.data.to(torch.float32)
         yield
     finally:
         for name, t in tensors():

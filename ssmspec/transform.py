@@ -28,6 +28,7 @@ from transformers.utils import ModelOutput
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import region_options
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import features as hf_features
 from ssmspec.hf import instance as hf_instance
 from ssmspec.hf import layers as hf_layers
 from ssmspec.hf import seams as hf_seams
@@ -430,7 +431,7 @@ def _draft_head(model: nn.Module, head: DraftHead | str | PathLike | None) -> Dr
     if head is None:
         return None
     check_head(head, model)
-    return head.to(next(model.parameters()).device).eval()
+    return head.to(hf_instance.execution_device(hf_features.lm_head(model))).eval()  # where the features are
 
 
 def compile_options(device: torch.device) -> dict[str, Any]:
@@ -450,7 +451,7 @@ def compile_fast(
     any length), the decode step and, through the adaptive cost curve, the verify step of every tree-size
     bucket. A failure (compile or
     warm-up) leaves the model eager, with one warning naming it."""
-    device = next(model.parameters()).device
+    device = hf_instance.input_device(model)
     kwargs = {**compile_options(device), **compile_kwargs}
     options = {**compile_options(device).get("options", {}), **(compile_kwargs.get("options") or {})}
     if options:

@@ -96,6 +96,41 @@ def test_the_loader_keeps_tied_layers_together_parameters_off_the_layers_and_dty
         assert len(devices) == 1
 
 
+def test_a_half_precision_checkpoint_with_its_embedding_and_lm_head_on_disk(tmp_path):
+    """The shipped target as a user loads it (its float16 checkpoint) with its embedding, LM head and half its layers
+    offloaded to disk. transform failed on it twice over: the low-precision probe's float32 re-check called
+    `model.to`, which accelerate refuses on an offloaded model, and ssmspec built its inputs on the device of the
+    model's first parameter, the offloaded embedding's meta. Now it transforms, leaves every dtype as it was, and
+    the default call (draft head: the embedding and LM head loaded per call) and prompt lookup give HF's greedy
+    tokens on the same model (float16: a divergence only at a near-tie of HF's logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from ssmspec import bench, models
+
+    where = {"backbone.embeddings": "disk", "backbone.norm_f": "disk", "lm_head": "disk"}
+    where.update({f"backbone.layers.{i}": ("cpu", "disk")[i % 2] for i in range(6)})
+    model = AutoModelForCausalLM.from_pretrained(models.path("mamba2-target"), device_map=where,
+                                                 offload_folder=str(tmp_path))  # fmt: skip
+    assert model.get_input_embeddings().weight.device.type == "meta"
+    _, tok = models.load("mamba2-target")
+    ids = torch.stack(bench.batch_prompts(tok, 2, 48))
+    want = model.generate(ids, max_new_tokens=24, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    # (after a forward: accelerate's hooks leave the tied embedding and LM head as two meta parameters)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert set(dtypes.values()) == {torch.float16}
+    target = ssmspec.transform(model)
+    assert {n: p.dtype for n, p in target.named_parameters()} == dtypes and target.ssmspec_info.path == "seams"
+    assert target.__dict__.get("ssmspec_draft_head") is not None
+    for kwargs in ({}, {"prompt_lookup_num_tokens": 4}):
+        got = target.generate(ids, max_new_tokens=24, **kwargs)
+        for r in range(ids.shape[0]):
+            new, ref = got[r, ids.shape[1] :].tolist(), want.sequences[r, ids.shape[1] :].tolist()
+            if new != ref:  # only where HF's top two logits nearly tie
+                k = next(i for i, (a, b) in enumerate(zip(new, ref)) if a != b)
+                top2 = want.scores[k][r].float().topk(2).values
+                assert float(top2[0] - top2[1]) < 0.05, (r, k)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a cpu / cuda split needs a GPU")
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_speculative_equals_hf_greedy_split_between_cuda_and_cpu(tmp_path, family):

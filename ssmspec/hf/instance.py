@@ -15,6 +15,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import torch
 from torch import nn
 
 HOOK = "_hf_hook"  # accelerate.hooks.add_hook_to_module: the hook object
@@ -63,3 +64,26 @@ def tensor_parallel(model: nn.Module) -> int:
     records it as `_tp_size`); 1 where it was not sharded."""
     size = getattr(model, "_tp_size", None)
     return int(size) if isinstance(size, int) and size > 1 else 1
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: accelerate's hook's `execution_device` where it has one (an offloaded module's weights
+    sit on the meta device between forwards), else the device of its first parameter that is not on meta, else the
+    CPU. `next(model.parameters()).device` was meta for a model whose embedding was offloaded to disk, and ssmspec
+    built its inputs there."""
+    hook = module.__dict__.get(HOOK)
+    for h in [hook, *getattr(hook, "hooks", ())]:  # accelerate's SequentialHook holds several
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's token ids go: its input embedding's execution device (`execution_device`)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embed = getter() if getter is not None else None
+    return execution_device(embed if isinstance(embed, nn.Module) else model)

@@ -30,6 +30,7 @@ from torch import nn
 from ssmspec import linear as packed_linear
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import features, tree_modules
+from ssmspec.hf import instance as hf_instance
 from ssmspec.hf.generic import HFState, Snapshot
 from ssmspec.tree import TokenTree
 
@@ -152,7 +153,7 @@ class GenericRunner:
         self.max_depth = max_depth
         self.max_nodes = max_nodes
         self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
+        self.device = hf_instance.input_device(model)
         self.prepack = packed_linear.is_packed(model)
         self.packed_sizes: dict[int, bool] | None = None  # as ModelRunner's: measured per tree size
         self.capture_features = False  # as ModelRunner's: the features of the last verify's nodes (or prefill)

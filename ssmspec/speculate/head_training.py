@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssmspec.hf import features as hf_features
+from ssmspec.hf import instance as hf_instance
 from ssmspec.speculate.drafters.head import DraftHead
 
 
@@ -37,7 +38,7 @@ def collect(
     "tokens": [C, L] long, "top_ids": [C, L, K] long, "top_logp": [C, L, K] float16}."""
     from tqdm.auto import tqdm
 
-    device = next(model.parameters()).device
+    device = hf_instance.input_device(model)
     out: dict[str, list] = {"features": [], "tokens": [], "top_ids": [], "top_logp": []}
     seen = 0
     bar = tqdm(total=max_tokens, desc="target features", unit="tok", disable=not progress)
@@ -80,7 +81,7 @@ def head_loss(
     loss = f.new_zeros(())
     for u in range(unroll):
         at = starts + u + 1  # the token fed, whose feature is predicted
-        f = head(f, embed(data["tokens"][chunks, at].to(embed.weight.device)).float())
+        f = head(f, embed(data["tokens"][chunks, at].to(hf_instance.execution_device(embed))).float())
         logq = F.log_softmax(lm_head(f.to(lm_head.weight.dtype)).float(), dim=-1)
         p = data["top_logp"][chunks, at].float().softmax(-1)  # the target's next distribution, on its top-k
         loss = loss - (p * logq.gather(-1, data["top_ids"][chunks, at])).sum(-1).mean()

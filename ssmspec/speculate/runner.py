@@ -19,6 +19,7 @@ from torch import nn
 from ssmspec import linear as packed_linear
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import features
+from ssmspec.hf import instance as hf_instance
 from ssmspec.hf import masks as hf_masks
 from ssmspec.hf.cache import SpecCache
 from ssmspec.tree import TokenTree
@@ -82,7 +83,7 @@ class ModelRunner:
         # on this model (`single_node_path`: once per model, batch size, dtype and device)
         self.decode_single_nodes = decode_single_nodes
         self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
+        self.device = hf_instance.input_device(model)  # (an offloaded embedding's weights are on meta)
         # the tree path's one-node trees advance the committed states as they are verified (`verify`), except under
         # CUDA graphs, whose graphs would then write inputs they do not own (skipped or copied; unmeasured)
         mode = (getattr(model, "ssmspec_compile_options", None) or {}).get("mode")

@@ -23,6 +23,7 @@ from torch import nn
 
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import features as hf_features
+from ssmspec.hf import instance as hf_instance
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.drafters.base import Drafter
 from ssmspec.speculate.drafters.trees import best_first_tree, sample_tree
@@ -145,6 +146,9 @@ class HeadDrafter(Drafter):
         self.sampling_tree = sampling_tree
         self.min_path_prob = min_path_prob
         self.dtype = next(head.parameters()).dtype
+        # a device_map may put the embedding and the LM head apart, or offload them (weights on meta between calls)
+        self.embed_device = hf_instance.execution_device(self.embed)
+        self.head_device = next(head.parameters()).device
         self.features: list[torch.Tensor | None] = []
         self.steps = 0  # head calls in this generate call (one per drafted level)
         # per row, the head's logits [V] at the nodes of its last greedy tree whose children it scored (what a
@@ -166,9 +170,9 @@ class HeadDrafter(Drafter):
     def _predict(self, parents: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the predicted features [M, H] after `tokens` given their parents' features [M, H], their logits [M, V])."""
         self.steps += 1
-        ids = torch.tensor(list(tokens), device=self.embed.weight.device)
-        embedded = self.embed(ids).to(self.dtype)
-        out = self.head(parents.to(self.dtype), embedded)
+        ids = torch.tensor(list(tokens), device=self.embed_device)
+        embedded = self.embed(ids).to(self.head_device, self.dtype)
+        out = self.head(parents.to(self.head_device, self.dtype), embedded)
         logits = self.lm_head(out.to(self.lm_head.weight.dtype))
         return out, logits.float()
 
