@@ -32,6 +32,10 @@ from ssmspec.tree import TokenTree
 # (float64: HF's own fallbacks compute several recurrences in float32 even for float64 models, so its reference
 # carries float32 rounding: ~1e-7 relative on the tiny test models)
 TOLERANCE = {torch.float64: 1e-5, torch.float32: 2e-3, torch.bfloat16: 8e-2, torch.float16: 4e-2}
+# bfloat16 / float16: a probe whose largest difference is above this share of its tolerance is re-run in float32
+# (`probe`): rounding and a semantic difference overlap there. inkling2's trees differ from HF's by 6.5% in float64,
+# and its bfloat16 probe measured 6.4% against 8% and accepted them; the tiny models' bfloat16 rounding is 0-4%.
+UNSURE = 0.25
 _TREE_A = [-1, 0, 0, 1, 1, 2, 4]  # a branching tree, node index != depth
 _TREE_B = [-1, 0, 1, 1, 0]
 _CHAIN = [-1, 0, 1]
@@ -244,11 +248,13 @@ def probe(model: nn.Module) -> ProbeResult:
             result, found = None, str(exc)
         else:
             found = _narrowed(result)
-        if found is None:
+        unsure = max(result.max_logit_diff, result.max_layer_diff) > UNSURE * _tolerance(model) if result else False
+        if found is None and not unsure:
             return result
         # bfloat16/float16: a deep model's rounding grows layer by layer (48 random Mamba2 layers drift ~8 %
-        # from HF's own forward) and can look like a semantic difference; semantics do not depend on the dtype,
-        # so the float32 probe of the same weights decides, and its result stands
+        # from HF's own forward) and can look like a semantic difference, and a semantic difference can hide in
+        # the rounding (`UNSURE`); semantics do not depend on the dtype, so the float32 probe of the same weights
+        # decides, and its result stands
         with _upcast(model):
             exact = _probe(model)
         exact.rounding = found
@@ -260,6 +266,10 @@ def probe(model: nn.Module) -> ProbeResult:
 
 def _low_precision(model: nn.Module) -> bool:
     return next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+
+
+def _tolerance(model: nn.Module) -> float:
+    return TOLERANCE.get(next(model.parameters()).dtype, 8e-2)
 
 
 def _narrowed(result: ProbeResult) -> str | None:
