@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,21 +49,24 @@ def held_out_prompts(tok, count: int, prompt_tokens: int, prompt_set: str = "hel
         allowed = torch.tensor([t for t in range(len(tok)) if t not in special])
         gen = torch.Generator().manual_seed(0)
         return [allowed[torch.randint(len(allowed), (1, prompt_tokens), generator=gen)] for _ in range(count)]
-    if prompt_set in ("held-out", "third-party"):
-        files = corpus_files()[1] if prompt_set == "held-out" else third_party_files()
-        texts = (path.read_text(encoding="utf-8", errors="replace") for path in files)
-    elif prompt_set == "prose":
-        texts = package_descriptions()
-    else:
-        raise ValueError(f"prompt_set must be one of {sorted(PROMPT_SETS)}, got {prompt_set!r}")
     prompts = []
-    for text in texts:
+    for text in prompt_texts(prompt_set):
         ids = tok(text, return_tensors="pt")["input_ids"]
         if ids.shape[1] >= prompt_tokens:
             prompts.append(ids[:, :prompt_tokens])
         if len(prompts) == count:
             break
     return prompts
+
+
+def prompt_texts(prompt_set: str) -> Iterator[str]:
+    """The texts of a prompt set other than "random", in order (read as they are asked for)."""
+    if prompt_set in ("held-out", "third-party"):
+        files = corpus_files()[1] if prompt_set == "held-out" else third_party_files()
+        return (path.read_text(encoding="utf-8", errors="replace") for path in files)
+    if prompt_set == "prose":
+        return iter(package_descriptions())
+    raise ValueError(f"prompt_set must be one of {sorted(PROMPT_SETS)}, got {prompt_set!r}")
 
 
 def package_descriptions() -> list[str]:
@@ -383,15 +387,8 @@ def batch_prompts(
     every machine; "random": seeded random non-special tokens."""
     if prompt_set == "random":
         return [p[0] for p in held_out_prompts(tok, count, prompt_tokens, "random")]
-    if prompt_set in ("held-out", "third-party"):
-        files = corpus_files()[1] if prompt_set == "held-out" else third_party_files()
-        texts = [path.read_text(encoding="utf-8", errors="replace") for path in files]
-    elif prompt_set == "prose":
-        texts = package_descriptions()
-    else:
-        raise ValueError(f"prompt_set must be one of {sorted(PROMPT_SETS)}, got {prompt_set!r}")
     windows: list[list[torch.Tensor]] = []
-    for text in texts:
+    for text in prompt_texts(prompt_set):
         ids = tok(text, return_tensors="pt")["input_ids"][0]
         windows.append([ids[s : s + prompt_tokens] for s in range(0, ids.shape[0] - prompt_tokens + 1, stride)])
     out, seen = [], set()

@@ -101,7 +101,7 @@ class _Probe:
         self.dtype = next(model.parameters()).dtype
         found = decoder_layers(model)
         self.layers_path, self.layers = found if found else ("", None)
-        self.tol = TOLERANCE.get(self.dtype, 8e-2)
+        self.tol = _tolerance(self.dtype)
         self.max_logit = self.max_layer = 0.0
 
     def tokens(self, n: int) -> list[int]:
@@ -248,7 +248,8 @@ def probe(model: nn.Module) -> ProbeResult:
             result, found = None, str(exc)
         else:
             found = _narrowed(result)
-        unsure = max(result.max_logit_diff, result.max_layer_diff) > UNSURE * _tolerance(model) if result else False
+        limit = UNSURE * _tolerance(_dtype(model))
+        unsure = result is not None and max(result.max_logit_diff, result.max_layer_diff) > limit
         if found is None and not unsure:
             return result
         # bfloat16/float16: a deep model's rounding grows layer by layer (48 random Mamba2 layers drift ~8 %
@@ -264,12 +265,17 @@ def probe(model: nn.Module) -> ProbeResult:
             m.training = mode
 
 
+def _dtype(model: nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
 def _low_precision(model: nn.Module) -> bool:
-    return next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    return _dtype(model) in (torch.bfloat16, torch.float16)
 
 
-def _tolerance(model: nn.Module) -> float:
-    return TOLERANCE.get(next(model.parameters()).dtype, 8e-2)
+def _tolerance(dtype: torch.dtype) -> float:
+    """The probe's relative tolerance for `dtype` (TOLERANCE; bfloat16's for a dtype it does not name)."""
+    return TOLERANCE.get(dtype, 8e-2)
 
 
 def _narrowed(result: ProbeResult) -> str | None:

@@ -79,9 +79,10 @@ def head_loss(
     """The training loss (module docstring) at positions `starts` of chunks `chunks`, `unroll` steps deep."""
     f = data["features"][chunks, starts].float()
     loss = f.new_zeros(())
+    device = hf_instance.execution_device(embed)
     for u in range(unroll):
         at = starts + u + 1  # the token fed, whose feature is predicted
-        f = head(f, embed(data["tokens"][chunks, at].to(hf_instance.execution_device(embed))).float())
+        f = head(f, embed(data["tokens"][chunks, at].to(device)).float())
         logq = F.log_softmax(lm_head(f.to(lm_head.weight.dtype)).float(), dim=-1)
         p = data["top_logp"][chunks, at].float().softmax(-1)  # the target's next distribution, on its top-k
         loss = loss - (p * logq.gather(-1, data["top_ids"][chunks, at])).sum(-1).mean()
