@@ -13,15 +13,17 @@ import argparse
 
 import torch
 
-from ssmspec.bench import add_arguments, report, report_batched, run, run_batched, run_sampling, unused_options
+from ssmspec.bench import add_arguments, refuse_unused_options, report, report_batched, run, run_batched, run_sampling
 
 
 def main() -> None:
     p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--plot", help="write a bar chart of the speed-ups over HF greedy (PNG, needs matplotlib)")
     args = p.parse_args()
-    if unused_options(args):
-        p.error(f"{', '.join(unused_options(args))} not used {'with' if args.batch else 'without'} --batch")
+    try:
+        refuse_unused_options(args)
+    except ValueError as exc:
+        p.error(str(exc))
     torch.set_num_threads(2)
     if args.batch:  # batched throughput, as `ssmspec bench --batch`
         report_batched(run_batched(args), args)

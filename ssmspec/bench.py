@@ -509,6 +509,16 @@ def unused_options(args: argparse.Namespace) -> list[str]:
     return [f"--{name.replace('_', '-')}" for name in ignored if getattr(args, name, defaults[name]) != defaults[name]]
 
 
+def refuse_unused_options(args: argparse.Namespace) -> None:
+    """ValueError naming the options the mode `args` asks for does not read (`unused_options`), if any."""
+    unused = unused_options(args)
+    if unused:
+        mode = (
+            "batched throughput (--batch)" if getattr(args, "batch", None) else "the per-prompt benchmark (no --batch)"
+        )
+        raise ValueError(f"{', '.join(unused)} not used by {mode}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The benchmark's options (shared by the script and the `ssmspec bench` command)."""
     p.add_argument("--prompts", type=int, default=12, help="held-out files to use (12: all of them)")

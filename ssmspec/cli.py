@@ -242,12 +242,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The end-to-end benchmark on the embedded target (ssmspec.bench)."""
-    from ssmspec.bench import report, report_batched, run, run_batched, run_sampling, unused_options
+    from ssmspec.bench import refuse_unused_options, report, report_batched, run, run_batched, run_sampling
 
-    unused = unused_options(args)
-    if unused:
-        mode = "batched throughput (--batch)" if args.batch else "the per-prompt benchmark (no --batch)"
-        raise ValueError(f"{', '.join(unused)} not used by {mode}")
+    refuse_unused_options(args)
     if args.batch:
         report_batched(run_batched(args, progress=not args.no_progress), args)
         return 0
