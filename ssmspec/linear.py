@@ -52,6 +52,12 @@ PACK_MIN_BYTES_ROWS = 3 << 18
 PAD_ROWS = 3
 
 
+# torch's distributed tensor (a weight sharded by tensor parallelism), where this torch build has it
+_DTensor = None
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor as _DTensor
+
+
 class _Active(threading.local):
     on: bool = False
 
@@ -104,6 +110,8 @@ def packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     (a weight big enough for the row count: PACK_MIN_BYTES, PACK_MIN_BYTES_ROWS)."""
     if x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype:
         return False
+    if _DTensor is not None and (isinstance(weight, _DTensor) or isinstance(x, _DTensor)):
+        return False  # a tensor-parallel shard (transformers' tp_plan): its forward's collectives are F.linear's
     if weight.dtype not in packed_dtypes() or (bias is not None and bias.dtype != weight.dtype):
         return False
     rows = x.numel() // max(x.shape[-1], 1)

@@ -275,6 +275,12 @@ class SpecGenerationMixin:
         shapes (SpecConfig.static_shapes): one graph per tree-size bucket instead of one per tree size; its
         commits are compiled with the same backend, mode and options."""
         policy = None
+        if hf_instance.tensor_parallel(self) > 1:
+            raise UnsupportedModelError(
+                type(self).__name__,
+                "compiling a tensor-parallel model is not supported by ssmspec: its compiled graphs would run on "
+                "distributed tensors untested, and the ssmspec backend picks kernels by timing each process alone",
+            )
         if kwargs.get("backend") == "ssmspec":  # checked first: a refused compile changes nothing
             option = (kwargs.get("options") or {}).get("kernels")
             if option not in _KERNEL_POLICIES:
@@ -366,12 +372,12 @@ def transform(
         raise TypeError("ssmspec.transform expects a Hugging Face causal LM (a PreTrainedModel with generate)")
     if config is not None and not isinstance(config, SpecConfig):
         raise TypeError(f"ssmspec.transform(model, config): config must be an ssmspec.SpecConfig, got {config!r}")
-    if (degree := hf_instance.tensor_parallel(hf_model)) > 1:
+    if degrees := hf_instance.parallel_degrees(hf_model):
+        kinds = ", ".join(f"{kind} parallelism of degree {d}" for kind, d in degrees.items())
         raise UnsupportedModelError(
             type(hf_model).__name__,
-            f"it is sharded by tensor parallelism (transformers' tp_plan, {degree} processes): ssmspec's tree ops and "
-            "commits read each layer's whole heads and states, which tensor parallelism splits between processes "
-            "(docs: Big models and batches); load it with device_map instead, which keeps each layer whole",
+            f"it was loaded with {kinds}: ssmspec speculates on one process or under tensor parallelism "
+            "(tp_plan) only (docs: Big models and batches); load it with tp_plan or device_map",
         )
     head = _draft_head(hf_model, draft_head)  # checked first: a refused head changes nothing
     if isinstance(hf_model, SpecGenerationMixin):

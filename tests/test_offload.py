@@ -141,14 +141,17 @@ def test_speculative_equals_hf_greedy_split_between_cuda_and_cpu(tmp_path, famil
     assert torch.equal(got, want)
 
 
-def test_a_tensor_parallel_model_is_refused_naming_why_and_left_as_it_was():
-    """transformers' tensor parallelism splits each layer's heads and states between processes (DTensor shards);
-    ssmspec's tree ops read them whole, so transform refuses such a model (a device_map keeps layers whole)."""
+def test_pipeline_or_fsdp_parallelism_is_refused_naming_it_and_the_model_left_as_it_was():
+    """Tensor parallelism speculates (tests/test_tensor_parallel.py); transformers' other kinds (pipeline stages,
+    FSDP, expert parallelism, data replicas: `config.distributed_config`) run other forwards in each process, so
+    transform refuses them by name."""
+    import types
+
     from ssmspec.errors import UnsupportedModelError
 
     model = build_tiny_model("qwen3_next")
-    model._tp_size = 2  # what from_pretrained(tp_plan="auto") records under torch.distributed
+    model.config.distributed_config = types.SimpleNamespace(tp_size=1, pp_size=2, fsdp_size=1, ep_size=1)
     cls = type(model)
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
+    with pytest.raises(UnsupportedModelError, match="pipeline parallelism of degree 2"):
         ssmspec.transform(model)
     assert type(model) is cls and not hasattr(model, "ssmspec_info")

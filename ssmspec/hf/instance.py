@@ -1,5 +1,5 @@
 """Coupling to how a model was placed: accelerate's module hooks (where a module's own forward is called from) and
-transformers' tensor parallelism (`tensor_parallel`).
+transformers' tensor parallelism (`tensor_parallel`, `Agreement`).
 
 A model loaded with `device_map` (accelerate's big-model inference: layers on several devices, weights offloaded
 to CPU or disk) has a hook on its modules: accelerate keeps the module's forward in the instance attribute
@@ -7,15 +7,23 @@ to CPU or disk) has a hook on its modules: accelerate keeps the module's forward
 and loads offloaded weights (`_hf_hook.pre_forward`), calls `_old_forward`, and puts the weights back. ssmspec's
 instance forwards (a mixer's `MixerForward`, a generic module's `TreeStepForward`) go in that slot, inside the hook,
 so every verify forward runs with the weights resident and on the layer's device. This module is the one place
-that names accelerate's attributes and transformers' `_tp_size`.
+that names accelerate's attributes and transformers' `_tp_size`, `_mesh_manager` and `distributed_config`.
+
+A model loaded with `from_pretrained(tp_plan=...)` runs in several processes that each hold a shard of some weights
+and meet in collectives inside every forward: each process must run the same forwards (the same tree sizes, the same
+steps) in the same order. ssmspec's choices are deterministic functions of the logits (identical on every process
+after the collectives) except where they follow measured time (the adaptive policy, the cost curve, the one-node
+path); `Agreement` makes those measurements the same on every process.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 HOOK = "_hf_hook"  # accelerate.hooks.add_hook_to_module: the hook object
@@ -64,6 +72,51 @@ def tensor_parallel(model: nn.Module) -> int:
     records it as `_tp_size`); 1 where it was not sharded."""
     size = getattr(model, "_tp_size", None)
     return int(size) if isinstance(size, int) and size > 1 else 1
+
+
+def parallel_degrees(model: nn.Module) -> dict[str, int]:
+    """The degrees of transformers' other kinds of parallelism a model was loaded with (pipeline, FSDP, expert,
+    data replicas: `config.distributed_config`), those above 1 only."""
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    names = {"pp_size": "pipeline", "fsdp_size": "FSDP", "ep_size": "expert", "dp_replicate_size": "data replica"}
+    degrees = {label: getattr(config, name, 1) for name, label in names.items()}
+    return {label: int(d) for label, d in degrees.items() if isinstance(d, int) and d > 1}
+
+
+def tensor_parallel_group(model: nn.Module) -> Any:
+    """The process group a tensor-parallel model's forwards meet in (its device mesh's "tp" dimension), None for a
+    model that is not sharded."""
+    if tensor_parallel(model) <= 1:
+        return None
+    manager = getattr(model, "_mesh_manager", None)
+    mesh = manager.get_mesh("tp") if manager is not None else getattr(model, "_device_mesh", None)
+    return mesh.get_group() if mesh is not None else dist.group.WORLD
+
+
+class Agreement:
+    """The same measurements on every process of a tensor-parallel model: `seconds(...)` returns, for each value,
+    the largest any process measured (one all-reduce), so that choices that follow time (speculate or decode
+    plainly, how deep, which path) are the same on every process and their forwards' collectives match. For a
+    model that is not sharded it returns the values as given and costs nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.group = tensor_parallel_group(model)
+        self.device = torch.device("cpu")
+        if self.group is not None and "nccl" in str(dist.get_backend(self.group)):
+            self.device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces device tensors only
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model runs in several processes (tensor parallelism)."""
+        return self.group is not None
+
+    def seconds(self, values: Sequence[float]) -> list[float]:
+        """`values` (seconds measured on this process), each replaced by its largest over the processes."""
+        if self.group is None:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
 
 def execution_device(module: nn.Module) -> torch.device:

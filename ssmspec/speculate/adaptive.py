@@ -304,6 +304,8 @@ def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) ->
                 runner.restore(snap)
             if round_:  # the first round warms up (and compiles)
                 times[n, mode] = min(times[n, mode], elapsed)
+    keys = list(times)  # (tensor parallelism: every process prices with the slowest one's times)
+    times = dict(zip(keys, runner.agreement.seconds([times[k] for k in keys]), strict=True))
     best = {n: min(modes, key=lambda mode: times[n, mode]) for n in sizes}
     runner.decode_seconds = times[sizes[0], best[sizes[0]]]  # the base of the curve, in seconds (Goodput)
     if modes != (None,):

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ssmspec.hf.generation import is_user_set
+from ssmspec.hf.instance import Agreement
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import (
     AheadDrafter,
@@ -108,6 +109,7 @@ def build_drafter(
         keep = torch.cat([ids, prompt_ids.flatten().cpu(), torch.tensor(special_ids, dtype=torch.long)])
     drafter = DraftModelDrafter(
         draft, vocab_size, commit=spec.commit, confidence_threshold=confidence,
+        agreement=Agreement(target) if target is not None else None,
         branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
         sampling_tree=spec.sampling_tree, tree=spec.tree, vocab=keep,
         max_nodes=max(spec.tree_budget, spec.num_draft_tokens) + 2, max_depth=spec.num_draft_tokens,

@@ -254,8 +254,6 @@ def speculative_generate(
                         pending = _observe_features(drafter, pending)
                         shadow = drafter.propose(contexts, max(1, min(tree_budget, int(round(per_depth)))), 1)
                         shadow_seconds = time.perf_counter() - t0  # not part of the plain step's price
-                        shadow_cost = shadow_seconds
-                        shadow_budget -= shadow_seconds
                         shadows += 1
                         reprice_at = 0  # its rates are news: priced again next step
                         next_shadow = plain_steps + min(SHADOW_MAX, SHADOW_EVERY * 2 ** (shadows // SHADOW_EVERY))
@@ -387,7 +385,12 @@ def speculative_generate(
             runner.commit(torch.tensor(cut, dtype=torch.long))  # on the host: the commit uploads what it needs
             stream.release(generated, done)
             if goodput is not None:  # judged by how much nearer its end the step brought the batch
-                seconds = time.perf_counter() - started - shadow_seconds
+                # (tensor parallelism: the slowest process's times, so every process takes the same decisions)
+                elapsed, shadow_seconds = runner.agreement.seconds([time.perf_counter() - started, shadow_seconds])
+                seconds = elapsed - shadow_seconds
+                if shadow is not None:
+                    shadow_cost = shadow_seconds
+                    shadow_budget -= shadow_seconds
                 goodput.record(tree.num_nodes, seconds, batch_progress(remaining, done_before, generated, done,
                                                                        max_new_tokens, emitted))  # fmt: skip
                 if tree.num_nodes <= 1:  # a shadow waits until the plain steps since the last one paid for it

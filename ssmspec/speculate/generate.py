@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedModelError, UnsupportedSettingError
+from ssmspec.hf import instance as hf_instance
 from ssmspec.hf.generation import is_user_set, resolve
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
@@ -153,6 +154,12 @@ def generate(
         raise UnsupportedSettingError(
             "ahead", "SpecConfig.ahead with a draft model drafts ahead for greedy decoding only (do_sample=False)"
         )
+    if spec.ahead and hf_instance.tensor_parallel(model) > 1:
+        raise UnsupportedSettingError(
+            "ahead", "SpecConfig.ahead drafts in a thread while the target verifies, and what it has ready depends "
+            "on timing: the processes of a tensor-parallel model would verify different trees (their forwards must "
+            "match); use ahead=0"
+        )  # fmt: skip
     if spec.drafter == "draft_model" and draft is None:
         raise ValueError("SpecConfig(drafter='draft_model') needs assistant_model=")
     if spec.drafter != "draft_model" and draft is not None:

@@ -154,6 +154,7 @@ class GenericRunner:
         self.max_nodes = max_nodes
         self.dtype = next(model.parameters()).dtype
         self.device = hf_instance.input_device(model)
+        self.agreement = hf_instance.Agreement(model)  # as ModelRunner's: the same timings on every process
         self.prepack = packed_linear.is_packed(model)
         self.packed_sizes: dict[int, bool] | None = None  # as ModelRunner's: measured per tree size
         self.capture_features = False  # as ModelRunner's: the features of the last verify's nodes (or prefill)

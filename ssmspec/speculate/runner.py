@@ -73,7 +73,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool | None = None,
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
-        vocab: torch.Tensor | None = None,
+        vocab: torch.Tensor | None = None, agreement: hf_instance.Agreement | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -84,6 +84,9 @@ class ModelRunner:
         self.decode_single_nodes = decode_single_nodes
         self.dtype = next(model.parameters()).dtype
         self.device = hf_instance.input_device(model)  # (an offloaded embedding's weights are on meta)
+        # the same timings on every process of a tensor-parallel model (a no-op otherwise): the choices they steer
+        # must be the same everywhere; a draft model's runner takes its target's
+        self.agreement = agreement if agreement is not None else hf_instance.Agreement(model)
         # the tree path's one-node trees advance the committed states as they are verified (`verify`), except under
         # CUDA graphs, whose graphs would then write inputs they do not own (skipped or copied; unmeasured)
         mode = (getattr(model, "ssmspec_compile_options", None) or {}).get("mode")
@@ -237,7 +240,8 @@ class ModelRunner:
                 self.restore(snap)
         self.decode_single_nodes = None
         median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
-        return not median[False] < 0.95 * median[True]  # the tree path only where it is clearly cheaper
+        tree_path, decode_path = self.agreement.seconds([median[False], median[True]])
+        return not tree_path < 0.95 * decode_path  # the tree path only where it is clearly cheaper
 
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> torch.Tensor:

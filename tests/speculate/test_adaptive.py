@@ -198,6 +198,7 @@ class _FakeRunner:
     to roll back."""
 
     cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
+    agreement = SimpleNamespace(seconds=list)  # one process: the times as measured
 
     def prepare(self, tree):
         return tree
@@ -234,6 +235,52 @@ def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
     curve = adaptive.measure_cost(FakeRunner(), sizes=sorted(true_cost))
     assert curve == pytest.approx(true_cost)
     assert clock["runs"] == 4 * 6  # a warm-up round and five timed rounds
+
+
+def test_cost_measurement_prices_with_the_times_every_process_agreed_on(monkeypatch):
+    """Under tensor parallelism the curve is made of the slowest process's times (`runner.agreement`), so every
+    process prices depths alike: here another process measured 4-node trees three times dearer."""
+    clock = {"now": 0.0}
+    cost = {1: 1.0, 2: 1.1, 4: 1.2}
+
+    class FakeRunner(_FakeRunner):
+        def verify(self, tree):
+            clock["now"] += cost[tree.num_nodes]
+
+    agreed = []
+
+    def slowest(values):  # what the all-reduce would return: this process's times, the other's for 4 nodes
+        agreed.append(list(values))
+        return [v * 3 if v == pytest.approx(cost[4]) else v for v in values]
+
+    runner = FakeRunner()
+    runner.agreement = SimpleNamespace(seconds=slowest)
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
+    curve = adaptive.measure_cost(runner, sizes=[1, 2, 4])
+    assert len(agreed) == 1  # one collective for the whole curve
+    assert curve == pytest.approx({1: 1.0, 2: 1.1, 4: 3.6})
+
+
+def test_every_adaptive_step_times_through_the_agreement(monkeypatch):
+    """Each step of the adaptive policy (and the one-node path's measurement) reads its seconds through the runner's
+    `Agreement`, once per step: the policy's choices follow the agreed times, the same on every process."""
+    from ssmspec.hf import instance
+
+    calls = {"seconds": 0}
+
+    class Counting(instance.Agreement):
+        def seconds(self, values):
+            calls["seconds"] += 1
+            return super().seconds(values)
+
+    monkeypatch.setattr(instance, "Agreement", Counting)
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    out = model.generate(ids, max_new_tokens=12, return_dict_in_generate=True)
+    steps = out.spec_stats["verify_steps"]
+    calls["seconds"] = 0
+    out = model.generate(ids, max_new_tokens=12, return_dict_in_generate=True)  # curve and path measured already
+    assert calls["seconds"] == out.spec_stats["verify_steps"] and steps > 0
 
 
 def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatch):

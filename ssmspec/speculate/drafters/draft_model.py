@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import UnsupportedModelError, VocabMismatchError
+from ssmspec.hf.instance import Agreement
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.drafters.base import Draft, Drafter
 from ssmspec.speculate.drafters.trees import best_first_tree, sample_tree
@@ -109,6 +110,8 @@ class DraftModelDrafter(Drafter):
         max_nodes: the largest tree the draft verifies (its largest bucket with static shapes).
         max_depth: the longest path it commits at once (with static shapes, the fixed commit length - 1; a
             longer catch-up widens it).
+        agreement: the target's (`ssmspec.hf.instance.Agreement`): under tensor parallelism the draft's measured
+            choices (its one-node path) are the same on every process; None: the draft's own.
 
     Raises:
         VocabMismatchError: the draft's vocabulary differs from the target's.
@@ -120,6 +123,7 @@ class DraftModelDrafter(Drafter):
         confidence_threshold: float = 0.0, branches: int = 1, sampling_tree: str = "gumbel_top_k",
         tree: bool = False, min_path_prob: float = 0.02, vocab: torch.Tensor | None = None,
         static_shapes: bool | None = None, max_nodes: int | None = None, max_depth: int = 8,
+        agreement: Agreement | None = None,
     ) -> None:  # fmt: skip
         check_vocab(draft_model, target_vocab_size)
         if getattr(draft_model, "ssmspec_info", None) is None:
@@ -135,7 +139,7 @@ class DraftModelDrafter(Drafter):
                 draft_model = trim_vocab(draft_model, vocab)
         self.runner = ModelRunner(
             draft_model, commit=commit, static_shapes=static_shapes, max_depth=max_depth, max_nodes=max_nodes,
-            vocab=masked,
+            vocab=masked, agreement=agreement,
         )  # fmt: skip
         self.confidence_threshold = confidence_threshold
         self.branches = max(1, int(branches))

@@ -1,0 +1,67 @@
+"""Speculation under transformers' tensor parallelism (`from_pretrained(tp_plan="auto")`), two processes on CPU
+with gloo under torchrun (tests/tp_worker.py): exact greedy output against HF's generate on the same sharded model,
+every process taking the same decisions (timings agreed, ssmspec.hf.instance.Agreement), and what is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ssmspec.testing.configs import build_tiny_model
+
+# linear attention whose projections are gathered, attention heads sharded and MoE experts sharded (Qwen3-Next);
+# Mamba mixers whole beside sharded experts (Jamba); a row-sharded embedding and Mamba2 (Nemotron-H)
+FAMILIES = ["qwen3_next", "jamba", "nemotron_h"]
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tp")
+    paths = []
+    for family in FAMILIES:
+        build_tiny_model(family, dtype=torch.float32).save_pretrained(root / family)
+        paths.append(str(root / family))
+    out = root / "report.json"
+    worker = Path(__file__).with_name("tp_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(worker), str(out), *paths]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculation_under_tensor_parallelism_is_exact(report, family):
+    row = report[family]
+    assert row["tp_size"] == 2 and row["sharded_params"]
+    assert row["hf_sharded_equals_whole"]  # float64: sharding changes no token of HF's own
+    for name in ("default", "tree", "chain"):
+        assert row[name]["equal"], (name, row)
+    assert row["tree"]["accepted"] > 0 and row["chain"]["accepted"] > 0  # it speculated, and drafts were accepted
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_process_samples_alike_and_what_timing_would_split_is_refused(report, family):
+    row = report[family]
+    assert row["sampled_same_on_every_process"]
+    assert row["ahead"] == "refused: ahead"
+    assert row["compile"].startswith("refused") and "tensor-parallel" in row["compile"]

@@ -1,0 +1,80 @@
+"""One process of `test_tensor_parallel.py`'s run under torchrun (not a test module): loads each tiny checkpoint of
+argv[2:] with transformers' tensor parallelism (`tp_plan="auto"`, gloo on CPU) and once whole, generates with HF and
+with ssmspec, and rank 0 writes what it saw to argv[1] (JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import ssmspec
+from ssmspec.errors import UnsupportedModelError, UnsupportedSettingError
+
+warnings.filterwarnings("ignore")
+transformers.logging.set_verbosity_error()
+torch.set_num_threads(1)
+
+
+def load(path: Path, **kwargs) -> transformers.PreTrainedModel:
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float64, **kwargs)
+    model.generation_config.eos_token_id = None  # the full length: more steps to diverge in
+    if hasattr(model, "set_experts_implementation"):  # grouped_mm takes no float64
+        model.set_experts_implementation("eager")
+    return model
+
+
+def same_on_every_process(t: torch.Tensor) -> bool:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
+def main() -> None:
+    out, rank, report = Path(sys.argv[1]), int(os.environ["RANK"]), {}
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 8],
+                        [0, 0, 0, 0, 11, 12, 13, 11, 12, 13, 11, 12, 13, 14, 11, 12]])  # fmt: skip
+    kwargs = dict(attention_mask=(ids != 0).long(), max_new_tokens=40, do_sample=False, pad_token_id=0)
+    for path in map(Path, sys.argv[2:]):
+        sharded, whole = load(path, tp_plan="auto"), load(path)
+        row: dict = {"tp_size": sharded.tp_size, "sharded_params": any(type(p).__name__ == "DTensor"
+                                                                        for p in sharded.parameters())}  # fmt: skip
+        hf = sharded.generate(ids, **kwargs)
+        row["hf_sharded_equals_whole"] = bool(torch.equal(hf, whole.generate(ids, **kwargs)))
+        target = ssmspec.transform(sharded)
+        configs = {
+            "default": None,
+            "tree": ssmspec.SpecConfig(adaptive=False, tree_budget=6, num_draft_tokens=3),
+            "chain": ssmspec.SpecConfig(adaptive=False, tree=False, num_draft_tokens=3),
+        }
+        for name, spec in configs.items():
+            got = target.generate(ids, **kwargs, speculation=spec, return_dict_in_generate=True)
+            row[name] = {"equal": bool(torch.equal(got.sequences, hf)), "accepted": got.spec_stats["accepted_tokens"]}
+        # sampling: every process draws the same tokens from the same seed
+        sampled = target.generate(ids, **{**kwargs, "do_sample": True}, generator=torch.Generator().manual_seed(0))
+        row["sampled_same_on_every_process"] = same_on_every_process(sampled)
+        try:
+            target.generate(ids, **kwargs, speculation=ssmspec.SpecConfig(ahead=2))
+            row["ahead"] = "ran"
+        except UnsupportedSettingError as e:
+            row["ahead"] = f"refused: {e.setting}"
+        try:
+            target.compile()
+            row["compile"] = "ran"
+        except UnsupportedModelError as e:
+            row["compile"] = f"refused: {e}"
+        report[path.name] = row
+    if rank == 0:
+        out.write_text(json.dumps(report))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
