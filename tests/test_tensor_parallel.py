@@ -60,8 +60,11 @@ def test_speculation_under_tensor_parallelism_is_exact(report, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_process_samples_alike_and_what_timing_would_split_is_refused(report, family):
+def test_every_process_samples_alike_and_what_would_split_them_is_refused(report, family):
     row = report[family]
-    assert row["sampled_same_on_every_process"]
+    assert row["sampled_same_on_every_process"] and row["global_seed_same_on_every_process"]
+    for case in ("different_prompts", "different_seeds"):  # refused on every process, not a hang
+        assert row[case].startswith("refused") and "must generate alike" in row[case], (case, row[case])
+    assert "random state" in row["different_seeds"]
     assert row["ahead"] == "refused: ahead"
     assert row["compile"].startswith("refused") and "tensor-parallel" in row["compile"]

@@ -60,6 +60,21 @@ def main() -> None:
         # sampling: every process draws the same tokens from the same seed
         sampled = target.generate(ids, **{**kwargs, "do_sample": True}, generator=torch.Generator().manual_seed(0))
         row["sampled_same_on_every_process"] = same_on_every_process(sampled)
+        torch.manual_seed(7)  # the global random state, alike on every process
+        row["global_seed_same_on_every_process"] = same_on_every_process(
+            target.generate(ids, **{**kwargs, "do_sample": True})
+        )
+        rank_ids = ids.clone()
+        rank_ids[0, -1] += rank  # another prompt on each process
+        for name, call in {
+            "different_prompts": lambda: target.generate(rank_ids, **kwargs),
+            "different_seeds": lambda: (torch.manual_seed(rank), target.generate(ids, **{**kwargs, "do_sample": True})),
+        }.items():
+            try:
+                call()
+                row[name] = "ran"
+            except ValueError as e:
+                row[name] = f"refused: {e}"
         try:
             target.generate(ids, **kwargs, speculation=ssmspec.SpecConfig(ahead=2))
             row["ahead"] = "ran"

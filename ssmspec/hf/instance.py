@@ -19,6 +19,7 @@ path); `Agreement` makes those measurements the same on every process.
 from __future__ import annotations
 
 import types
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,6 +110,18 @@ class Agreement:
     def sharded(self) -> bool:
         """Whether the model runs in several processes (tensor parallelism)."""
         return self.group is not None
+
+    def same(self, tensors: Sequence[torch.Tensor | None]) -> bool:
+        """Whether every process passed equal tensors (a checksum of each, one all-reduce); True on one process.
+        The answer is the same on every process, so all of them go on, or all of them raise."""
+        if self.group is None:
+            return True
+        sums = [zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()) if t is not None else -1
+                for t in tensors]  # fmt: skip
+        both = torch.tensor(sums + [-x for x in sums], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # the largest and the smallest at once
+        n = len(sums)
+        return bool((both[:n] == -both[n:]).all())
 
     def seconds(self, values: Sequence[float]) -> list[float]:
         """`values` (seconds measured on this process), each replaced by its largest over the processes."""
