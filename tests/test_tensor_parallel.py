@@ -68,3 +68,31 @@ def test_every_process_samples_alike_and_what_would_split_them_is_refused(report
     assert "random state" in row["different_seeds"]
     assert row["ahead"] == "refused: ahead"
     assert row["compile"].startswith("refused") and "tensor-parallel" in row["compile"]
+
+
+def test_the_group_is_the_meshs_tp_dimension_whatever_transformers_recorded():
+    """transformers 5 keeps a mesh manager (`_mesh_manager.get_mesh("tp")`); a model with only a device mesh of
+    several dimensions (pp, fsdp, tp) gives its "tp" dimension's group; an unsharded model none."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from ssmspec.hf import instance
+
+    class Mesh:
+        def __init__(self, names, group):
+            self.mesh_dim_names, self.ndim, self.group = names, len(names), group
+
+        def __getitem__(self, name):
+            return Mesh((name,), f"{name} group")
+
+        def get_group(self):
+            return self.group
+
+    model = nn.Linear(2, 2)
+    assert instance.tensor_parallel_group(model) is None and not instance.Agreement(model).sharded
+    model._tp_size = 2
+    model._device_mesh = Mesh(("pp", "fsdp", "tp"), "all")
+    assert instance.tensor_parallel_group(model) == "tp group"
+    model._mesh_manager = SimpleNamespace(get_mesh=lambda name: Mesh((name,), f"managed {name}"))
+    assert instance.tensor_parallel_group(model) == "managed tp"

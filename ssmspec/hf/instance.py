@@ -91,6 +91,8 @@ def tensor_parallel_group(model: nn.Module) -> Any:
         return None
     manager = getattr(model, "_mesh_manager", None)
     mesh = manager.get_mesh("tp") if manager is not None else getattr(model, "_device_mesh", None)
+    if mesh is not None and mesh.ndim > 1:  # (pp, fsdp, tp): the tp dimension's group
+        mesh = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
     return mesh.get_group() if mesh is not None else dist.group.WORLD
 
 
