@@ -338,7 +338,9 @@ def transform(
 
     Plain forward logits stay HF's own; `generate` speculates, with `config` or ssmspec's defaults unless a
     call says otherwise (`speculation=False`: HF's own generate). At the end a probe checks, by value,
-    that tree verification reproduces HF's forward; what it found is in `model.ssmspec_info`.
+    that tree verification reproduces HF's forward; what it found is in `model.ssmspec_info`. A model loaded
+    with `device_map` (accelerate's hooks, CPU / disk offload) or `tp_plan` (tensor parallelism: transform and
+    generate in every process, with the same inputs) is transformed where it lies.
 
     Args:
         hf_model: a Hugging Face causal LM (`PreTrainedModel` with `generate`): an SSM, a hybrid, or a plain
