@@ -47,22 +47,22 @@ def _corpus(model: nn.Module, spec: SpecConfig, plan) -> SuffixIndex:
     return index
 
 
-def _check_processes_agree(model: nn.Module, plan, generator: torch.Generator | None | bool) -> None:
+def _check_processes_agree(model: nn.Module, plan, sampling: bool, generator: torch.Generator | None) -> None:
     """Under tensor parallelism every process must verify the same trees (their forwards meet in collectives), so
-    they must start from the same prompts and, when sampling (`generator` not False), the same random state: checked
-    once per call (one all-reduce), raising on every process alike rather than hanging in a mismatched collective
-    or drawing different tokens. Nothing on one process."""
+    they must start from the same prompts and, when `sampling`, the same random state (`generator`'s, else torch's
+    global one on the prompts' device): checked once per call (one all-reduce), raising on every process alike
+    rather than hanging in a mismatched collective or drawing different tokens. Nothing on one process."""
     agreement = hf_instance.Agreement(model)
     if not agreement.sharded:
         return
     tensors = [plan.input_ids, plan.attention_mask]
-    if generator is not False:
+    if sampling:
         device = plan.input_ids.device
         state = generator.get_state() if generator is not None else (
             torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())  # fmt: skip
         tensors.append(state)
     if not agreement.same(tensors):
-        what = "input_ids and attention_mask" + ("" if generator is False else ", and the same random state to sample")
+        what = "input_ids and attention_mask" + (", and the same random state to sample" if sampling else "")
         raise ValueError(
             f"the processes of a tensor-parallel model must generate alike, but they were given different "
             f"prompts or random states: every process needs the same {what} (seed every process alike, or pass "
@@ -161,7 +161,7 @@ def generate(
         streamer=plan.streamer, output_scores=plan.return_dict and bool(config.output_scores),
         output_logits=plan.return_dict and bool(config.output_logits),
     )  # fmt: skip
-    _check_processes_agree(model, plan, generator if decoding.do_sample else False)
+    _check_processes_agree(model, plan, decoding.do_sample, generator)
     chains = plan.model_inputs or getattr(info, "path", "seams") == "generic"
     # drafter "auto" drafts with the model's head on an eager target; a compiled one keeps n-grams (the head's
     # features leave its graph through a break before the LM head, and its calls stay eager: on the compiled embedded
