@@ -64,7 +64,7 @@ import ssmspec
 from ssmspec import models
 from ssmspec.bench import COMPILE_OPTIONS
 from ssmspec.hf.generic import HFState
-from ssmspec.speculate.adaptive import chooses_packing, measure_cost
+from ssmspec.speculate.calibration import chooses_packing, measure_cost
 from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner, cache_kwarg
 from ssmspec.tree import TokenTree

@@ -192,7 +192,7 @@ def uninstall(modules: list[nn.Module]) -> None:
 
 def packs(choice: dict[int, bool] | None, nodes: int, default: bool) -> bool:
     """Whether a forward of `nodes` tokens per row runs on the packed weights: the choice measured for the smallest
-    measured size >= `nodes` (ssmspec.speculate.adaptive.measure_cost times both per tree size, on the running model:
+    measured size >= `nodes` (ssmspec.speculate.calibration.measure_cost times both per tree size, on the running model:
     which of oneDNN's packed weight and MKL's F.linear is faster depends on the CPU); `default` where none was (a
     prefill, or nothing measured yet)."""
     if choice:

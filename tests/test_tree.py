@@ -100,7 +100,7 @@ def test_chain(n):
 def test_one_node_trees_are_roots_as_the_general_construction_derives_them():
     """A plain decoding step's tree (a root per row) skips the per-row derivation: the same structure, the same
     checks, the same paths and verification as any tree."""
-    from ssmspec.speculate.verify import greedy_verify
+    from ssmspec.speculate.step.accept import greedy_accept
 
     roots = TokenTree.from_lists([[5], [7], [9]], [[-1], [-1], [-1]])
     padded = TokenTree.from_lists([[5, 1], [7], [9]], [[-1, 0], [-1], [-1]])  # the general path, 2 nodes per row
@@ -110,11 +110,11 @@ def test_one_node_trees_are_roots_as_the_general_construction_derives_them():
     assert roots.acceptable.tolist() == [[True]] * 3 and roots.depth_is_index
     path, lengths = roots.paths(torch.tensor([0, 0, 0]))
     assert path.tolist() == [[0]] * 3 and lengths.tolist() == [1, 1, 1]
-    last, emitted = greedy_verify(roots, None, target=[[4], [6], [8]])
+    last, emitted = greedy_accept(roots, None, target=[[4], [6], [8]])
     assert last.tolist() == [0, 0, 0] and emitted == [[4], [6], [8]]
     logits = torch.zeros(3, 1, 10)
     logits[0, 0, 3] = logits[1, 0, 2] = logits[2, 0, 2] = logits[2, 0, 7] = 1.0  # row 2: a tie, the first wins
-    assert greedy_verify(roots, logits)[1] == [[3], [2], [2]]
+    assert greedy_accept(roots, logits)[1] == [[3], [2], [2]]
     with pytest.raises(InvalidTreeError, match="root"):
         TokenTree.from_lists([[5], [7]], [[-1], [0]])
     with pytest.raises(InvalidTreeError, match="as many parents"):

@@ -13,13 +13,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
-
-import torch
-
-from ssmspec import linear as packed_linear
-from ssmspec.tree import TokenTree
 
 
 class Acceptance:
@@ -146,7 +140,7 @@ class Acceptance:
 
     def progress_survival(self, rows: Sequence[int], behind: Sequence[int], depth: int) -> list[float]:
         """P(a step drafting `depth` deep brings the batch's end more than j tokens nearer) for j = 1..depth: what
-        `depth_gains` prices a batch by (`engine.batch_progress` is what a step is then measured by). A batch ends
+        `depth_gains` prices a batch by (`step.emit.batch_progress` is what a step is then measured by). A batch ends
         with its last row: the end comes j + 1 tokens nearer only where every unfinished row gains enough, and a row
         `behind[i]` tokens nearer its own end than the row with the most left needs j + 1 - behind[i]. Rows taken
         as independent: the product over `rows` of each one's survival j - behind[i] levels deep (1 where that is
@@ -244,77 +238,6 @@ def step_cost(cost: dict[int, float] | Callable[[int], float], nodes: int) -> fl
             return cost[lo] + (cost[hi] - cost[lo]) * (nodes - lo) / (hi - lo)
     lo, hi = sizes[-2], sizes[-1]
     return cost[hi] + (cost[hi] - cost[lo]) * (nodes - hi) / (hi - lo)
-
-
-# the tree sizes whose verify cost is measured (up to the largest a call can verify)
-COST_SIZES = (1, 2, 4, 8, 16, 32)
-
-
-def merge_curves(old: dict[int, float], new: dict[int, float]) -> dict[int, float]:
-    """A cost curve with the sizes of `new` added to `old` (both relative to a decode step), kept
-    non-decreasing in the size."""
-    merged, floor = {}, 0.0
-    for n in sorted({**old, **new}):
-        floor = max(floor, new.get(n, old.get(n, 0.0)))
-        merged[n] = floor
-    return merged
-
-
-def chooses_packing(runner) -> bool:
-    """Whether `runner`'s forwards may run its model's linears packed or not per tree size (ssmspec.linear.packs):
-    an eager runner on a CPU model with packed linears big enough to pack."""
-    if not getattr(runner, "prepack", False) or getattr(runner, "static_shapes", False):
-        return False
-    return runner.device.type == "cpu" and packed_linear.packs_any(runner.model)
-
-
-def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) -> dict[int, float]:
-    """Verify cost of n-node chains relative to a decode step, timed on the runner's prefilled cache (each
-    tree is verified and discarded, the decode step rolled back: nothing changes). The sizes take turns, one
-    warm-up round then `repeats` timed rounds, and each keeps its fastest run: load from other processes only
-    ever adds time, and taking turns spreads a burst of it over every size instead of one (a median of runs
-    size after size, measured under two test workers on two cores, once priced 2 nodes above 1.5 decode steps
-    and turned speculation off for a whole call).
-
-    Where the runner may choose (`chooses_packing`), every size is timed with the model's linears on their packed
-    weights and on F.linear, the faster kept for that size in `runner.packed_sizes` and in the curve: which is
-    faster depends on the CPU (on an AMD EPYC packed weights made 2-16 rows cost what one does; on a Xeon with a
-    260 MiB L3, F.linear was faster for 1-3 rows and, on the embedded model, for 1-16)."""
-    cache = runner.cache
-    batch = cache.n_real.shape[0]
-    device = cache.n_real.device
-    trees = {n: runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device))) for n in sizes}
-    modes = (True, False) if chooses_packing(runner) else (None,)
-    chosen = dict(getattr(runner, "packed_sizes", None) or {})
-    times = {(n, mode): float("inf") for n in sizes for mode in modes}
-    for round_ in range(repeats + 1):
-        for n, mode in times:
-            if mode is not None:
-                runner.packed_sizes = {n: mode}
-            snap = runner.snapshot() if n == 1 else None  # one node: HF's decode path, rolled back
-            t0 = time.perf_counter()
-            runner.verify(trees[n])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            if snap is None:
-                runner.discard()
-            else:
-                runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
-                runner.restore(snap)
-            if round_:  # the first round warms up (and compiles)
-                times[n, mode] = min(times[n, mode], elapsed)
-    keys = list(times)  # (tensor parallelism: every process prices with the slowest one's times)
-    times = dict(zip(keys, runner.agreement.seconds([times[k] for k in keys]), strict=True))
-    best = {n: min(modes, key=lambda mode: times[n, mode]) for n in sizes}
-    runner.decode_seconds = times[sizes[0], best[sizes[0]]]  # the base of the curve, in seconds (Goodput)
-    if modes != (None,):
-        runner.packed_sizes = {**chosen, **best}
-    curve, floor = {}, 0.0
-    for n in sizes:  # more nodes never cost less (timing noise aside): keep the curve non-decreasing
-        floor = max(floor, times[n, best[n]] / times[sizes[0], best[sizes[0]]])
-        curve[n] = floor
-    return curve
 
 
 class StepOverhead:
@@ -458,7 +381,7 @@ class Goodput:
 
     def record(self, nodes: int, seconds: float, tokens: float, rows: int = 1) -> None:
         """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over `rows` rows
-        (the engine passes the batch's progress, the tokens its slowest row gained: `engine.batch_progress`)."""
+        (the engine passes the batch's progress, the tokens its slowest row gained: `step.emit.batch_progress`)."""
         if not self.measured:  # priced by the prior alone, never backing off: decisions that no timing moves
             return
         rate = tokens / max(seconds * rows, 1e-12)  # tokens per row and second

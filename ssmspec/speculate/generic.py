@@ -139,6 +139,8 @@ class GenericRunner:
 
     path = "generic"
     static_shapes = False
+    # its row-by-row forwards change HF's cache in place: an interrupted one cannot be retried
+    retries_out_of_memory = False
 
     def __init__(
         self, model: nn.Module, *, max_depth: int = 0, max_nodes: int | None = None, as_hf: bool = False,

@@ -70,6 +70,10 @@ def compiled_fold(model: nn.Module):
 class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
+    # a verify step that ran out of memory left nothing behind (the cache discards an interrupted verification): it
+    # may be retried with a smaller tree
+    retries_out_of_memory = True
+
     def __init__(
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool | None = None,
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
@@ -112,7 +116,7 @@ class ModelRunner:
             self.dropped_ids = dropped.index_fill_(0, kept, False)
         # the forwards of this runner run the model's prepacked linears (ssmspec.linear), where it has them: every
         # forward until `packed_sizes` says per tree size which of them and F.linear measured faster on this CPU
-        # (measured with the cost curve, ssmspec.speculate.adaptive.measure_cost)
+        # (measured with the cost curve, ssmspec.speculate.calibration.measure_cost)
         self.prepack = packed_linear.is_packed(model)
         self.packed_sizes: dict[int, bool] | None = None
         # the target's features (its LM head's input) of the last forward's positions [B, N, H], for a drafter that

@@ -18,9 +18,10 @@ from torch import nn
 
 from ssmspec.hf import layers as hf_layers
 from ssmspec.speculate.drafters import Drafter, NoDrafter
-from ssmspec.speculate.engine import eos_and_pad, near_tie_tolerance, speculative_generate
+from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner
+from ssmspec.speculate.step.accept import near_tie_tolerance
 from ssmspec.testing.report import computes_in_float32
 from ssmspec.transform import transform
 

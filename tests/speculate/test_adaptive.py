@@ -11,7 +11,7 @@ import torch
 
 import ssmspec
 from ssmspec import SpecConfig
-from ssmspec.speculate import adaptive, engine
+from ssmspec.speculate import adaptive, calibration, policy
 from ssmspec.speculate.adaptive import Acceptance, best_depth, depth_gains, expected_tokens, rerun_cost, step_cost
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.testing.drafters import OracleDrafter, RandomDrafter
@@ -146,7 +146,7 @@ def test_adaptive_output_is_hfs_and_depth_adapts(family, monkeypatch):
     )
     # a fixed curve and no measured goodput: the decisions below are the acceptance model's, whatever the timing
     model._ssmspec_cost_curves[(2, "cpu")] = COST
-    monkeypatch.setattr(engine, "Goodput", Unmeasured)
+    monkeypatch.setattr(policy, "Goodput", Unmeasured)
     wrong, stats_wrong, _ = speculative_generate(model, ids, mask, drafter=RandomDrafter(96, chain=True),
                                                  adaptive=True, **common)  # fmt: skip
     right, stats_right, _ = speculative_generate(model, ids, mask, drafter=OracleDrafter(rows, vocab_size=96),
@@ -181,7 +181,7 @@ def test_adaptive_sampling_stays_lossless_by_construction():
 
 
 def test_cost_curves_merge_non_decreasing_and_measure_only_what_a_call_verifies():
-    from ssmspec.speculate.adaptive import merge_curves
+    from ssmspec.speculate.calibration import merge_curves
 
     assert merge_curves({1: 1.0, 2: 1.3}, {1: 1.0, 8: 1.1}) == {1: 1.0, 2: 1.3, 8: 1.3}
     ref = cached_tiny_model("mamba2")
@@ -220,7 +220,6 @@ def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
     """Other processes' load only adds time: the curve keeps each size's fastest run, the sizes taking turns,
     so a burst that covers several consecutive runs (all the repeats of one size, timed one size after the
     other) does not make drafting look dear."""
-    from ssmspec.speculate import adaptive
 
     true_cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5}
     clock = {"now": 0.0, "runs": 0}
@@ -231,8 +230,8 @@ def test_cost_measurement_survives_a_burst_of_load(monkeypatch):
             burst = 3.0 if 6 <= clock["runs"] < 12 else 0.0  # six runs in a row under load
             clock["now"] += true_cost[tree.num_nodes] + burst
 
-    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
-    curve = adaptive.measure_cost(FakeRunner(), sizes=sorted(true_cost))
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["now"])
+    curve = calibration.measure_cost(FakeRunner(), sizes=sorted(true_cost))
     assert curve == pytest.approx(true_cost)
     assert clock["runs"] == 4 * 6  # a warm-up round and five timed rounds
 
@@ -255,8 +254,8 @@ def test_cost_measurement_prices_with_the_times_every_process_agreed_on(monkeypa
 
     runner = FakeRunner()
     runner.agreement = SimpleNamespace(seconds=slowest)
-    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
-    curve = adaptive.measure_cost(runner, sizes=[1, 2, 4])
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["now"])
+    curve = calibration.measure_cost(runner, sizes=[1, 2, 4])
     assert len(agreed) == 1  # one collective for the whole curve
     assert curve == pytest.approx({1: 1.0, 2: 1.1, 4: 3.6})
 
@@ -287,7 +286,6 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
     """Whether oneDNN's packed weights or F.linear is faster depends on the CPU: where the runner may choose, every
     size is timed both ways, the faster kept per size (`runner.packed_sizes`) and priced in the curve."""
     from ssmspec import linear
-    from ssmspec.speculate import adaptive
 
     packed = {1: 1.2, 2: 1.25, 4: 1.3, 8: 1.4}  # packed: dearer for few rows, cheaper for many
     plain = {1: 1.0, 2: 1.1, 4: 1.5, 8: 2.0}
@@ -301,10 +299,10 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
             n = tree.num_nodes
             clock["now"] += (packed if linear.packs(self.packed_sizes, n, self.prepack) else plain)[n]
 
-    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["now"])
     monkeypatch.setattr(linear, "packs_any", lambda model: True)
     runner = FakeRunner()
-    curve = adaptive.measure_cost(runner, sizes=[1, 2, 4, 8])
+    curve = calibration.measure_cost(runner, sizes=[1, 2, 4, 8])
     assert runner.packed_sizes == {1: False, 2: False, 4: True, 8: True}
     assert curve == pytest.approx({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.4})
     # a size between measured ones takes the next measured size's choice; beyond them (a prefill), the default
@@ -312,7 +310,7 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
     assert linear.packs(runner.packed_sizes, 96, True) and not linear.packs(runner.packed_sizes, 96, False)
     runner.prepack = False  # a model without packed linears: one way only
     runner.packed_sizes = None
-    assert adaptive.measure_cost(runner, sizes=[1, 2, 4, 8]) == pytest.approx(plain) and runner.packed_sizes is None
+    assert calibration.measure_cost(runner, sizes=[1, 2, 4, 8]) == pytest.approx(plain) and runner.packed_sizes is None
 
 
 def test_a_model_with_packed_linears_keeps_the_measured_choice_and_hfs_output(monkeypatch):
@@ -343,7 +341,7 @@ def test_a_model_with_packed_linears_keeps_the_measured_choice_and_hfs_output(mo
 
 
 def adaptive_chooses(runner) -> bool:
-    from ssmspec.speculate.adaptive import chooses_packing
+    from ssmspec.speculate.calibration import chooses_packing
 
     return chooses_packing(runner)
 
@@ -428,7 +426,7 @@ def test_a_batch_is_priced_by_how_much_nearer_its_end_a_step_brings_it():
     """`progress_survival` is the chance a step brings the batch's end more than j tokens nearer (what
     `batch_progress` measures): rows that keep pace must all pass a level together, a row ahead of the last one
     needs fewer; checked against steps drawn from the rows' survivals."""
-    from ssmspec.speculate.engine import batch_progress
+    from ssmspec.speculate.step.emit import batch_progress
 
     acc = Acceptance(3, prior=[0.8, 0.7, 0.9, 0.9])
     for _ in range(6):
@@ -469,8 +467,6 @@ def test_shadow_drafts_spend_a_bounded_share_of_plain_decoding(monkeypatch):
     start to succeed): at most SHADOW_SHARE of the plain steps' time, however dear a draft is."""
     import time
 
-    from ssmspec.speculate import engine
-
     class Slow(RandomDrafter):  # random chains as deep as asked (they fail), 5 ms each: many plain steps' worth
         calls = 0
 
@@ -488,9 +484,9 @@ def test_shadow_drafts_spend_a_bounded_share_of_plain_decoding(monkeypatch):
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
     want = ref.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
     model._ssmspec_cost_curves = {(1, "cpu"): COST}  # a fixed curve: the depths do not depend on timing
-    shadows, default = {}, engine.SHADOW_SHARE
+    shadows, default = {}, policy.SHADOW_SHARE
     for share in (default, 1.0):
-        monkeypatch.setattr(engine, "SHADOW_SHARE", share)
+        monkeypatch.setattr(policy, "SHADOW_SHARE", share)
         Slow.calls = 0
         out, stats, _ = speculative_generate(
             model, ids, torch.ones_like(ids), max_new_tokens=60, eos_token_ids=[], pad_token_id=0,
@@ -506,11 +502,10 @@ def test_shadow_drafts_spend_a_bounded_share_of_plain_decoding(monkeypatch):
 def test_far_from_paying_the_policy_prices_every_few_steps(monkeypatch):
     """Where the acceptance model prices every depth far below plain decoding (a batch of rows that rarely accept),
     the next REPRICE_EVERY steps decode plainly without pricing; a shadow draft's news is priced at once."""
-    from ssmspec.speculate import engine
 
     priced = []
-    gains = engine.depth_gains
-    monkeypatch.setattr(engine, "depth_gains", lambda *a, **k: priced.append(1) or gains(*a, **k))
+    gains = policy.depth_gains
+    monkeypatch.setattr(policy, "depth_gains", lambda *a, **k: priced.append(1) or gains(*a, **k))
     ref = cached_tiny_model("mamba2")
     model = ssmspec.transform(copy.deepcopy(ref))
     ids = torch.randint(3, 90, (4, 8), generator=torch.Generator().manual_seed(1))
@@ -524,10 +519,10 @@ def test_far_from_paying_the_policy_prices_every_few_steps(monkeypatch):
     assert torch.equal(out, want)
     steps = stats.verify_steps
     assert sum(n > 1 for n in stats.tree_nodes_per_step) == 0  # 0.5 per level for each of 4 rows: never tried
-    assert len(priced) <= steps // engine.REPRICE_EVERY + 4  # (+ the repricing after each shadow draft)
+    assert len(priced) <= steps // policy.REPRICE_EVERY + 4  # (+ the repricing after each shadow draft)
     # nothing far: every step priced
     priced.clear()
-    monkeypatch.setattr(engine, "FAR_FROM_PAYING", 0.0)
+    monkeypatch.setattr(policy, "FAR_FROM_PAYING", 0.0)
     speculative_generate(
         model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
         drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
@@ -622,7 +617,7 @@ def test_goodput_notices_when_speculation_stops_paying():
 
 
 def test_batch_progress_is_how_much_nearer_its_end_a_step_brought_the_batch():
-    from ssmspec.speculate.engine import batch_progress
+    from ssmspec.speculate.step.emit import batch_progress
 
     def step(generated_before, gained, done=None, max_new=10):
         remaining = [max_new - n for n in generated_before]
@@ -645,13 +640,13 @@ def test_acceptance_profile_carries_to_the_next_greedy_call_not_to_sampling(monk
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
     spec = SpecConfig(adaptive=True, num_draft_tokens=4, tree_budget=8)
     priors = []
-    real = engine.Acceptance
+    real = policy.Acceptance
 
     def spy(rows, prior=0.5):
         priors.append(prior)
         return real(rows, prior=prior)
 
-    monkeypatch.setattr(engine, "Acceptance", spy)
+    monkeypatch.setattr(policy, "Acceptance", spy)
     want = ref.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=24, speculation=spec), want)
     (key, profile), *others = model._ssmspec_acceptance.items()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import ssmspec
-import ssmspec.speculate.engine as engine
+import ssmspec.speculate.step.accept as accept
 from ssmspec import SpecConfig
-from ssmspec.speculate.verify import walk_rows
+from ssmspec.speculate.step.accept import walk_rows
 from ssmspec.testing.configs import SUPPORTED_FAMILIES
 from ssmspec.testing.distribution import (
     DRAFTS,
@@ -98,7 +98,7 @@ def _no_residual(tree, scores, q, generator=None, rows=None):
 
 @pytest.mark.parametrize("wrong", [_accept_every_draft, _no_residual])
 def test_the_test_detects_a_biased_sampler(models, monkeypatch, wrong):
-    monkeypatch.setattr(engine, "sample_verify", wrong)
+    monkeypatch.setattr(accept, "sample_accept", wrong)
     assert _p(models, "ngram-chain", "t1")[0] < ALPHA
 
 

@@ -1,5 +1,6 @@
-"""Tree verification: greedy (walk while the target's argmax matches a child) and lossless speculative sampling
-(recursive rejection sampling over siblings)."""
+"""The accept part of a step: which drafted nodes each row keeps, greedy (walk while the target's argmax matches a
+child) or by lossless speculative sampling (recursive rejection sampling over siblings), read from the verified
+logits in one transfer (`accept`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ssmspec.speculate.decoding import Decoding
+from ssmspec.speculate.step import Accepted, Verified
 from ssmspec.tree import TokenTree
 
 Walk = Callable[[int, dict[int, list[int]], list[int]], tuple[int, list[int]]]
@@ -37,7 +40,7 @@ def walk_rows(tree: TokenTree, walk: Walk, rows: Sequence[bool] | None = None) -
     return torch.tensor(last, dtype=torch.long), emitted
 
 
-def greedy_verify(
+def greedy_accept(
     tree: TokenTree, logits: torch.Tensor | None, target: list[list[int]] | None = None
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """Returns (last accepted node per row [B], on the host, emitted tokens per row: accepted drafts then the
@@ -65,7 +68,7 @@ def greedy_verify(
     return walk_rows(tree, walk)
 
 
-def sample_verify(
+def sample_accept(
     tree: TokenTree,
     scores: torch.Tensor,
     q: list[dict[int, torch.Tensor] | None],
@@ -123,3 +126,48 @@ def sample_verify(
             return cur, out
 
     return walk_rows(tree, walk, rows)
+
+
+def accept(verified: Verified, decoding: Decoding, tolerance: float, topk: int = 0) -> Accepted:
+    """Each row's accepted path and emitted tokens (greedy: the target's argmax; sampling: recursive rejection
+    sampling with `decoding.generator`), the near-ties of the target's logits per node (greedy; `tolerance`:
+    `near_tie_tolerance`) and, for a drafter that recycles them, the target's `topk` next tokens after every node.
+    Greedy reads the device once: argmax, near-ties and top-k together."""
+    tree, logits, scores = verified.tree, verified.logits, verified.scores
+    if decoding.do_sample:
+        last, emitted = sample_accept(tree, scores, verified.qs, decoding.generator, verified.active)
+        tops = tuple(x.tolist() for x in top_k(logits, topk)) if topk else None
+        return Accepted(last.tolist(), emitted, None, tops)
+    ties_now = near_ties(logits, tolerance).long()
+    tops = None
+    if topk:
+        ids_k, probs_k = top_k(logits, topk)
+        picked = torch.cat([scores.argmax(-1)[..., None].double(), ties_now[..., None].double(), ids_k.double(),
+                            probs_k.double()], -1).tolist()  # [B][N][2 + 2k]  # fmt: skip
+        target = [[int(node[0]) for node in row] for row in picked]
+        ties = [[bool(node[1]) for node in row] for row in picked]
+        tops = ([[[int(i) for i in node[2 : 2 + topk]] for node in row] for row in picked],
+                [[node[2 + topk :] for node in row] for row in picked])  # fmt: skip
+    else:
+        target, flags = torch.stack([scores.argmax(-1), ties_now]).tolist()
+        ties = [[bool(f) for f in row] for row in flags]
+    last, emitted = greedy_accept(tree, None, target=target)
+    return Accepted(last.tolist(), emitted, ties, tops)
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely next tokens per position and their probabilities (softmax of the raw logits)."""
+    logits = logits.float()
+    values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return ids, (values - logits.logsumexp(-1, keepdim=True)).exp()
+
+
+def near_tie_tolerance(dtype: torch.dtype) -> float:
+    """Relative top-2 gap below which a greedy token could flip under other rounding: 8 ulps of the dtype."""
+    return 8 * torch.finfo(dtype).eps
+
+
+def near_ties(logits: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Per position, whether the top-2 logit gap is below tolerance * max(1, |top logit|)."""
+    top = logits.float().topk(2, dim=-1).values
+    return (top[..., 0] - top[..., 1]) < tolerance * top[..., 0].abs().clamp(min=1.0)

@@ -1,0 +1,265 @@
+"""The step policy: how deep and wide each step drafts, asked once before every step (`plan`) and told once after it
+what the step measured (`observe`).
+
+It owns every decision the loop takes about a step's size: the depth limit (HF's heuristic schedule for a draft
+model: +2 after a step that accepted every drafted token, -1 otherwise), the node budget, the memory cap
+(SpecConfig.verify_memory, an out-of-memory retry) and, with adaptive speculation, each step's depth for the best
+expected tokens per unit of cost (`AdaptiveDepth`: ssmspec.speculate.adaptive's acceptance and goodput models priced
+with the model's calibration, ssmspec.speculate.calibration), plain steps where speculation does not pay, and the
+shadow drafts that follow acceptance while it does not.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from ssmspec.speculate.adaptive import Acceptance, Goodput, best_depth, depth_gains
+from ssmspec.speculate.calibration import chooses_packing, cost_curve, cost_seconds
+from ssmspec.speculate.decoding import Decoding
+from ssmspec.speculate.drafters import Drafter
+from ssmspec.speculate.step import StepPlan, StepReport
+from ssmspec.speculate.step.emit import Rows
+
+# a plain step chosen for low acceptance drafts one token in the shadow every this many steps, to follow the rates
+SHADOW_EVERY = 4
+SHADOW_MAX = 32
+# ... and spends at most this share of the plain steps' time on them (at batch 32 on the embedded target a shadow
+# draft cost about 5 ms against a 10-13 ms plain step: every 4 steps, about 10% of the time)
+SHADOW_SHARE = 0.01
+# where the acceptance model prices every depth below this fraction of plain decoding's rate (and nothing measured
+# says otherwise), the next REPRICE_EVERY steps decode plainly without pricing: at batch 8-32, where speculation does
+# not pay on the embedded target, pricing every step cost about 1% of a call (8 ms of 640 at batch 8)
+FAR_FROM_PAYING = 0.85
+REPRICE_EVERY = 4
+
+
+class StepPolicy:
+    """Each step's depth, node budget and memory cap (see the module docstring).
+
+    Args:
+        tree_budget: drafted nodes per row at most.
+        num_draft_tokens: draft depth at most (the heuristic schedule may go deeper, its budget growing with it).
+        schedule: "constant", or HF's "heuristic" / "heuristic_transient" depth schedule.
+        static_shapes: the depth stays within `num_draft_tokens` (one compiled commit length).
+        verify_memory: bytes a verify step's buffers may hold, all rows (None: no budget).
+        batch: the call's rows.
+        adaptive: the adaptive depth choice, or None (every step drafts to the limit).
+        agreement: the runner's (tensor parallelism: timings agreed by every process); None: this process's.
+    """
+
+    def __init__(
+        self, *, tree_budget: int, num_draft_tokens: int, schedule: str = "constant", static_shapes: bool = False,
+        verify_memory: int | None = None, batch: int = 1, adaptive: AdaptiveDepth | None = None, agreement=None,
+    ) -> None:  # fmt: skip
+        self.tree_budget = tree_budget
+        self.num_draft_tokens = num_draft_tokens
+        self.schedule = schedule
+        self.static_shapes = static_shapes
+        self.verify_memory = verify_memory
+        self.batch = batch
+        self.adaptive = adaptive
+        self.agreement = agreement
+        self.depth_limit = num_draft_tokens
+        self.cap: int | None = None  # nodes per row (root included) a verify step may hold: memory (budget or OOM)
+        self.bytes_per_node = 0.0  # verify buffers per row and node, as the largest step measured
+        self._started = 0.0
+
+    @classmethod
+    def for_call(
+        cls, model: nn.Module, runner, drafter: Drafter, decoding: Decoding, *, tree_budget: int,
+        num_draft_tokens: int, adaptive: bool, schedule: str = "constant", static_shapes: bool = False,
+        verify_memory: int | None = None,
+    ) -> StepPolicy:  # fmt: skip
+        """The policy of one generate call on `model` (its runner prefilled): with `adaptive`, priced with the model's
+        calibration and the acceptance the last greedy call with this drafter and tree shape measured (`AdaptiveDepth`);
+        where the runner may choose packed linears per tree size, the calibration says which."""
+        batch = int(runner.n_real.shape[0])
+        cost = cost_curve(model, runner) if adaptive or chooses_packing(runner) else None
+        depth = None
+        if adaptive:
+            depth = AdaptiveDepth.for_call(model, runner, drafter, decoding, cost, tree_budget=tree_budget,
+                                           num_draft_tokens=num_draft_tokens)  # fmt: skip
+        return cls(tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, schedule=schedule,
+                   static_shapes=static_shapes, verify_memory=verify_memory, batch=batch, adaptive=depth,
+                   agreement=runner.agreement)  # fmt: skip
+
+    def plan(self, rows: Rows) -> StepPlan:
+        """The next step's plan (its clock starts here: the step's time, pricing included, ends at `observe`)."""
+        self._started = time.perf_counter()
+        depth = min(self.depth_limit, max(rows.remaining) - 1)
+        # the heuristic schedule may go deeper than num_draft_tokens (as HF's): the budget grows with it, so a chain's
+        # nodes follow its depth
+        budget = self.tree_budget + max(0, depth - self.num_draft_tokens)
+        shadow = 0
+        if self.adaptive is not None:
+            depth, budget, shadow = self.adaptive.choose(rows, depth, budget)
+        return StepPlan(depth=depth, budget=budget, cap=self.cap, shadow=shadow)
+
+    def observe(self, report: StepReport) -> None:
+        """What the step just taken measured: its time (from `plan`), its acceptance, its buffers."""
+        elapsed = time.perf_counter() - self._started
+        if report.cap is not None:
+            self.cap = report.cap
+        if report.held_bytes is not None:
+            self.bytes_per_node = report.held_bytes / (self.batch * report.nodes)
+        if self.verify_memory is not None and self.bytes_per_node > 0:
+            fits = max(1, int(self.verify_memory // (self.bytes_per_node * self.batch)))
+            self.cap = fits if self.cap is None else min(self.cap, fits)
+        if self.adaptive is not None:
+            self.adaptive.observe(report, elapsed)
+        if self.schedule != "constant":
+            self.depth_limit = self.depth_limit + 2 if report.all_accepted else max(1, self.depth_limit - 1)
+            if self.static_shapes:
+                self.depth_limit = min(self.depth_limit, self.num_draft_tokens)
+
+    def finish(self) -> None:
+        """After the call's last step: what it measured is kept for the next call."""
+        if self.adaptive is not None:
+            self.adaptive.finish()
+
+
+class AdaptiveDepth:
+    """Adaptive speculation: each step's depth (0: plain decoding) for the best expected tokens per unit of step
+    cost, from each row's acceptance so far (`Acceptance`) and what steps cost (`Goodput`: the calibration's curve
+    plus what steps measured beyond their forward); speculation backs off where it measured slower than plain
+    decoding, and plain steps chosen for low acceptance still draft one level now and then (shadow drafts) to notice
+    when drafts start to pay.
+
+    Args:
+        acceptance: the rows' acceptance model (its prior: the last greedy call's profile).
+        goodput: the measured side (what steps cost, whether speculating has paid).
+        tree_budget: drafted nodes per row at most.
+        num_draft_tokens: draft depth at most.
+        prices: choose depths (False: a drafter that sizes its own trees by `goodput.cost`; the policy then only
+            backs off).
+        reruns: the runner feeds a partial commit's prefix again (the generic path's chains: priced).
+        profiles: where the acceptance profile is kept for the next call (a dict on the model), under `profile_key`;
+            None: not kept (sampling).
+        agreement: the runner's (tensor parallelism: the slowest process's times), or None.
+    """
+
+    def __init__(
+        self, acceptance: Acceptance, goodput: Goodput, *, tree_budget: int, num_draft_tokens: int,
+        prices: bool = True, reruns: bool = False, profiles: dict | None = None, profile_key=None, agreement=None,
+    ) -> None:  # fmt: skip
+        self.acceptance = acceptance
+        self.goodput = goodput
+        self.tree_budget = tree_budget
+        self.prices = prices
+        self.reruns = reruns
+        self.profiles = profiles
+        self.profile_key = profile_key
+        self.agreement = agreement
+        self.per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))
+        self.steps = 0
+        self.reprice_at = 0  # the step from which depths are priced again (it pauses while far from speculating)
+        self.plain_steps = 0  # plain steps chosen in a row (low acceptance), and their shadow drafts' schedule
+        self.next_shadow, self.shadows = 1, 0
+        # seconds shadow drafts may still spend (SHADOW_SHARE of the plain steps' time), and what the last one took
+        self.shadow_budget, self.shadow_cost = 0.0, 0.0
+
+    @classmethod
+    def for_call(
+        cls, model: nn.Module, runner, drafter: Drafter, decoding: Decoding, cost: dict[int, float], *,
+        tree_budget: int, num_draft_tokens: int,
+    ) -> AdaptiveDepth:  # fmt: skip
+        """The adaptive depth of one call: each level's acceptance starts from what the last call with this drafter
+        and tree shape measured on this model (kept on the model, as the calibration is; a fresh model: 0.5); not when
+        sampling, where a seed draws the same tokens whatever ran before (the depths decide which random numbers are
+        drawn), and no decision then follows this call's timing either (`Goodput(measured=False)`)."""
+        batch = int(runner.n_real.shape[0])
+        sampling = decoding.do_sample
+        profiles = None if sampling else model.__dict__.setdefault("_ssmspec_acceptance", {})
+        key = (drafter_kind(drafter), tree_budget, num_draft_tokens)
+        acceptance = Acceptance(batch, prior=(profiles or {}).get(key, 0.5))
+        # every step is timed: the cost of n nodes is the calibrated curve at the bucket n is padded to plus what a
+        # step measured beyond its forward (drafting, bookkeeping), and speculation backs off where it measured slower
+        # than plain decoding
+        goodput = Goodput(cost, cost_seconds(model, runner), batch=batch, measured=not sampling)
+        # a drafter with calibrated per-node estimates sizes each tree itself; depth and budget then stay at their
+        # maximum
+        sized = drafter.size_by_goodput(lambda n: goodput.cost(runner.padded_size(n)))
+        return cls(acceptance, goodput, tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, prices=not sized,
+                   reruns=bool(getattr(runner, "reruns", False)), profiles=profiles, profile_key=key,
+                   agreement=runner.agreement)  # fmt: skip
+
+    def choose(self, rows: Rows, depth: int, budget: int) -> tuple[int, int, int]:
+        """(depth, budget, shadow nodes) of the next step, within `depth` and `budget`."""
+        if self.goodput.plain:
+            return 0, budget, 0  # speculation measured slower than plain decoding: back off
+        if not self.prices:
+            return depth, budget, 0
+        chosen = self._priced(rows, max(depth, 0))
+        shadow = 0
+        if chosen == 0 and depth > 0:
+            # plain decoding: the drafter's first level still tells how accurate it is now (a shadow draft costs a
+            # drafting call: SHADOW_EVERY plain steps apart, twice as far after every SHADOW_EVERY of them in a run of
+            # plain steps, up to SHADOW_MAX, and at most SHADOW_SHARE of the plain steps' time)
+            self.plain_steps += 1
+            affordable = self.shadow_budget >= self.shadow_cost or not self.goodput.measured
+            if self.plain_steps >= self.next_shadow and affordable:
+                shadow = max(1, min(self.tree_budget, int(round(self.per_depth))))
+                self.shadows += 1
+                self.reprice_at = 0  # its rates are news: priced again next step
+                spacing = min(SHADOW_MAX, SHADOW_EVERY * 2 ** (self.shadows // SHADOW_EVERY))
+                self.next_shadow = self.plain_steps + spacing
+        elif chosen > 0:
+            self.plain_steps, self.next_shadow, self.shadows = 0, 1, 0
+        return chosen, max(1, min(self.tree_budget, int(round(self.per_depth * chosen)))), shadow
+
+    def _priced(self, rows: Rows, depth: int) -> int:
+        """The depth (0..depth) of the most expected progress per unit of cost. The batch ends with its last row, and a
+        row that finished early holds its slot idle until then, so a depth is priced by how much nearer it brings
+        that end (`Acceptance.progress_survival`: each unfinished row by how far it is ahead of the row with the most
+        left; at batch 8 on the embedded target, speculating for the mean row measured 0.94x HF greedy: the rows
+        that accepted less finished 20 steps after the others)."""
+        if self.steps < self.reprice_at:
+            return 0  # priced far from paying a few steps ago: acceptance moves slowly, plain until repriced
+        remaining = rows.remaining
+        unfinished = [r for r in range(rows.batch) if not rows.done[r]]
+        most = max(remaining[r] for r in unfinished)
+        behind = [most - remaining[r] for r in unfinished]
+        rates = [self.acceptance.progress_survival(unfinished, behind, depth)]
+        gains = depth_gains(rates, self.goodput.cost, depth, self.per_depth, reruns=self.reruns)
+        chosen = best_depth(gains)
+        best = max(gains[1:], default=0.0)
+        if chosen == 0 and len(gains) > 1 and self.goodput.keeps_speculating(best):
+            chosen = best_depth(gains, 1)  # measured winning, a back-off's retry, or a first try
+        elif chosen == 0 and best < FAR_FROM_PAYING:  # (nothing measured could make it speculate)
+            self.reprice_at = self.steps + REPRICE_EVERY
+        return chosen
+
+    def observe(self, report: StepReport, elapsed: float) -> None:
+        """A step's acceptance per row and its time, judged by how much nearer its end it brought the batch (under
+        tensor parallelism the slowest process's times, so every process takes the same decisions)."""
+        self.steps += 1
+        if self.prices:
+            for r, drafted in report.drafted.items():
+                if report.depth > 0:
+                    self.acceptance.update(r, drafted, report.accepted[r])
+                elif r in report.shadow_hits:
+                    self.acceptance.update(r, 1, int(report.shadow_hits[r]))
+                else:
+                    self.acceptance.elapse(r)
+        times = [elapsed, report.shadow_seconds]
+        elapsed, shadow_seconds = self.agreement.seconds(times) if self.agreement is not None else times
+        seconds = elapsed - shadow_seconds
+        if report.shadow:
+            self.shadow_cost = shadow_seconds
+            self.shadow_budget -= shadow_seconds
+        self.goodput.record(report.nodes, seconds, report.progress)
+        if report.nodes <= 1:  # a shadow waits until the plain steps since the last one paid for it
+            self.shadow_budget = min(self.shadow_budget + SHADOW_SHARE * seconds, 2 * self.shadow_cost)
+
+    def finish(self) -> None:
+        """Keep the call's acceptance profile as the next greedy call's prior."""
+        if self.profiles is not None:
+            self.profiles[self.profile_key] = self.acceptance.profile()
+
+
+def drafter_kind(drafter: Drafter) -> str:
+    """What an acceptance profile is kept under: the drafter's class and those of the drafters it wraps."""
+    inner = [getattr(drafter, name, None) for name in ("draft", "retrieval", "base")]
+    return "/".join([type(drafter).__name__] + [drafter_kind(d) for d in inner if isinstance(d, Drafter)])

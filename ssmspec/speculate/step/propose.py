@@ -1,0 +1,157 @@
+"""The propose part of a step: the drafter's tree for every row, as the step's plan allows, and everything a drafter
+learns from the target between its proposals (the target's features at the last committed position for a draft
+head; the target's top-k after every verified node for a drafter that recycles them)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ssmspec.hf import features
+from ssmspec.speculate.drafters.base import Draft, Drafter
+from ssmspec.speculate.step import Accepted, Proposal, StepPlan, Verified
+from ssmspec.speculate.step.accept import top_k
+from ssmspec.speculate.step.emit import Rows
+
+# prompt positions (the last ones) whose top-k a recycling drafter is told after the prefill
+PROMPT_TOPK_POSITIONS = 2048
+
+
+def install_features(model: nn.Module, drafter: Drafter) -> bool:
+    """Make the model's forwards hand over its features where `drafter` drafts from them (ssmspec.hf.features); a
+    model compiled before its LM head had the feature hook (a default call drafts with n-grams on a compiled model)
+    is compiled anew, as it was: its graphs would never hand the features over. Returns whether it drafts from
+    them."""
+    wanted = bool(drafter.target_features)
+    if wanted and features.install(model) and getattr(model, "ssmspec_compile_call", None) is not None:
+        args, kwargs = model.ssmspec_compile_call
+        model.compile(*args, **kwargs)
+    return wanted
+
+
+class Proposer:
+    """Asks the drafter for one tree per row within the step's plan, trimmed to what each row may still emit, with
+    pad chains for finished rows that decode pads (kept scores), and tells the drafter what the target computed.
+
+    A plain step (depth 0) does not call the drafter (a drafter that prepares its next proposal while the target
+    verifies, Saguaro's, still is called); its shadow draft (StepPlan.shadow) is drafted one level deep and timed.
+
+    Args:
+        drafter: the call's drafter (`set_decoding` and `start` are called by `start`).
+        wants_features: the drafter drafts from the target's features (`install_features`).
+    """
+
+    def __init__(self, drafter: Drafter, wants_features: bool) -> None:
+        self.drafter = drafter
+        self.wants_features = wants_features
+        self.topk = int(drafter.target_topk)
+        self.calls_every_step = type(drafter).ahead is not Drafter.ahead
+        # the target's features at the last step's commit, not yet handed to the drafter: (features [B, N, H], the
+        # committed node per row, the rows to tell); deferred to the next drafting call, so a run of plain steps (a
+        # batch where speculation does not pay) pays for none of it
+        self._features: tuple | None = None
+
+    def start(self, runner, rows: Rows, attention_mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """After the prefill: the drafter sees the prompt (and, a recycling drafter, the target's top-k after every
+        prompt token; a feature drafter, the prefill's last features). Returns the last position's logits [B, V]
+        (`logits` holds every position's where `topk` asked for them)."""
+        drafter, b = self.drafter, rows.batch
+        drafter.set_decoding(rows.decoding)
+        drafter.start(rows.input_ids, attention_mask)
+        if self.wants_features:
+            self._features = (runner.features, [-1] * b, range(b))
+        if not self.topk:
+            return logits
+        ids_k, probs_k = top_k(logits[:, -PROMPT_TOPK_POSITIONS:], self.topk)
+        ids_k, probs_k = ids_k.tolist(), probs_k.tolist()
+        offset = logits.shape[1] - len(ids_k[0])
+        mask = attention_mask.bool()
+        for r in range(b):
+            real = mask[r, offset:].tolist()
+            tokens = [t for t, m in zip(rows.prompts[r][offset:], real) if m]
+            drafter.observe_prompt(r, tokens, [(i, p) for i, p, m in zip(ids_k[r], probs_k[r], real) if m])
+        return logits[:, -1]
+
+    def propose(self, plan: StepPlan, rows: Rows) -> Proposal:
+        """Every row's tree for this step (see the class docstring)."""
+        contexts, depth = rows.contexts, max(plan.depth, 0)
+        shadow, shadow_seconds = None, 0.0
+        if plan.shadow:
+            t0 = time.perf_counter()
+            self._hand_features()
+            shadow = self.drafter.propose(contexts, plan.shadow, 1)
+            shadow_seconds = time.perf_counter() - t0
+        if depth == 0 and not self.calls_every_step:
+            proposed: list = [([int(c[-1])], [-1]) for c in contexts]
+        else:
+            self._hand_features()
+            proposed = self.drafter.propose(contexts, plan.budget, depth)
+        trees, qs, pads = [], [], {}
+        remaining = rows.remaining
+        for r, d in enumerate(proposed):
+            if rows.done[r]:
+                k = min(depth, rows.max_new_tokens - len(rows.kept[r]) - 1) if rows.keeps_scores else -1
+                root = rows.ids(r)[-1] if rows.keeps_scores else contexts[r][-1]
+                trees.append(([root] + [rows.pad] * max(k, 0), list(range(-1, max(k, 0)))))
+                qs.append(None)
+                if k >= 0:
+                    pads[r] = k
+                continue
+            tokens, parents, index = trim(d[0], d[1], remaining[r] - 1)
+            trees.append((tokens, parents))
+            q = d[2] if len(d) > 2 else None
+            qs.append({index[node]: dist for node, dist in q.items() if node in index} if q else None)
+        proposal = Proposal(trees, qs, pads, depth, shadow, shadow_seconds)
+        if plan.cap is not None:
+            proposal = proposal.capped(plan.cap)
+        if self.calls_every_step:  # a drafter that prepares the next proposal now (Saguaro's)
+            self._hand_features()
+        self.drafter.ahead(contexts, [None if rows.done[r] else t for r, t in enumerate(proposal.trees)],
+                           plan.budget, depth)  # fmt: skip
+        return proposal
+
+    def observe(self, verified: Verified, accepted: Accepted, rows: Rows) -> None:
+        """After the target's verdict, before the rows emit it: a recycling drafter learns the target's top-k after
+        every node of its draft; a feature drafter will be handed the features at each row's accepted node."""
+        tree, proposal = verified.tree, verified.proposal
+        if accepted.tops is not None:
+            for r in range(rows.batch):
+                if verified.active[r] and r not in proposal.pads:
+                    nodes = [tree.index_of(r, n) for n in range(len(proposal.trees[r][0]))]
+                    tops = [(accepted.tops[0][r][i], accepted.tops[1][r][i]) for i in nodes]
+                    self.drafter.observe(r, rows.contexts[r], proposal.trees[r], tops, accepted.tokens[r])
+        if self.wants_features:  # (plain steps in a row need only the last)
+            told = [r for r in range(rows.batch) if verified.active[r] and r not in proposal.pads]
+            self._features = (verified.features, list(accepted.last), told)
+
+    def _hand_features(self) -> None:
+        """Hand the drafter the target's features at each row's last committed position (one gather, a view per
+        row), where some are pending."""
+        if self._features is None:
+            return
+        feats, cut, rows = self._features
+        self._features = None
+        at = feats[torch.arange(len(cut), device=feats.device), torch.tensor(cut, device=feats.device)].unbind(0)
+        for r in rows:
+            self.drafter.observe_features(r, at[r])
+
+
+def trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], dict[int, int]]:
+    """Drop drafted nodes deeper than max_depth (no use drafting past max_new_tokens); returns the kept tokens,
+    their parents and where each kept node went."""
+    if len(tokens) == 1:  # a root alone (a plain decoding step, most steps at large batches): nothing to trim
+        return [tokens[0]], [-1], {0: 0}
+    depth = [0] * len(tokens)
+    keep = [0]
+    new_index = {0: 0}
+    for t in range(1, len(tokens)):
+        depth[t] = depth[parents[t]] + 1
+        if depth[t] <= max_depth and parents[t] in new_index:
+            new_index[t] = len(keep)
+            keep.append(t)
+    return [tokens[t] for t in keep], [-1] + [new_index[parents[t]] for t in keep[1:]], new_index
+
+
+__all__ = ["PROMPT_TOPK_POSITIONS", "Draft", "Proposer", "install_features", "trim"]
