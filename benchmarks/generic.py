@@ -5,7 +5,8 @@ Random-init models either repeat themselves (drafts accepted whole) or never (dr
 prompts per model, a repeated motif and random tokens, show both ends; the default's adaptive policy must keep
 the second at plain-decoding speed. `--batch B`: also a batch of B repeated motifs where the probe allows the model's
 batches, against HF's batched greedy: the default call there is HF's own batched loop, the chain runs row by row.
-Best of `--repeats` after one warm-up call (which also measures the model's cost curve); every output is checked
+Best of `--repeats` after one warm-up call (on a transformed model, `ssmspec.calibrate`: its calibration completed);
+every output is checked
 token for token against HF's.
 
     python benchmarks/generic.py --json docs/data/generic.json
@@ -26,8 +27,8 @@ import ssmspec
 BUILDERS = {"rwkv": rwkv, "xlstm": xlstm}
 
 
-def _best(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up
+def _best(fn, repeats: int, warm=None) -> tuple[float, object]:
+    (warm or fn)()  # warm-up
     best, out = float("inf"), None
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -63,10 +64,12 @@ def main() -> None:
             prompts[f"repeat x{args.batch}"] = torch.randint(3, 32000, (args.batch, 12), generator=g).repeat(1, 4)
         for kind, ids in prompts.items():
             t_hf, want = _best(lambda: ref.generate(ids, max_new_tokens=args.new, do_sample=False), args.repeats)
-            t_def, out = _best(lambda: model.generate(ids, max_new_tokens=args.new, return_dict_in_generate=True),
-                               args.repeats)  # fmt: skip
-            t_ch, out_ch = _best(lambda: model.generate(ids, max_new_tokens=args.new, speculation=chain,
-                                                        return_dict_in_generate=True), args.repeats)  # fmt: skip
+            default = {"max_new_tokens": args.new}
+            chained = {"max_new_tokens": args.new, "speculation": chain}
+            t_def, out = _best(lambda: model.generate(ids, return_dict_in_generate=True, **default), args.repeats,
+                               lambda: ssmspec.calibrate(model, ids, **default))  # fmt: skip
+            t_ch, out_ch = _best(lambda: model.generate(ids, return_dict_in_generate=True, **chained), args.repeats,
+                                 lambda: ssmspec.calibrate(model, ids, **chained))  # fmt: skip
             exact = torch.equal(out.sequences, want) and torch.equal(out_ch.sequences, want)
             # a default call on a batch is HF's own generate (no spec_stats)
             accepted = getattr(out, "spec_stats", {}).get("mean_accepted_per_step")

@@ -45,7 +45,7 @@ def measure(args: argparse.Namespace) -> dict:
                 drafter="prompt_lookup", num_draft_tokens=b, tree=True, tree_budget=b, recycle=args.recycle
             )
     for spec in configs.values():  # warm-up: one-time costs must not land on the first method timed
-        target.generate(prompts[0], max_new_tokens=8, speculation=spec)
+        ssmspec.calibrate(target, prompts[0], max_new_tokens=8, speculation=spec)
     secs = dict.fromkeys(configs, 0.0)
     acc = {k: [] for k in configs}
     for _ in range(args.rounds):  # rounds interleave the methods, so drifts of the machine hit all alike

@@ -12,7 +12,7 @@ from ssmspec.errors import (
 from ssmspec.hf.cache import SpecCache
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.retrieval import SuffixIndex
-from ssmspec.transform import transform
+from ssmspec.transform import calibrate, transform
 from ssmspec.tree import TokenTree
 
 __version__ = "0.1.0"
@@ -27,6 +27,7 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedSettingError",
     "VocabMismatchError",
+    "calibrate",
     "models",
     "transform",
 ]

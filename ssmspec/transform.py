@@ -295,8 +295,7 @@ class SpecGenerationMixin:
         self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options", "isolate_recompiles",
                                                                "recompile_limit") if k in kwargs}  # fmt: skip
         self.__dict__.pop("_ssmspec_compiled_commit", None)
-        self.__dict__.pop("_ssmspec_cost_curves", None)  # measured on the eager model: measured again compiled
-        self.__dict__.pop("_ssmspec_packing", None)
+        self.__dict__.pop("_ssmspec_calibration", None)  # measured on the eager model: measured again compiled
         if policy is not None:
             self.ssmspec_kernel_policy = policy
         return super().compile(*args, **kwargs)
@@ -456,7 +455,7 @@ def compile_fast(
 ) -> nn.Module:
     """Compile a transformed `model` with `compile_options` (overridden by `compile_kwargs`) and warm it up:
     speculative generates per batch size in `warmup` on dummy prompts of four lengths compile the prefill (for
-    any length), the decode step and, through the adaptive cost curve, the verify step of every tree-size
+    any length), the decode step and, through the calibration (completed then), the verify step of every tree-size
     bucket. A failure (compile or
     warm-up) leaves the model eager, with one warning naming it."""
     device = hf_instance.input_device(model)
@@ -473,8 +472,9 @@ def compile_fast(
         runs = [(batch, length) for batch in warmup for length in (8, 12, 2 * chunk + 5, 3 * chunk + 3)]
         for batch, length in tqdm(runs, desc="ssmspec: compiling and warming up", disable=not progress):
             ids = (torch.arange(batch * length, device=device).view(batch, length) * 7 + 3) % vocab
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, speculation=True,
-                           pad_token_id=0)  # fmt: skip
+            # (its calibration completed now: every tree-size bucket compiled here, not on a user's call)
+            calibrate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, speculation=True,
+                      pad_token_id=0)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - any compiler failure: eager is exact, so say it and go on
         _uncompile(model)
         warnings.warn(f"ssmspec: compiling {type(model).__name__} failed, running eager ({type(e).__name__}: {e})",
@@ -482,11 +482,26 @@ def compile_fast(
     return model
 
 
+def calibrate(model: nn.Module, input_ids: torch.Tensor, **generate_kwargs: Any) -> torch.Tensor | ModelOutput:
+    """Complete a transformed model's calibration now for calls like `model.generate(input_ids, **generate_kwargs)`
+    (their batch size, device and tree sizes; ssmspec.speculate.calibration), rather than a share of each call's time
+    over its first calls: for a server that would rather pay it at start-up, or a benchmark timing calibrated calls.
+    Runs that call once, measuring before its first step; returns its output. The calibration is kept on the model
+    and on disk, as any."""
+    if not isinstance(model, SpecGenerationMixin):
+        raise TypeError("ssmspec.calibrate expects a model transformed by ssmspec.transform")
+    model.__dict__["_ssmspec_calibrating"] = True
+    try:
+        return model.generate(input_ids, **generate_kwargs)
+    finally:
+        model.__dict__.pop("_ssmspec_calibrating", None)
+
+
 def _uncompile(model: nn.Module) -> None:
     """Undo `model.compile` (nn.Module internals, named here): the eager forward and no static shapes."""
     model._compiled_call_impl = None
-    for name in ("ssmspec_static_shapes", "ssmspec_compile_call", "ssmspec_compile_options", "_ssmspec_cost_curves",
-                 "_ssmspec_packing", "_ssmspec_compiled_commit", "_ssmspec_single_node_path"):  # fmt: skip
+    for name in ("ssmspec_static_shapes", "ssmspec_compile_call", "ssmspec_compile_options", "_ssmspec_calibration",
+                 "_ssmspec_compiled_commit", "_ssmspec_single_node_path"):  # fmt: skip
         model.__dict__.pop(name, None)
 
 

@@ -11,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in the interpreter (must precede imports)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# no calibration kept on disk (ssmspec.speculate.calibration): a test's verdict may not depend on what an earlier test,
+# or an earlier run on this machine, measured (the tests of the disk cache give it a directory of their own)
+os.environ["SSMSPEC_CACHE"] = "off"
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

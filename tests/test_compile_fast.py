@@ -28,15 +28,15 @@ def test_compile_true_warms_up_before_the_first_request():
     model = ssmspec.transform(copy.deepcopy(ref), compile={"options": {"inductor": False}, "progress": False})
     assert model._compiled_call_impl is not None and model.ssmspec_static_shapes
     assert model.ssmspec_compile_options["options"] == {"cpp_wrapper": True, "inductor": False}
-    curve = model._ssmspec_cost_curves[(1, "cpu")]  # every bucket verified once by the warm-up
-    assert set(curve) >= {1, 2, 4, 8, 16}
+    cal = model._ssmspec_calibration[(1, "cpu")]  # every bucket verified by the warm-up, which completed it
+    assert cal.complete and set(cal.curve()) >= {1, 2, 4, 8, 16}
     graphs = STATS.graphs
     out = model.generate(IDS, max_new_tokens=24)
     assert torch.equal(out, want)
     assert STATS.graphs == graphs  # nothing left to compile for the first request at this batch size
     model.generate(torch.cat([IDS, IDS, IDS], 1), max_new_tokens=8)  # a prompt over one chunk: compiled too
     assert STATS.graphs == graphs
-    assert model._ssmspec_cost_curves[(1, "cpu")] is curve
+    assert model._ssmspec_calibration[(1, "cpu")] is cal and cal.complete
 
 
 def test_a_failed_compile_leaves_the_model_eager_with_one_warning():

@@ -360,6 +360,14 @@ class Goodput:
         self._counted = 0  # speculative steps in those sums
         self._recent: collections.deque = collections.deque(maxlen=self.RECENT)  # recent speculative steps' seconds
 
+    def recalibrate(self, curve: dict[int, float], decode_seconds: float | None) -> None:
+        """Price with what the calibration measured since (between steps: ssmspec.speculate.calibration)."""
+        self.curve = curve
+        if decode_seconds and not self.decode_seconds:  # the overhead's prior is in plain steps: known now
+            self.overhead.prior = (self.PRIOR_FIXED * decode_seconds, self.PRIOR_SLOPE)
+            self.overhead._fit = None
+        self.decode_seconds = decode_seconds or 0.0
+
     @property
     def seconds(self) -> float:
         """A decode step's forward in seconds: the curve's base as measured, or where plain steps ran, what they

@@ -1,11 +1,30 @@
-"""Calibration: what a verify step costs on the running model, measured on it (the verify-cost curve, relative to
-a decode step, and which linears pay per tree size), kept on the model per batch size and device (each model has
-its own; nothing process-wide). The adaptive policy (ssmspec.speculate.policy) prices depths with it."""
+"""Calibration: what a verify step costs on the running model, measured on it, per batch size and device: the verify
+cost of each tree size relative to a plain step (the curve the adaptive policy prices depths with), which linears pay
+per tree size (oneDNN's packed weights or F.linear, where the runner may choose) and which path one-node steps take
+(HF's decode path or the tree path and a commit).
+
+Each measurement is one forward of a chain of zeros on the runner's committed state, rolled back (nothing changes);
+the sizes and ways take turns, one warm-up run then REPEATS timed runs each, and each keeps its fastest run (load from
+other processes only ever adds time). It is bounded: greedy calls spend at most SHARE of their steps' time on it (the
+first call at most SHARE of its own), between steps, the most useful measurements first (a plain step, the largest
+tree, then the sizes between), and what is not measured yet is priced by interpolation and a prior. What was measured
+accumulates across calls on the model (`Calibration`, kept on it per batch size and device: nothing process-wide) and
+on disk per model and machine (`CALIBRATION_DIR`, beside the user's cache: a later process starts calibrated). A call
+that samples, or a model under tensor parallelism, completes the calibration before its first step instead: a seeded
+sampling call draws the same tokens whatever ran before, and every process of a sharded model must take the same
+decisions; `ssmspec.calibrate` completes it on demand (a server at start-up, a compiled model's warm-up).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -13,18 +32,244 @@ from torch import nn
 from ssmspec import linear as packed_linear
 from ssmspec.tree import TokenTree
 
-# the tree sizes whose verify cost is measured (up to the largest a call can verify)
+# the tree sizes whose verify cost is measured (powers of two up to the largest a call can verify, and that one)
 COST_SIZES = (1, 2, 4, 8, 16, 32)
+REPEATS = 3  # timed runs per size and way (after one warm-up run)
+SHARE = 0.08  # of a greedy call's steps' time, what measuring may take in that call
+# until a size is measured: relative cost per node beyond the root at batch 1, growing with the batch as batch**0.6
+# (the embedded target on a 2-core CPU: 25 nodes cost 1.64 plain steps at batch 1, 2.3 at batch 4, 4.6 at 16)
+PRIOR_SLOPE = 0.02
+# the environment variable naming the directory calibrations are kept in ("off": none); default beside the user's
+# other caches: $XDG_CACHE_HOME/ssmspec, else ~/.cache/ssmspec
+CALIBRATION_DIR = "SSMSPEC_CACHE"
+FORMAT = 1  # of the files written there
 
 
-def merge_curves(old: dict[int, float], new: dict[int, float]) -> dict[int, float]:
-    """A cost curve with the sizes of `new` added to `old` (both relative to a decode step), kept
-    non-decreasing in the size."""
-    merged, floor = {}, 0.0
-    for n in sorted({**old, **new}):
-        floor = max(floor, new.get(n, old.get(n, 0.0)))
-        merged[n] = floor
-    return merged
+class Calibration:
+    """What verifying costs for one model, batch size and device (see the module docstring).
+
+    Args:
+        ways: the linears' ways a size is timed in: (True, False) packed and F.linear where the runner may choose
+            (`chooses_packing`), else (None,) (the runner's own).
+        paths: the paths a one-node step is timed on: (True, False) HF's decode path and the tree path where the
+            runner may choose, else (None,).
+        batch: the batch size (the prior's slope grows with it).
+    """
+
+    def __init__(self, ways: Sequence = (None,), paths: Sequence = (None,), batch: int = 1) -> None:
+        self.ways = tuple(ways)
+        self.paths = tuple(paths)
+        self.batch = batch
+        self.sizes: set[int] = {1}
+        self.best: dict[tuple, float] = {}  # item -> its fastest timed run (seconds)
+        self.runs: dict[tuple, int] = {}  # item -> runs so far (the first one warms up)
+        self.spent = 0.0  # seconds spent measuring, every call together
+        self.earned = 0.0  # SHARE of the steps' seconds of the calls on this model and key (this process)
+        self.between = 0.0  # what measuring between steps took of it
+        self.fixed: tuple[dict[int, float], float | None] | None = None  # `fix`'s curve and seconds: nothing measured
+
+    # ------------------------------------------------------------------ what is known
+    def want(self, sizes: Sequence[int]) -> None:
+        """Sizes a call may verify (a later call with larger trees adds its own)."""
+        self.sizes.update(int(n) for n in sizes)
+
+    def items(self) -> list[tuple]:
+        """Every measurement: ("node", path, way) for a one-node step, ("size", n, way) for an n-node chain."""
+        nodes = [("node", path, way) for path in self.paths for way in self.ways]
+        return nodes + [("size", n, way) for n in sorted(self.sizes) if n > 1 for way in self.ways]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every size the calls asked for is measured in every way, REPEATS times."""
+        return self.fixed is not None or all(self.runs.get(item, 0) > REPEATS for item in self.items())
+
+    def _best(self, kind: str, key) -> tuple[float, object] | None:
+        """(seconds, way) of the fastest measured way of a one-node path (`key`: the path) or a size."""
+        found = [(self.best[(kind, key, way)], way) for way in self.ways if (kind, key, way) in self.best]
+        return min(found, key=lambda x: x[0]) if found else None
+
+    def single_node_path(self) -> bool | None:
+        """Whether one-node steps should take HF's decode path (True) or the tree path (False): the tree path only
+        where it measured clearly cheaper (by 5%); None where not measured (or not the runner's to choose)."""
+        if self.paths == (None,):
+            return None
+        decode, tree = self._best("node", True), self._best("node", False)
+        if decode is None:
+            return None
+        return not (tree is not None and tree[0] < 0.95 * decode[0])
+
+    def _plain_path(self):
+        """The one-node path plain steps take: the one measured faster (HF's decode path until measured), or None
+        where the runner does not choose."""
+        if self.paths == (None,):
+            return None
+        path = self.single_node_path()
+        return True if path is None else path
+
+    def decode_seconds(self) -> float | None:
+        """A plain step's seconds (its forward and commit) on the path and way chosen; None before it is measured."""
+        if self.fixed is not None:
+            return self.fixed[1]
+        best = self._best("node", self._plain_path())
+        return best[0] if best is not None else None
+
+    def packed_sizes(self) -> dict[int, bool] | None:
+        """Per measured size, whether packed linears measured faster (ssmspec.linear.packs reads it); None where the
+        runner does not choose."""
+        if self.ways == (None,):
+            return None
+        out = {}
+        one = self._best("node", self._plain_path())
+        if one is not None:
+            out[1] = bool(one[1])
+        for n in sorted(self.sizes - {1}):
+            best = self._best("size", n)
+            if best is not None:
+                out[n] = bool(best[1])
+        return out or None
+
+    def curve(self) -> dict[int, float]:
+        """Verify cost per size relative to a plain step, non-decreasing: measured sizes as measured, the others
+        interpolated between them, or beyond the largest measured one (or before any) on the prior's slope."""
+        if self.fixed is not None:
+            return dict(self.fixed[0])
+        base = self.decode_seconds()
+        measured = {1: 1.0}
+        if base:
+            for n in sorted(self.sizes - {1}):
+                best = self._best("size", n)
+                if best is not None:
+                    measured[n] = best[0] / base
+        slope = PRIOR_SLOPE * self.batch**0.6
+        curve, floor, last = {}, 0.0, 1
+        for n in sorted(self.sizes):
+            if n in measured:
+                value, last = measured[n], n
+            else:
+                above = [m for m in measured if m > n]
+                if above:
+                    hi = min(above)
+                    value = measured[last] + (measured[hi] - measured[last]) * (n - last) / (hi - last)
+                else:
+                    value = measured[last] + slope * (n - last)
+            floor = max(floor, value)
+            curve[n] = floor
+        return curve
+
+    def fix(self, curve: dict[int, float], decode_seconds: float | None = None) -> None:
+        """Set the calibration by hand (`curve`: relative costs per size, 1 -> 1.0; `decode_seconds`: a plain step's,
+        None: unknown): nothing is measured any more, the runner's choices are its own. For tests and for users who
+        measured their model themselves."""
+        self.ways, self.paths = (None,), (None,)
+        self.fixed = ({1: 1.0, **{int(n): float(c) for n, c in curve.items()}}, decode_seconds)
+        self.sizes = set(self.fixed[0])
+
+    def apply(self, runner) -> None:
+        """Set the runner's choices as measured so far: its one-node path (HF's decode path until measured, where the
+        runner chooses) and its linears per size (packed until measured)."""
+        if self.paths != (None,) and chooses_path(runner):
+            runner.decode_single_nodes = self._plain_path()
+        if self.ways != (None,):
+            runner.packed_sizes = self.packed_sizes()
+
+    # ------------------------------------------------------------------ measuring
+    def pending(self) -> Iterator[tuple]:
+        """The measurements still to run, the most useful first: a plain step on the default path and way, the largest
+        size, the other sizes (largest first), the other path and ways; then the repeats, taking turns."""
+        if self.fixed is not None:
+            return
+        items = self.items()
+        first = [i for i in items if i[2] == self.ways[0] and (i[0] == "size" or i[1] in (True, None))]
+        first = first[:1] + sorted(first[1:], key=lambda i: -i[1])
+        order = first + [i for i in items if i not in first]
+        for want in range(REPEATS + 1):  # the warm-up round, then the timed rounds
+            for item in order:
+                if self.runs.get(item, 0) <= want:
+                    yield item
+
+    def measure(self, runner, budget: float | None = None, estimate: float = 0.0) -> float:
+        """Run pending measurements on the runner (each rolled back) until `budget` seconds would be exceeded (None:
+        until complete; under tensor parallelism, every process's timings agreed in one collective at the end, as the
+        slowest process measured them). `estimate`: what a measurement of unknown cost is expected to take at least (a
+        step's seconds). Returns the
+        seconds spent; the runner's choices are set as measured (`apply`)."""
+        spent, timed = 0.0, []
+        for item in self.pending():
+            expected = self.best.get(item) or max([*self.best.values(), estimate])
+            if budget is not None and spent + expected > budget:
+                break
+            t0 = time.perf_counter()
+            seconds = _time(runner, item)
+            spent += time.perf_counter() - t0
+            if self.runs.get(item, 0) > 0:  # (the first run warms up)
+                timed.append((item, seconds))
+                if budget is not None:
+                    self.best[item] = min(self.best.get(item, float("inf")), seconds)
+            self.runs[item] = self.runs.get(item, 0) + 1
+        if budget is None:  # every process's times agreed in one collective (the slowest process's), then kept
+            for item, seconds in zip(
+                [i for i, _ in timed], runner.agreement.seconds([s for _, s in timed]), strict=True
+            ):
+                self.best[item] = min(self.best.get(item, float("inf")), seconds)
+        self.spent += spent
+        self.apply(runner)
+        return spent
+
+    def measure_between_steps(self, runner, step_seconds: float) -> float:
+        """After a step of `step_seconds`: measure within what the steps so far earned (SHARE of their time, every
+        call on this model and key together, so that short calls add up; the first call spends at most SHARE of its
+        own). Returns the seconds spent."""
+        self.earned += SHARE * step_seconds
+        budget = self.earned - self.between
+        if budget <= 0 or self.complete:
+            return 0.0
+        spent = self.measure(runner, budget, estimate=step_seconds)
+        self.between += spent
+        return spent
+
+    # ------------------------------------------------------------------ persistence
+    def to_json(self) -> dict:
+        items = [[list(i), self.runs.get(i, 0), self.best.get(i)] for i in self.items()]
+        return {"ways": list(self.ways), "paths": list(self.paths), "batch": self.batch, "sizes": sorted(self.sizes),
+                "spent": self.spent, "items": items}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict) -> Calibration:
+        out = cls(tuple(data["ways"]), tuple(data["paths"]), int(data["batch"]))
+        out.sizes = {int(n) for n in data["sizes"]}
+        out.spent = float(data.get("spent", 0.0))
+        for item, runs, best in data["items"]:
+            key = (str(item[0]), item[1], item[2])
+            out.runs[key] = int(runs)
+            if best is not None:
+                out.best[key] = float(best)
+        return out
+
+
+def _time(runner, item: tuple) -> float:
+    """Seconds of one measurement (see `Calibration.items`), rolled back: a one-node step's forward and commit from
+    a snapshot, an n-node chain's forward then discarded."""
+    kind, key, way = item
+    batch, device = runner.cache.n_real.shape[0], runner.cache.n_real.device
+    if way is not None:
+        runner.packed_sizes = {1 if kind == "node" else key: way}
+    if kind == "node" and key is not None:
+        runner.decode_single_nodes = key
+    n = 1 if kind == "node" else key
+    tree = runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device)))
+    snap = runner.snapshot() if n == 1 else None  # one node: always accepted, so rolled back from a snapshot
+    t0 = time.perf_counter()
+    runner.verify(tree)
+    if n == 1:
+        runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    if snap is None:
+        runner.discard()
+    else:
+        runner.restore(snap)
+    return seconds
 
 
 def chooses_packing(runner) -> bool:
@@ -35,87 +280,149 @@ def chooses_packing(runner) -> bool:
     return runner.device.type == "cpu" and packed_linear.packs_any(runner.model)
 
 
-def measure_cost(runner, sizes: Sequence[int] = COST_SIZES, repeats: int = 5) -> dict[int, float]:
-    """Verify cost of n-node chains relative to a decode step, timed on the runner's prefilled cache (each
-    tree is verified and discarded, the decode step rolled back: nothing changes). The sizes take turns, one
-    warm-up round then `repeats` timed rounds, and each keeps its fastest run: load from other processes only
-    ever adds time, and taking turns spreads a burst of it over every size instead of one (a median of runs
-    size after size, measured under two test workers on two cores, once priced 2 nodes above 1.5 decode steps
-    and turned speculation off for a whole call).
-
-    Where the runner may choose (`chooses_packing`), every size is timed with the model's linears on their packed
-    weights and on F.linear, the faster kept for that size in `runner.packed_sizes` and in the curve: which is
-    faster depends on the CPU (on an AMD EPYC packed weights made 2-16 rows cost what one does; on a Xeon with a
-    260 MiB L3, F.linear was faster for 1-3 rows and, on the embedded model, for 1-16)."""
-    cache = runner.cache
-    batch = cache.n_real.shape[0]
-    device = cache.n_real.device
-    trees = {n: runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device))) for n in sizes}
-    modes = (True, False) if chooses_packing(runner) else (None,)
-    chosen = dict(getattr(runner, "packed_sizes", None) or {})
-    times = {(n, mode): float("inf") for n in sizes for mode in modes}
-    for round_ in range(repeats + 1):
-        for n, mode in times:
-            if mode is not None:
-                runner.packed_sizes = {n: mode}
-            snap = runner.snapshot() if n == 1 else None  # one node: HF's decode path, rolled back
-            t0 = time.perf_counter()
-            runner.verify(trees[n])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            if snap is None:
-                runner.discard()
-            else:
-                runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
-                runner.restore(snap)
-            if round_:  # the first round warms up (and compiles)
-                times[n, mode] = min(times[n, mode], elapsed)
-    keys = list(times)  # (tensor parallelism: every process prices with the slowest one's times)
-    times = dict(zip(keys, runner.agreement.seconds([times[k] for k in keys]), strict=True))
-    best = {n: min(modes, key=lambda mode: times[n, mode]) for n in sizes}
-    runner.decode_seconds = times[sizes[0], best[sizes[0]]]  # the base of the curve, in seconds (Goodput)
-    if modes != (None,):
-        runner.packed_sizes = {**chosen, **best}
-    curve, floor = {}, 0.0
-    for n in sizes:  # more nodes never cost less (timing noise aside): keep the curve non-decreasing
-        floor = max(floor, times[n, best[n]] / times[sizes[0], best[sizes[0]]])
-        curve[n] = floor
-    return curve
+def chooses_path(runner) -> bool:
+    """Whether the runner's one-node steps may take HF's decode path or the tree path, as measured (not set by the
+    caller)."""
+    return bool(getattr(runner, "chooses_single_node_path", False))
 
 
-def cost_curve(model: nn.Module, runner) -> dict[int, float]:
-    """The model's verify-cost curve (relative to a decode step) for this batch size, measured once per model up
-    to the largest tree the call verifies (extended when a later call verifies larger ones) and kept on the
-    model (so each model has its own; nothing process-wide)."""
-    curves = model.__dict__.setdefault("_ssmspec_cost_curves", {})
-    seconds = model.__dict__.setdefault("_ssmspec_decode_seconds", {})
-    packing = model.__dict__.setdefault("_ssmspec_packing", {})  # per curve: packed linears or F.linear per size
-    key = curve_key(runner)
-    if chooses_packing(runner):
-        runner.packed_sizes = dict(packing.get(key, {})) or None
-    # the sizes this call can verify (powers of two up to its largest padded tree): a compiled model compiles a
-    # graph per size measured, so sizes no tree of this call reaches are left to a call that needs them
+def call_sizes(runner) -> list[int]:
+    """The sizes a call can verify: powers of two up to its largest padded tree, and that one (a compiled model
+    compiles a graph per size measured, so sizes no tree of this call reaches are left to a call that needs them)."""
     largest = runner.padded_size(runner.max_nodes) if runner.max_nodes else COST_SIZES[-1]
-    sizes = [n for n in COST_SIZES if n < largest] + [largest]
-    curve = curves.get(key, {})
-    missing = [n for n in sizes if n > max(curve, default=0)]  # sizes within the curve are interpolated
-    if missing:
-        curves[key] = curve = merge_curves(curve, measure_cost(runner, sorted({1, *missing})))
-        seconds[key] = runner.decode_seconds
-        if runner.__dict__.get("packed_sizes"):
-            packing[key] = dict(runner.packed_sizes)
-    return curve
+    return [n for n in COST_SIZES if n < largest] + [largest]
 
 
-def curve_key(runner) -> tuple:
-    """What a cost curve (and its timing) is kept under on the model: batch size and device; HF's forward on the
-    generic path has curves of its own."""
-    key = (runner.cache.n_real.shape[0], runner.cache.n_real.device.type)
+def for_runner(model: nn.Module, runner) -> Calibration:
+    """The model's calibration for this runner's batch size, device and path: kept on the model; a new one starts
+    from what the disk holds for this model and machine (`CALIBRATION_DIR`)."""
+    key = _key(runner)
+    kept = model.__dict__.setdefault("_ssmspec_calibration", {})
+    ways = (True, False) if chooses_packing(runner) else (None,)
+    paths = (True, False) if chooses_path(runner) else (None,)
+    calibration = kept.get(key)
+    if calibration is None or (calibration.fixed is None and (calibration.ways, calibration.paths) != (ways, paths)):
+        calibration = _load(model, runner, key)
+        if calibration is None or (calibration.ways, calibration.paths) != (ways, paths):
+            calibration = Calibration(ways, paths, int(runner.cache.n_real.shape[0]))
+        kept[key] = calibration
+    calibration.want(call_sizes(runner))
+    return calibration
+
+
+def fixed(model: nn.Module, batch: int, curve: dict[int, float], decode_seconds: float | None = None,
+          device: str = "cpu", path: str = "seams") -> Calibration:  # fmt: skip
+    """Give `model` a calibration set by hand for a batch size and device (`Calibration.fix`): its calls price with
+    it and measure nothing."""
+    calibration = Calibration(batch=batch)
+    calibration.fix(curve, decode_seconds)
+    key = (batch, device) if path == "seams" else (batch, device, path)
+    model.__dict__.setdefault("_ssmspec_calibration", {})[key] = calibration
+    return calibration
+
+
+def complete_before(model: nn.Module, runner, sampling: bool) -> bool:
+    """Whether a call completes the calibration before its first step rather than between steps: a call that samples
+    (a seeded call then draws the same tokens whatever ran before), a sharded model (every process must verify the
+    same trees: its timings are agreed in one collective) and a call under `ssmspec.calibrate` (a compiled model's
+    warm-up among them: every tree-size bucket is compiled then, not on a user's call)."""
+    return sampling or runner.agreement.sharded or bool(model.__dict__.get("_ssmspec_calibrating"))
+
+
+def _key(runner) -> tuple:
+    """What a calibration is kept under on the model: batch size and device; HF's forward on the generic path has
+    calibrations of its own."""
+    key = (int(runner.cache.n_real.shape[0]), runner.cache.n_real.device.type)
     return (*key, runner.path) if getattr(runner, "path", "seams") == "generic" else key
 
 
-def cost_seconds(model: nn.Module, runner) -> float | None:
-    """A decode step's forward in seconds, as measured with the model's cost curve for this runner's batch (the
-    curve's base, `cost_curve`)."""
-    return model.__dict__.get("_ssmspec_decode_seconds", {}).get(curve_key(runner))  # None: a curve without timing
+def measure_cost(runner, sizes: Sequence[int] = COST_SIZES) -> dict[int, float]:
+    """The verify-cost curve of `sizes` on the runner's prefilled cache, measured completely now (a fresh
+    Calibration: see the module docstring): relative to a one-node step, non-decreasing; `runner.packed_sizes` set
+    where it may choose, `runner.decode_seconds` to the base's seconds."""
+    calibration = Calibration((True, False) if chooses_packing(runner) else (None,), batch=1)
+    calibration.sizes = set(sizes) | {1}
+    calibration.measure(runner)
+    runner.decode_seconds = calibration.decode_seconds()
+    return {n: c for n, c in calibration.curve().items() if n in set(sizes) | {1}}
+
+
+# ---------------------------------------------------------------------- on disk
+def directory() -> Path | None:
+    """Where calibrations are kept (`CALIBRATION_DIR`), or None where that is "off"."""
+    where = os.environ.get(CALIBRATION_DIR)
+    if where is not None and where.strip().lower() in ("", "0", "off", "none", "false"):
+        return None
+    if where:
+        return Path(where).expanduser() / "calibration"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ssmspec" / "calibration"
+
+
+def signature(model: nn.Module, runner) -> str | None:
+    """What a calibration on disk is kept under: the model's architecture (its config without names and paths), its
+    dtype, how ssmspec runs it (packed linears, compiled, kernel policy), the machine (processor or GPU, threads) and
+    the versions of torch and ssmspec; None where none is kept (a sharded model: every process must agree)."""
+    if runner.agreement.sharded:
+        return None
+    import ssmspec  # (the version)
+
+    config = model.config.to_dict()
+    for name in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash"):
+        config.pop(name, None)
+    device = runner.device
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    about = {
+        "model": type(model).__name__, "config": config, "dtype": str(runner.dtype), "device": device.type,
+        "machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "ssmspec": ssmspec.__version__, "packed": bool(getattr(runner, "prepack", False)),
+        "compiled": repr(getattr(model, "ssmspec_compile_options", None)),
+        "kernels": repr(getattr(model, "ssmspec_kernel_policy", None)), "static": bool(runner.static_shapes),
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(about, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _cpu_name() -> str:
+    """The processor's model name (Linux /proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load(model: nn.Module, runner, key: tuple) -> Calibration | None:
+    """The calibration the disk holds for this model, machine and key, else None (also for an unreadable file)."""
+    where, sig = directory(), signature(model, runner)
+    if where is None or sig is None:
+        return None
+    try:
+        data = json.loads((where / f"{sig}.json").read_text())
+        entry = data["entries"].get(json.dumps(list(key))) if data.get("format") == FORMAT else None
+        return Calibration.from_json(entry) if entry is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(model: nn.Module, runner, calibration: Calibration) -> None:
+    """Keep `calibration` on disk for this model and machine (atomically; a directory that cannot be written to is
+    left alone: the calibration is measured again in the next process)."""
+    where, sig = directory(), signature(model, runner)
+    if where is None or sig is None or calibration.fixed is not None:
+        return
+    path = where / f"{sig}.json"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+            entries = data["entries"] if data.get("format") == FORMAT else {}
+        except (OSError, ValueError, KeyError):
+            entries = {}
+        entries[json.dumps(list(_key(runner)))] = calibration.to_json()
+        with tempfile.NamedTemporaryFile("w", dir=where, suffix=".tmp", delete=False) as f:
+            json.dump({"format": FORMAT, "about": type(model).__name__, "entries": entries}, f)
+        os.replace(f.name, path)
+    except OSError:
+        return

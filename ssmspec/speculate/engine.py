@@ -37,6 +37,10 @@ class SpecStats:
     near_tie_tolerance: float = 0.0
     max_verify_bytes: int = 0  # the largest verify step's buffers (records, node states, tree K/V), all rows
     out_of_memory: int = 0  # verify steps that ran out of memory and were retried with a smaller tree
+    # seconds this call spent measuring the model's calibration (ssmspec.speculate.calibration), and whether it is
+    # complete (for this batch size and device) after the call
+    calibration_seconds: float = 0.0
+    calibrated: bool = False
     drafter: dict[str, float] = field(default_factory=dict)  # the drafter's own counters (Saguaro: hits, ...)
 
     @property
@@ -124,7 +128,7 @@ def speculative_generate(
             policy.observe(StepReport.of(verified, accepted, kept))
     finally:  # the drafter's thread and counters, also when a step fails
         drafter.finish(stats)
-    policy.finish()
+    policy.finish(stats)
     return rows.result(runner), stats, runner
 
 

@@ -15,8 +15,9 @@ import time
 
 from torch import nn
 
+from ssmspec.speculate import calibration as calibrations
 from ssmspec.speculate.adaptive import Acceptance, Goodput, best_depth, depth_gains
-from ssmspec.speculate.calibration import chooses_packing, cost_curve, cost_seconds
+from ssmspec.speculate.calibration import Calibration
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.step import StepPlan, StepReport
@@ -46,12 +47,15 @@ class StepPolicy:
         verify_memory: bytes a verify step's buffers may hold, all rows (None: no budget).
         batch: the call's rows.
         adaptive: the adaptive depth choice, or None (every step drafts to the limit).
-        agreement: the runner's (tensor parallelism: timings agreed by every process); None: this process's.
+        calibration: the model's calibration, measured further between steps (at most calibration.SHARE of the
+            steps' time), or None.
+        runner: the runner it measures on (with `calibration`).
     """
 
     def __init__(
         self, *, tree_budget: int, num_draft_tokens: int, schedule: str = "constant", static_shapes: bool = False,
-        verify_memory: int | None = None, batch: int = 1, adaptive: AdaptiveDepth | None = None, agreement=None,
+        verify_memory: int | None = None, batch: int = 1, adaptive: AdaptiveDepth | None = None,
+        calibration: Calibration | None = None, runner=None,
     ) -> None:  # fmt: skip
         self.tree_budget = tree_budget
         self.num_draft_tokens = num_draft_tokens
@@ -60,7 +64,9 @@ class StepPolicy:
         self.verify_memory = verify_memory
         self.batch = batch
         self.adaptive = adaptive
-        self.agreement = agreement
+        self.calibration = calibration
+        self.runner = runner
+        self.calibration_seconds = 0.0  # this call's measuring (spec_stats["calibration_seconds"])
         self.depth_limit = num_draft_tokens
         self.cap: int | None = None  # nodes per row (root included) a verify step may hold: memory (budget or OOM)
         self.bytes_per_node = 0.0  # verify buffers per row and node, as the largest step measured
@@ -73,17 +79,28 @@ class StepPolicy:
         verify_memory: int | None = None,
     ) -> StepPolicy:  # fmt: skip
         """The policy of one generate call on `model` (its runner prefilled): with `adaptive`, priced with the model's
-        calibration and the acceptance the last greedy call with this drafter and tree shape measured (`AdaptiveDepth`);
-        where the runner may choose packed linears per tree size, the calibration says which."""
-        batch = int(runner.n_real.shape[0])
-        cost = cost_curve(model, runner) if adaptive or chooses_packing(runner) else None
+        calibration (ssmspec.speculate.calibration) and the acceptance the last greedy call with this drafter and tree
+        shape measured (`AdaptiveDepth`). The calibration also chooses the runner's one-node path and linears per tree
+        size; it is measured further between steps, or completed now by a call that samples, a sharded model or a
+        compiled model warming up (`calibration.complete_before`)."""
+        calibration = calibrations.for_runner(model, runner)
+        if not (adaptive or calibration.ways != (None,) or calibration.paths != (None,)):
+            calibration = None  # nothing this call would use it for
+        spent = 0.0
+        if calibration is not None:
+            if calibrations.complete_before(model, runner, decoding.do_sample) and not calibration.complete:
+                spent = calibration.measure(runner)
+                calibrations.save(model, runner, calibration)
+            calibration.apply(runner)
         depth = None
         if adaptive:
-            depth = AdaptiveDepth.for_call(model, runner, drafter, decoding, cost, tree_budget=tree_budget,
+            depth = AdaptiveDepth.for_call(model, runner, drafter, decoding, calibration, tree_budget=tree_budget,
                                            num_draft_tokens=num_draft_tokens)  # fmt: skip
-        return cls(tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, schedule=schedule,
-                   static_shapes=static_shapes, verify_memory=verify_memory, batch=batch, adaptive=depth,
-                   agreement=runner.agreement)  # fmt: skip
+        policy = cls(tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, schedule=schedule,
+                     static_shapes=static_shapes, verify_memory=verify_memory, batch=int(runner.n_real.shape[0]),
+                     adaptive=depth, calibration=calibration, runner=runner)  # fmt: skip
+        policy.calibration_seconds = spent
+        return policy
 
     def plan(self, rows: Rows) -> StepPlan:
         """The next step's plan (its clock starts here: the step's time, pricing included, ends at `observe`)."""
@@ -113,11 +130,28 @@ class StepPolicy:
             self.depth_limit = self.depth_limit + 2 if report.all_accepted else max(1, self.depth_limit - 1)
             if self.static_shapes:
                 self.depth_limit = min(self.depth_limit, self.num_draft_tokens)
+        self._calibrate(elapsed)
 
-    def finish(self) -> None:
-        """After the call's last step: what it measured is kept for the next call."""
+    def _calibrate(self, last_step: float) -> None:
+        """Measure the calibration further between steps (within calibration.SHARE of the steps' time) and price with
+        what it measured from the next step on."""
+        if self.calibration is None:
+            return
+        spent = self.calibration.measure_between_steps(self.runner, last_step)
+        self.calibration_seconds += spent
+        if spent and self.adaptive is not None:
+            self.adaptive.recalibrate(self.calibration)
+
+    def finish(self, stats) -> None:
+        """After the call's last step: what it measured is kept for the next call (the calibration on disk too), and
+        `stats` told what measuring took and whether the calibration is complete."""
         if self.adaptive is not None:
             self.adaptive.finish()
+        if self.calibration is not None:
+            if self.calibration_seconds:
+                calibrations.save(self.runner.model, self.runner, self.calibration)
+            stats.calibration_seconds = self.calibration_seconds
+            stats.calibrated = self.calibration.complete
 
 
 class AdaptiveDepth:
@@ -162,7 +196,7 @@ class AdaptiveDepth:
 
     @classmethod
     def for_call(
-        cls, model: nn.Module, runner, drafter: Drafter, decoding: Decoding, cost: dict[int, float], *,
+        cls, model: nn.Module, runner, drafter: Drafter, decoding: Decoding, calibration: Calibration, *,
         tree_budget: int, num_draft_tokens: int,
     ) -> AdaptiveDepth:  # fmt: skip
         """The adaptive depth of one call: each level's acceptance starts from what the last call with this drafter
@@ -177,7 +211,7 @@ class AdaptiveDepth:
         # every step is timed: the cost of n nodes is the calibrated curve at the bucket n is padded to plus what a
         # step measured beyond its forward (drafting, bookkeeping), and speculation backs off where it measured slower
         # than plain decoding
-        goodput = Goodput(cost, cost_seconds(model, runner), batch=batch, measured=not sampling)
+        goodput = Goodput(calibration.curve(), calibration.decode_seconds(), batch=batch, measured=not sampling)
         # a drafter with calibrated per-node estimates sizes each tree itself; depth and budget then stay at their
         # maximum
         sized = drafter.size_by_goodput(lambda n: goodput.cost(runner.padded_size(n)))
@@ -252,6 +286,10 @@ class AdaptiveDepth:
         self.goodput.record(report.nodes, seconds, report.progress)
         if report.nodes <= 1:  # a shadow waits until the plain steps since the last one paid for it
             self.shadow_budget = min(self.shadow_budget + SHADOW_SHARE * seconds, 2 * self.shadow_cost)
+
+    def recalibrate(self, calibration: Calibration) -> None:
+        """Price with what the calibration measured since the last step."""
+        self.goodput.recalibrate(calibration.curve(), calibration.decode_seconds())
 
     def finish(self) -> None:
         """Keep the call's acceptance profile as the next greedy call's prior."""

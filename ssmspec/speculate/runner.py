@@ -86,6 +86,7 @@ class ModelRunner:
         # one-node trees go through HF's decode path (True) or the tree path (False); None: whichever measures faster
         # on this model (`single_node_path`: once per model, batch size, dtype and device)
         self.decode_single_nodes = decode_single_nodes
+        self.chooses_single_node_path = decode_single_nodes is None  # (the calibration may choose it: apply)
         self.dtype = next(model.parameters()).dtype
         self.device = hf_instance.input_device(model)  # (an offloaded embedding's weights are on meta)
         # the same timings on every process of a tensor-parallel model (a no-op otherwise): the choices they steer

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ssmspec
+from ssmspec.speculate import calibration
 from ssmspec.speculate.drafters import PromptLookupDrafter
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.speculate.recycling import Calibration, SuccessorTable, Trie, best_first
@@ -242,7 +243,7 @@ def test_adaptive_recycling_sizes_its_trees_by_cost():
     model = ssmspec.transform(copy.deepcopy(ref))
     nodes = {}
     for name, curve in {"flat": {1: 1.0, 32: 1.0}, "steep": {1: 1.0, 2: 3.0, 32: 40.0}}.items():
-        model.__dict__["_ssmspec_cost_curves"] = {(1, "cpu"): curve}  # the measured curve, replaced
+        calibration.fixed(model, 1, curve)  # the measured curve, replaced
         spec = ssmspec.SpecConfig(tree=True, tree_budget=8, num_draft_tokens=4, recycle=4, adaptive=True)
         out = model.generate(ids, max_new_tokens=30, speculation=spec, return_dict_in_generate=True)
         assert torch.equal(out.sequences, want)
