@@ -1,90 +1,104 @@
-"""Memory over a long batched run: the embedded target generates `--tokens` tokens per row for a batch of different
-held-out prompts with ssmspec's default call; the process's resident memory is sampled every step (a streamer), and
-the growth after the warm-up (`--warmup` tokens per row) is reported with the largest verify step's buffers.
+"""Memory over a long batched run, side by side: HF's greedy generate, ssmspec's plain decoding and ssmspec's default
+call each generate `--tokens` tokens per row for a batch of different held-out prompts (no EOS: every row runs the whole
+length), each in a process of its own (resident memory is per process). Reported per run: the growth of the peak
+resident set (Linux VmHWM, reset just before the call) over the resident set before the call, after a short warm-up
+call of the same kind; the default call also reports its largest verify step's buffers.
 
-    python benchmarks/memory.py --batch 8 --tokens 10000 --json ../docs/data/memory.json
+    python benchmarks/memory.py --model bamba-hybrid --batch 8 --tokens 6000 --json docs/data/memory.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
-import os
+import subprocess
+import sys
 import time
+from datetime import date
 from pathlib import Path
 
-import torch
-from transformers.generation.streamers import BaseStreamer
-
-import ssmspec
-from ssmspec import models
-from ssmspec.bench import batch_prompts
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
+RUNS = ("hf", "plain", "default")
 
 
-def resident_bytes() -> int:
-    """The process's resident set (Linux /proc)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-class MemorySampler(BaseStreamer):
-    """Samples resident memory whenever generate hands out tokens (once per step), with the tokens per row so far."""
+def one(args: argparse.Namespace) -> dict:
+    """One run in this process: warm up, then the long call, its peak resident growth measured."""
+    import torch
 
-    def __init__(self) -> None:
-        self.samples: list[tuple[int, int]] = []
-        self.columns = -1  # the first put is the prompt
+    import ssmspec
+    from ssmspec import models
+    from ssmspec.bench import batch_prompts
 
-    def put(self, value) -> None:
-        self.columns += 1 if value.dim() == 1 or value.shape[-1] == 1 else value.shape[-1]
-        self.samples.append((self.columns, resident_bytes()))
-
-    def end(self) -> None:
-        pass
+    ref, tok = models.load(args.model)
+    ids = torch.stack(batch_prompts(tok, args.batch, args.prompt_tokens))
+    mask = torch.ones_like(ids)
+    if args.run == "hf":
+        model, kw = ref, {"do_sample": False}
+    else:
+        model = ssmspec.transform(copy.deepcopy(ref))
+        kw = {"speculation": ssmspec.SpecConfig(drafter="none")} if args.run == "plain" else {}
+    warm = ssmspec.calibrate if args.run != "hf" else lambda m, i, **k: m.generate(i, **k)
+    warm(model, ids, attention_mask=mask, max_new_tokens=64, eos_token_id=None, **kw)  # one-time costs
+    gc.collect()
+    before = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set (VmHWM) to the current one
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=args.tokens, eos_token_id=None,
+                         return_dict_in_generate=True, **kw)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    stats = getattr(out, "spec_stats", None) or {}
+    return {"run": args.run, "seconds": seconds, "tokens_per_row": out.sequences.shape[1] - ids.shape[1],
+            "rss_before_mib": before / 2**20, "peak_growth_mib": (peak - before) / 2**20,
+            "max_verify_bytes": stats.get("max_verify_bytes"),
+            "mean_accepted_per_step": stats.get("mean_accepted_per_step")}  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bamba-hybrid", help="an embedded model (ssmspec.models)")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=10000)
-    p.add_argument("--warmup", type=int, default=1000)
+    p.add_argument("--tokens", type=int, default=6000)
     p.add_argument("--prompt-tokens", type=int, default=96)
+    p.add_argument("--run", choices=RUNS, help="(one run in this process: what the driver starts)")
     p.add_argument("--json")
     args = p.parse_args()
-    ref, tok = models.load("mamba2-target")
-    target = ssmspec.transform(copy.deepcopy(ref))
-    ids = torch.stack(batch_prompts(tok, args.batch, args.prompt_tokens))
-    ssmspec.calibrate(target, ids, max_new_tokens=16)  # one-time costs: the calibration, allocator pools
-    sampler = MemorySampler()
-    t0 = time.perf_counter()
-    # no EOS: every row runs the whole length (the embedded model would end some rows early)
-    out = target.generate(ids, max_new_tokens=args.tokens, eos_token_id=None, streamer=sampler,
-                          return_dict_in_generate=True)  # fmt: skip
-    seconds = time.perf_counter() - t0
-    after = [rss for col, rss in sampler.samples if col >= args.warmup]
-    at_warmup = after[0]
-    result = {
-        "setup": f"embedded mamba2-target, CPU {torch.get_num_threads()} threads, float32, batch {args.batch} of "
-        f"different held-out prompts x {args.prompt_tokens} tokens, {args.tokens} new tokens per row, ssmspec's "
-        "default call; resident memory sampled every step",
-        "tokens_per_row": out.sequences.shape[1] - ids.shape[1],
-        "seconds": seconds,
-        "rss_at_warmup_mib": at_warmup / 2**20,
-        "rss_max_after_warmup_mib": max(after) / 2**20,
-        "rss_end_mib": after[-1] / 2**20,
-        "growth_after_warmup": max(after) / at_warmup - 1,
-        "max_verify_bytes": out.spec_stats["max_verify_bytes"],
-        "mean_accepted_per_step": out.spec_stats["mean_accepted_per_step"],
-        "samples": [(c, round(r / 2**20, 1)) for c, r in sampler.samples[:: max(1, len(sampler.samples) // 200)]],
-    }
-    print(f"{result['setup']}\n{result['tokens_per_row']} tokens per row in {seconds:.0f} s; resident memory "
-          f"{result['rss_at_warmup_mib']:.0f} MiB after {args.warmup} tokens, at most "
-          f"{result['rss_max_after_warmup_mib']:.0f} MiB after ({100 * result['growth_after_warmup']:+.1f}%); the "
-          f"largest verify step held {result['max_verify_bytes'] / 2**20:.2f} MiB of buffers")  # fmt: skip
+    if args.run:
+        print(json.dumps(one(args)))
+        return
+    rows = {}
+    for run in RUNS:
+        cmd = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch), "--tokens",
+               str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--run", run]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows[run] = json.loads(done.stdout.strip().splitlines()[-1])
+        r = rows[run]
+        print(f"{run:>8}: {r['seconds']:.1f} s, peak resident growth {r['peak_growth_mib']:+.1f} MiB "
+              f"(resident before {r['rss_before_mib']:.0f} MiB)", flush=True)  # fmt: skip
+    plain, spec = rows["hf"]["peak_growth_mib"], rows["default"]["peak_growth_mib"]
+    bound = 1.25 * plain + 10
+    print(f"default / HF plain: {spec / max(plain, 1e-9):.2f}x ({spec:+.1f} against {plain:+.1f} MiB; the bound "
+          f"1.25x + 10 MiB is {bound:.1f} MiB: {'within' if spec <= bound else 'OVER'})")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        revision = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+        result = {"setup": f"embedded {args.model}, float32, CPU, batch {args.batch} of different held-out prompts x "
+                  f"{args.prompt_tokens} tokens, {args.tokens} new tokens per row, no EOS; peak resident growth "
+                  "(VmHWM reset before the call) over the resident set before it, after a warm-up call",
+                  "date": str(date.today()), "revision": revision,
+                  "command": f"python benchmarks/memory.py --model {args.model} --batch {args.batch} "
+                  f"--tokens {args.tokens}", "runs": rows, "bound_mib": bound}  # fmt: skip
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

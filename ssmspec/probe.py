@@ -166,8 +166,9 @@ class _Probe:
 
     def single(self, trees: bool) -> bool:
         """Two verify + commit steps on one row (branching trees, or chains); returns whether the model read
-        positions from cache slots."""
-        runner = ModelRunner(self.model, decode_single_nodes=False)
+        positions from cache slots (in HF's cache layout, where it can: a model that does verifies in it; `batched`
+        then checks the layout calls use)."""
+        runner = ModelRunner(self.model, decode_single_nodes=False, static_kv=False)
         prompt = self.tokens(5)
         ones = torch.ones(1, 5, dtype=torch.long, device=self.device)
         runner.prefill(torch.tensor([prompt], device=self.device), ones)
@@ -190,7 +191,7 @@ class _Probe:
 
     def batched(self, trees: bool, slot_positions: bool) -> None:
         """Two steps on a left-padded batch of two rows that accept different lengths."""
-        runner = ModelRunner(self.model, decode_single_nodes=False)
+        runner = ModelRunner(self.model, decode_single_nodes=False, static_kv=False if slot_positions else None)
         runner.level_aligned = slot_positions
         rows = [self.tokens(6), self.tokens(4)]
         prompts = [6, 4]

@@ -14,12 +14,15 @@ from ssmspec.tree import TokenTree
 
 
 def _states(cache):
+    """Every committed state: conv and recurrent states, and the K/V of each row's committed slots (the slots of
+    static K/V buffers beyond them hold whatever a step wrote there, never read)."""
     out = []
     for layer in cache.layers:
         for name in ("conv_states", "recurrent_states"):
             out += [t.clone() for t in getattr(layer, name, {}).values() if t is not None]
-        if getattr(layer, "keys", None) is not None and torch.is_tensor(layer.keys):
-            out += [layer.keys.clone(), layer.values.clone()]
+    for index in cache.attention_layers():
+        for row in range(cache.n_real.shape[0]):
+            out += [t.clone() for t in cache.committed_kv(index, row)]
     return out
 
 
@@ -66,16 +69,19 @@ def test_layer_by_layer_replay_equals_batched_replay(family, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["bamba", "lfm3"])
-def test_batched_attention_slots_stay_bounded(family):
+@pytest.mark.parametrize("static_kv", [None, False])
+def test_batched_attention_slots_stay_bounded(family, static_kv):
     """Rows accept different lengths every step; the slots of rejected drafts used to stay forever (bamba-hybrid,
     batch 4 x 3,000 tokens: up to 5,395 slots per row for at most 3,730 real). After every commit each row holds
-    exactly its own tokens, right-aligned, and the layout is no wider than the longest row."""
+    exactly its own tokens: in HF's layout right-aligned, no wider than the longest row; in static K/V buffers (the
+    default in eager mode: grown in place) at its own slots, the attention reading no further than the longest row's
+    and the buffers never grown past what the call asked for."""
     import random
 
     from ssmspec.hf import layers as hf_layers
 
     model = ssmspec.transform(copy.deepcopy(cached_tiny_model(family, 2)))
-    runner = ModelRunner(model, decode_single_nodes=False)
+    runner = ModelRunner(model, decode_single_nodes=False, static_kv=static_kv, capacity=240)
     ids = torch.randint(3, 96, (4, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     ids[2, :3], mask[2, :3] = 0, 0
@@ -90,6 +96,11 @@ def test_batched_attention_slots_stay_bounded(family):
         cache = runner.cache
         # each row: its prompt's pads + its real tokens, as in HF's own cache for that row; nothing else
         assert (cache.block - cache.n_real).tolist() == [0, 0, 3, 0]
+        if cache.static_kv:
+            assert cache.visible(0) == int(cache.block.max()) and cache.valid.shape[1] == 9 + 240
+            assert cache.valid.sum(1).tolist() == cache.n_real.tolist()
+            assert all(hf_layers.kv_width(cache.layers[a.index]) == 9 + 240 for a in cache.attention)
+            continue
         assert cache.valid.shape[1] == int(cache.block.max())
         assert cache.valid.sum(1).tolist() == [min(n, cache.valid.shape[1]) for n in cache.n_real.tolist()]
         for a in cache.attention:

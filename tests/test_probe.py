@@ -100,13 +100,15 @@ def _with_attention(cls):
 
 
 def test_slot_index_keys_narrow_what_speculation_may_do():
-    """Keys scaled by absolute slot index: exact for one prompt with chains; the probe finds trees and batches
-    inexact, names the layer, and generate refuses them instead of returning other tokens than HF."""
+    """Keys scaled by absolute slot index: exact for chains; the probe finds trees inexact (a node's slot is not its
+    depth), names the layer, and generate refuses them instead of returning other tokens than HF. Batches are exact:
+    the K/V buffers keep each row at HF's own slots, left padding included (HF's concatenated layout, which shifts a
+    row's slots by what the other rows accepted, was refused for batches)."""
     ref = _with_attention(AbsoluteSlotKeys)
     model = ssmspec.transform(copy.deepcopy(ref))
     info = model.ssmspec_info
-    assert not info.trees and not info.batches
-    assert info.limits["trees"].startswith("model.layers.") and info.limits["batches"].startswith("model.layers.")
+    assert not info.trees and info.batches
+    assert info.limits["trees"].startswith("model.layers.")
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2))
     ids = torch.cat([ids, ids, ids], dim=1)
     want = ref.generate(ids, max_new_tokens=12, do_sample=False)
@@ -116,8 +118,12 @@ def test_slot_index_keys_narrow_what_speculation_may_do():
     with pytest.raises(UnsupportedModelError, match="only chains") as err:
         model.generate(ids, max_new_tokens=12, speculation=SpecConfig(tree=True))
     assert "model.layers." in str(err.value)
-    with pytest.raises(UnsupportedModelError, match="one prompt at a time"):
-        model.generate(torch.cat([ids, ids]), max_new_tokens=4, prompt_lookup_num_tokens=4)
+    other = torch.randint(3, 96, (1, 27), generator=torch.Generator().manual_seed(3))
+    batch, mask = torch.cat([ids, other]), torch.ones(2, 27, dtype=torch.long)
+    batch[1, :5], mask[1, :5] = 0, 0  # left padding
+    want = ref.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    got = model.generate(batch, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want)
 
 
 def test_semantics_ssmspec_cannot_reproduce_are_refused_and_the_model_is_untouched():

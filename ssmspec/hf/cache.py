@@ -15,12 +15,15 @@ Inside `verifying(tree)` (one ssmspec.verification.Verification per call):
 `Verification.commit(last)` then folds the accepted paths in; `keep_kv` rewrites the attention slots so that
 every row again holds exactly its own tokens, contiguous (no slots of rejected drafts, bounded memory).
 
-With a `capacity` (static shapes: compiled and CUDA-graph verification), the attention K/V live instead in
-preallocated buffers [B, H, prompt + capacity, D] updated in place (`static_kv`), laid out by absolute slot:
-each row's tokens occupy its slots [0, block[b]) (the prompt's pads invalid), a step's nodes are written at
-[block[b], block[b] + N), and commit moves each row's accepted path down to [block[b], block[b] + length). Every
-tensor a step touches keeps its shape and address, so one compiled graph (one CUDA graph) serves every step of
-a tree-size bucket; the masks say which slots each node sees (`hf.masks.allowed_static`).
+With a `capacity`, the attention K/V live instead in preallocated buffers [B, H, prompt + capacity, D] updated in
+place (`static_kv`), laid out by absolute slot: each row's tokens occupy its slots [0, block[b]) (the prompt's pads
+invalid), a step's nodes are written at [block[b], block[b] + N), and commit moves each row's accepted path down to
+[block[b], block[b] + length). No step copies the K/V (HF's layout concatenates them every step and the commit
+rewrites them: a long batched run held several copies at its peak). With static shapes (compiled and CUDA-graph
+verification) every tensor a step touches keeps its shape and address, so one compiled graph (one CUDA graph)
+serves every step of a tree-size bucket; in eager mode (`views`) the attention reads only the slots in use (views
+of the buffers), which are preallocated for the whole call where that is affordable (PREALLOCATE_BYTES) and grow
+by half otherwise. The masks say which slots each node sees (`hf.masks.allowed_static`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ from ssmspec.ops import Record
 from ssmspec.tree import TokenTree
 from ssmspec.verification import COMMIT_STRATEGIES, Verification
 
+# static K/V in eager mode: the whole call's slots are allocated at its start where they take at most this much (all
+# attention layers, K and V, every row); beyond it the buffers start at what this holds and grow by half when full
+PREALLOCATE_BYTES = 256 << 20
+
 
 class SpecCache(DynamicCache):
     """HF DynamicCache plus tree verification, per-row commit and a right-aligned attention layout.
@@ -45,8 +52,10 @@ class SpecCache(DynamicCache):
         commit: "replay" or "materialize" (how verifications commit recurrent states).
         state_dtype: recurrent states are stored in at least this dtype.
         capacity: static K/V: slots per row to preallocate after the prompt (the tokens that may still follow,
-            tree nodes included; the buffers grow, once, if a step would overflow them). None: HF's dynamic
-            layout (K/V concatenated and rewritten per step).
+            tree nodes included; the buffers grow if a step would overflow them). None: HF's dynamic layout (K/V
+            concatenated and rewritten per step).
+        views: static K/V in eager mode: the attention reads only the slots in use, and the buffers are sized for
+            memory (PREALLOCATE_BYTES) rather than for one compiled shape.
 
     Raises:
         ValueError: an unknown commit strategy.
@@ -59,6 +68,7 @@ class SpecCache(DynamicCache):
         commit: str = "replay",
         state_dtype: torch.dtype | None = None,
         capacity: int | None = None,
+        views: bool = False,
     ) -> None:
         if commit not in COMMIT_STRATEGIES:
             raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
@@ -74,8 +84,10 @@ class SpecCache(DynamicCache):
         self.block: torch.Tensor | None = None  # [B] slots of each row in HF's layout (its pads included)
         self.reads_slot_positions = False  # a model read query/key offsets while verifying a tree
         self.capacity = capacity
+        self.views = views
         self.static_kv = False  # K/V in preallocated buffers (set by `start` when a capacity was given)
         self._bound = 0  # static K/V: host upper bound of the longest row's slots (`reserve` grows the buffers)
+        self._limit = 0  # static K/V: the slots the call may need at most (prompt + capacity)
 
     # ---------------------------------------------------------------- layout bookkeeping
     @property
@@ -136,12 +148,31 @@ class SpecCache(DynamicCache):
         if self.capacity is not None and self.attention:
             self.static_kv = True
             self._bound = mask.shape[1]
-            # a power of two: prompts of similar lengths share the buffers' shape (and so their compiled graphs)
-            width = 1 << max(6, (mask.shape[1] + self.capacity - 1).bit_length())
+            self._limit = mask.shape[1] + self.capacity
+            if self.views:  # the whole call where affordable, else what PREALLOCATE_BYTES holds (growing by half)
+                width = self._limit
+                if width * self._slot_bytes() > PREALLOCATE_BYTES:
+                    width = mask.shape[1] + max(256, PREALLOCATE_BYTES // self._slot_bytes())
+            else:  # a power of two: prompts of similar lengths share the buffers' shape (and their compiled graphs)
+                width = 1 << max(6, (self._limit - 1).bit_length())
             self.valid = torch.cat([mask, mask.new_zeros(mask.shape[0], width - mask.shape[1])], dim=1)
             self._place_kv(self.valid.shape[1], mask.shape[1])
 
     # ---------------------------------------------------------------- static K/V buffers
+    def _slot_bytes(self) -> int:
+        """Bytes one slot takes in every attention layer's K and V, all rows."""
+        total = 0
+        for a in self.attention:
+            for t in hf_layers.kv(self.layers[a.index]):
+                if t is not None:
+                    total += t.shape[0] * t.shape[1] * t.shape[3] * t.element_size()
+        return total
+
+    def visible(self, nodes: int) -> int | None:
+        """Static K/V in eager mode: the slots a step of `nodes` nodes per row reads (every row's committed slots
+        and the step's own: the attention and the masks are that wide); None: the whole buffers."""
+        return self._bound + nodes if self.static_kv and self.views else None
+
     def _place_kv(self, width: int, end: int) -> None:
         """Put every attention layer's K/V in zeroed [B, H, width, D] buffers, their columns ending at slot `end`:
         after the prefill, the prompt's last slot (a sliding layer kept only its window); when the buffers grow,
@@ -167,6 +198,9 @@ class SpecCache(DynamicCache):
         if not self.static_kv or self._bound + nodes <= old:
             return
         width = max(2 * old, self._bound + nodes)
+        if self.views:  # by half, within what the call may need while it fits: growing copies the buffers
+            half = old + old // 2
+            width = max(min(half, self._limit) if self._bound + nodes <= self._limit else half, self._bound + nodes)
         self._place_kv(width, old)
         self.valid = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], width - old)], dim=1)
 
@@ -179,7 +213,8 @@ class SpecCache(DynamicCache):
         slots = self.block[:, None] + torch.arange(n, device=self.block.device)
         for buf, new in ((keys, key_states), (values, value_states)):  # K and V may differ in width (MLA)
             buf.scatter_(2, slots[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]), new.to(buf.dtype))
-        return keys, values
+        width = self.visible(n)
+        return (keys, values) if width is None else (keys[:, :, :width], values[:, :, :width])
 
     def after_decode(self) -> None:
         """After one HF decode step (one token per row, HF's own cache update)."""
@@ -467,7 +502,8 @@ class SpecCache(DynamicCache):
         self.valid = self.valid.scatter(1, self.block[:, None] + steps, steps[None, :] < lengths[:, None])
         self.block = self.block + lengths
         self._seen = None
-        self._bound += longest
+        # eager: the slots in use exactly (a host read; a step's views are that wide), else an upper bound
+        self._bound = int(self.block.max()) if self.views else self._bound + longest
 
     # ---------------------------------------------------------------- snapshots (draft models)
     def snapshot(self) -> dict:

@@ -58,6 +58,13 @@ def additive(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill(~allow[:, None], torch.finfo(dtype).min)
 
 
+def for_attention(allow: torch.Tensor, dtype: torch.dtype, implementation: str | None) -> torch.Tensor:
+    """The 4-D mask [B, 1, N, S] a model's attention takes, as HF builds it for that implementation: boolean (True:
+    attend) for SDPA, additive (`additive`) for eager attention; a quarter of the bytes of an additive float32 mask,
+    which a verify step over a long context builds per layer type and step."""
+    return allow[:, None] if implementation == "sdpa" else additive(allow, dtype)
+
+
 def package(masks: dict[int | None, torch.Tensor], recurrent: bool):
     """What the model's forward takes as `attention_mask`: the tensor itself for a model with one kind of
     attention layer and no recurrent layers, else a dict keyed by layer type."""

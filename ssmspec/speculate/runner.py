@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ssmspec import linear as packed_linear
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features
 from ssmspec.hf import instance as hf_instance
 from ssmspec.hf import masks as hf_masks
@@ -78,6 +79,7 @@ class ModelRunner:
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool | None = None,
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
         vocab: torch.Tensor | None = None, agreement: hf_instance.Agreement | None = None,
+        static_kv: bool | None = None, capture_features: bool = False,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -104,10 +106,12 @@ class ModelRunner:
         self.static_shapes = static_shapes
         self.max_depth = max_depth
         self.max_nodes = max_nodes
-        # static shapes also keep attention K/V in preallocated buffers (ssmspec.hf.cache): `capacity` slots per row
-        # after the prompt (default: 256, grown when a step would not fit); not for models that read positions
-        # from cache slots (the probe saw them do it), which keep HF's layout
-        self.capacity = (capacity or 256) if static_shapes and not self.level_aligned else None
+        # attention K/V in preallocated buffers updated in place (ssmspec.hf.cache): `capacity` slots per row after the
+        # prompt (default: 256, grown when a step would not fit); in eager mode the attention reads only the slots in
+        # use. Not for models that read positions from cache slots (the probe saw them do it), nor in eager mode for
+        # models with sliding-window layers (HF's layout keeps only the window, the buffers every slot): HF's layout.
+        # `static_kv` False: HF's layout whatever the model (the probe, which finds whether it reads cache slots)
+        self.capacity = None if self.level_aligned or static_kv is False else (capacity or 256)
         self.fold = compiled_fold(model) if self.device.type == "cuda" else None  # None: the eager commit
         # logits of ids outside `vocab` read -inf (VocabTrim on a compiled draft, whose head is not swapped)
         self.dropped_ids: torch.Tensor | None = None
@@ -120,9 +124,15 @@ class ModelRunner:
         # (measured with the cost curve, ssmspec.speculate.calibration.measure_cost)
         self.prepack = packed_linear.is_packed(model)
         self.packed_sizes: dict[int, bool] | None = None
+        # whether packed linears or F.linear may be chosen per tree size (the calibration measures which): eager, on
+        # a CPU model with packed linears big enough to pack
+        self.chooses_packing = (self.prepack and not static_shapes and self.device.type == "cpu"
+                                and packed_linear.packs_any(model))  # fmt: skip
         # the target's features (its LM head's input) of the last forward's positions [B, N, H], for a drafter that
         # drafts from them (ssmspec.hf.features): kept only when `capture_features` is set
-        self.capture_features = False
+        self.capture_features = capture_features
+        if capture_features:
+            features.enable(model)
         self.features: torch.Tensor | None = None
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
@@ -134,7 +144,8 @@ class ModelRunner:
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
         packed = packed_linear.packs(self.packed_sizes, input_ids.shape[1], self.prepack)
-        with packed_linear.prepacked(packed), features.capturing(self.model, self.capture_features) as capture:
+        with (packed_linear.prepacked(packed), hf_attention.grouping(),
+              features.capturing(self.model, self.capture_features) as capture):  # fmt: skip
             logits = self.model(input_ids=input_ids, **kwargs).logits
         if capture is not None:
             self.features = features.positions(capture, logits)
@@ -154,9 +165,10 @@ class ModelRunner:
                 "speculative decoding of a batch is not exact for this model, only one prompt at a time (found at "
                 f"transform: {self.info.limits['batches']})",
             )
-        self.cache = SpecCache(
-            self.model.config, commit=self.commit_strategy, state_dtype=self.dtype, capacity=self.capacity
-        )
+        self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype,
+                               capacity=self.capacity, views=not self.static_shapes)  # fmt: skip
+        if not self.static_shapes and any(w is not None for w in self.cache.windows()):
+            self.cache.capacity = None
         mask = attention_mask.to(torch.long)
         logits = self._call(input_ids, mask, positions_from_mask(mask))
         self.cache.start(mask)
@@ -171,10 +183,13 @@ class ModelRunner:
         """The node count a tree of `nodes` nodes is verified with (its bucket, with static shapes)."""
         return bucket(nodes, self.max_nodes) if self.static_shapes and nodes > 1 else nodes
 
-    def prepare(self, tree: TokenTree) -> TokenTree:
-        """The tree to verify for `tree`, on the model's device: level-aligned for models that read positions
-        from cache slots; with static shapes, padded (never-acceptable nodes) to its bucket's node count
-        (`bucket`). A tree built on the host is prepared there and moved in one transfer."""
+    def prepare(self, tree: TokenTree | Sequence[tuple[list[int], list[int]]]) -> TokenTree:
+        """The tree to verify for `tree` (or per-row (tokens, parents) lists, built into one here), on the model's
+        device: level-aligned for models that read positions from cache slots; with static shapes, padded
+        (never-acceptable nodes) to its bucket's node count (`bucket`). A tree built on the host is prepared there
+        and moved in one transfer."""
+        if not isinstance(tree, TokenTree):
+            tree = TokenTree.from_lists([tokens for tokens, _ in tree], [parents for _, parents in tree])
         if self.level_aligned and tree.batch_size > 1 and not tree.depth_is_index:
             tree = tree.level_aligned()
         if self.padded_size(tree.num_nodes) != tree.num_nodes:
@@ -187,10 +202,12 @@ class ModelRunner:
         if not cache.attention:
             return None
         if cache.static_kv:
-            allow = {w: hf_masks.allowed_static(cache.valid, cache.block, tree, w) for w in cache.windows()}
+            valid = cache.valid[:, : cache.visible(tree.num_nodes)]  # (eager: only the slots in use)
+            allow = {w: hf_masks.allowed_static(valid, cache.block, tree, w) for w in cache.windows()}
         else:
             allow = {w: hf_masks.allowed(cache.window_view(w), tree, w) for w in cache.windows()}
-        masks = {window: hf_masks.additive(a, self.dtype) for window, a in allow.items()}
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        masks = {window: hf_masks.for_attention(a, self.dtype, implementation) for window, a in allow.items()}
         return hf_masks.package(masks, recurrent=bool(cache.linear_layers()))
 
     def _decodes(self, tree: TokenTree) -> bool:
