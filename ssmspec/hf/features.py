@@ -62,13 +62,22 @@ def feature_size(model: nn.Module) -> int:
 def install(model: nn.Module) -> bool:
     """Put the feature hook on the model's LM head (once); True where this call put it there. A model compiled
     before that has graphs that never call it: Dynamo does not guard on module hooks (torch internals, named
-    here), so they stay valid for it and must be compiled anew (`ssmspec.speculate.engine` does)."""
+    here), so they stay valid for it and must be compiled anew (`enable` does)."""
     head = lm_head(model)
     if head.__dict__.get(_HOOKED):
         return False
     head.register_forward_pre_hook(_store)
     head.__dict__[_HOOKED] = True
     return True
+
+
+def enable(model: nn.Module) -> None:
+    """Make the model's forwards able to hand over their features (`install`); a model compiled before its LM head had
+    the hook (a default call drafts with n-grams on a compiled model) is compiled anew, as it was
+    (`model.ssmspec_compile_call`): its graphs would never call the hook."""
+    if install(model) and getattr(model, "ssmspec_compile_call", None) is not None:
+        args, kwargs = model.ssmspec_compile_call
+        model.compile(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from ssmspec.errors import UnsupportedSettingError
+from ssmspec.hf import instance as hf_instance
 
 # applied exactly by ssmspec's speculative generate (a cache is always used; ssmspec never compiles behind
 # the user's back, so use_cache and disable_compile hold too)
@@ -125,6 +126,16 @@ class Plan:
     tokenizer: Any = None  # generate's `tokenizer=` (stop strings; tokenizing a retrieval corpus)
     # the prompt's other inputs for the model's forward (a multimodal prompt's pixel values, grids, token types)
     model_inputs: dict[str, Any] = field(default_factory=dict)
+    generator: torch.Generator | None = None  # generate's `generator=`: what sampling draws from
+    # the GenerationConfig fields of USER_SET the call's config sets (differing from HF's defaults)
+    user_set: frozenset[str] = frozenset()
+    tensor_parallel: int = 1  # the model's tensor-parallel degree (1: one process)
+    agreement: Any = None  # the model's hf.instance.Agreement (timings agreed by every process of a sharded model)
+
+
+# the GenerationConfig fields whose being set (not only their value) speculation reads: a draft model's depth, its
+# confidence threshold
+USER_SET = ("num_assistant_tokens", "assistant_confidence_threshold")
 
 
 def _is_set(value: Any, default: Any) -> bool:
@@ -200,10 +211,15 @@ def settings_table() -> list[tuple[str, str, str]]:
 
 def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, kwargs: dict) -> Plan:
     """Resolve a speculative generate call as HF's generate() would, refusing what it would not apply; builds
-    HF's own logits processors and stopping criteria for it."""
+    HF's own logits processors and stopping criteria for it. Everything speculation reads of transformers for the
+    call is in the Plan (under tensor parallelism every process checked to have been given the same inputs:
+    `hf.instance.agree_on_inputs`)."""
     kwargs = dict(kwargs)
     kwargs.pop("trust_remote_code", None)
     tokenizer = kwargs.pop("tokenizer", None)
+    generator = kwargs.pop("generator", None)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator= must be a torch.Generator, got {type(generator).__name__}")
     given = {name: kwargs.pop(name, None) for name in CALL_ARGUMENTS if name != "tokenizer"}
     for name in CALL_ARGUMENTS_REFUSED:
         value = given[name]
@@ -211,8 +227,16 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
             continue
         raise UnsupportedSettingError(name, f"generate argument `{name}` is given: {CALL_ARGUMENTS_REFUSED[name]}")
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-    if input_ids is None:
-        raise ValueError("speculative generate needs input_ids (inputs_embeds are not supported)")
+    if input_ids is None and kwargs.get("inputs_embeds") is not None:
+        raise UnsupportedSettingError("inputs_embeds", "speculative generate takes the prompt as input_ids (drafts "
+                                      "are token ids), not inputs_embeds; pass input_ids")  # fmt: skip
+    if input_ids is None:  # as HF: a prompt of the BOS token alone (one row)
+        sources = (kwargs.get("bos_token_id"), getattr(generation_config, "bos_token_id", None),
+                   model.generation_config.bos_token_id, getattr(model.config, "bos_token_id", None))  # fmt: skip
+        bos = next((b for b in sources if b is not None), None)
+        if bos is None:
+            raise ValueError("generate() was given no input_ids, and the model has no bos_token_id to start from")
+        input_ids = torch.full((1, 1), int(bos), dtype=torch.long, device=hf_instance.input_device(model))
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got {shape}")
@@ -269,6 +293,7 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     eos_ids = [] if eos is None else [int(e) for e in eos.flatten().tolist()]
     pad = config._pad_token_tensor
     pad_id = int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0)
+    agreement = hf_instance.agree_on_inputs(model, input_ids, attention_mask, bool(config.do_sample), generator)
     return Plan(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -287,6 +312,10 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
         tokenizer=tokenizer,
         streamer=given["streamer"],
         model_inputs=model_kwargs,
+        generator=generator,
+        user_set=frozenset(name for name in USER_SET if is_user_set(config, name)),
+        tensor_parallel=hf_instance.tensor_parallel(model),
+        agreement=agreement,
     )
 
 

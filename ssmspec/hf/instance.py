@@ -155,3 +155,31 @@ def input_device(model: nn.Module) -> torch.device:
     getter = getattr(model, "get_input_embeddings", None)
     embed = getter() if getter is not None else None
     return execution_device(embed if isinstance(embed, nn.Module) else model)
+
+
+def agree_on_inputs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: bool,
+    generator: torch.Generator | None,
+) -> Agreement:  # fmt: skip
+    """Under tensor parallelism every process must verify the same trees (their forwards meet in collectives), so
+    they must start from the same prompts and, when `sampling`, the same random state (`generator`'s, else torch's
+    global one on the prompts' device): checked once per call (one all-reduce), raising on every process alike
+    rather than hanging in a mismatched collective or drawing different tokens. Nothing on one process. Returns the
+    model's Agreement."""
+    agreement = Agreement(model)
+    if not agreement.sharded:
+        return agreement
+    tensors = [input_ids, attention_mask]
+    if sampling:
+        device = input_ids.device
+        state = generator.get_state() if generator is not None else (
+            torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())  # fmt: skip
+        tensors.append(state)
+    if not agreement.same(tensors):
+        what = "input_ids and attention_mask" + (", and the same random state to sample" if sampling else "")
+        raise ValueError(
+            f"the processes of a tensor-parallel model must generate alike, but they were given different "
+            f"prompts or random states: every process needs the same {what} (seed every process alike, or pass "
+            "generators seeded alike)"
+        )
+    return agreement

@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ssmspec import linear as packed_linear
 from ssmspec.tree import TokenTree
 
-# the tree sizes whose verify cost is measured (powers of two up to the largest a call can verify, and that one)
+# the tree sizes whose verify cost is measured (powers of two up to the largest a call can verify, and that one, up to
+# LARGEST_MEASURED: larger trees are priced on the slope of the largest two measured)
 COST_SIZES = (1, 2, 4, 8, 16, 32)
+LARGEST_MEASURED = 64
 REPEATS = 3  # timed runs per size and way (after one warm-up run)
 SHARE = 0.08  # of a greedy call's steps' time, what measuring may take in that call
 # until a size is measured: relative cost per node beyond the root at batch 1, growing with the batch as batch**0.6
@@ -274,10 +275,8 @@ def _time(runner, item: tuple) -> float:
 
 def chooses_packing(runner) -> bool:
     """Whether `runner`'s forwards may run its model's linears packed or not per tree size (ssmspec.linear.packs):
-    an eager runner on a CPU model with packed linears big enough to pack."""
-    if not getattr(runner, "prepack", False) or getattr(runner, "static_shapes", False):
-        return False
-    return runner.device.type == "cpu" and packed_linear.packs_any(runner.model)
+    an eager runner on a CPU model with packed linears big enough to pack (the runner's `chooses_packing`)."""
+    return bool(getattr(runner, "chooses_packing", False))
 
 
 def chooses_path(runner) -> bool:
@@ -289,7 +288,7 @@ def chooses_path(runner) -> bool:
 def call_sizes(runner) -> list[int]:
     """The sizes a call can verify: powers of two up to its largest padded tree, and that one (a compiled model
     compiles a graph per size measured, so sizes no tree of this call reaches are left to a call that needs them)."""
-    largest = runner.padded_size(runner.max_nodes) if runner.max_nodes else COST_SIZES[-1]
+    largest = min(runner.padded_size(runner.max_nodes) if runner.max_nodes else COST_SIZES[-1], LARGEST_MEASURED)
     return [n for n in COST_SIZES if n < largest] + [largest]
 
 

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from ssmspec.hf.generation import is_user_set
 from ssmspec.hf.instance import Agreement
-from ssmspec.speculate.config import SpecConfig
+from ssmspec.speculate.config import MAX_DRAFT_NODES, SpecConfig
 from ssmspec.speculate.drafters import (
     AheadDrafter,
     DraftAheadDrafter,
@@ -46,47 +45,67 @@ HEAD_SAMPLING = SpecConfig(tree_budget=12, num_draft_tokens=4)
 
 def spec_for(
     speculation: SpecConfig | None, config: GenerationConfig, draft: nn.Module | None, trees: bool = True,
-    head: bool = False, sampling: bool = False,
+    head: bool = False, sampling: bool = False, user_set: frozenset[str] = frozenset(),
 ) -> SpecConfig:  # fmt: skip
-    """The SpecConfig a generate call runs: `speculation` if given, else the default for its HF kwargs (chains
-    where the model's probe found trees inexact: `trees=False`), its drafter "auto" resolved (`head`: the model
-    has a draft head; `sampling`: the call samples)."""
-    spec = speculation if speculation is not None else _default(config, draft, head, sampling)
-    if spec.drafter == "auto":  # the model's draft head where it has one, else n-gram lookup (recycling: lookup's)
-        spec = replace(spec, drafter="draft_head" if head and not spec.recycle and not spec.ahead else "prompt_lookup")
-    return spec if trees or speculation is not None else replace(spec, tree=False)
+    """The SpecConfig a generate call runs: `speculation` if given, else the default for its HF kwargs, its drafter
+    "auto" resolved (the call's draft model `draft`; else the model's draft head, `head`; `sampling`: the call
+    samples) and its `tree` None resolved to `trees` (whether the model verifies trees on this call: chains where its
+    probe found trees inexact). `user_set`: the GenerationConfig fields the call sets (hf.generation.Plan.user_set).
+    """
+    spec = speculation if speculation is not None else _default(config, draft, head, sampling, user_set)
+    if spec.drafter == "auto":  # the call's draft model, else the model's draft head, else n-gram lookup
+        if draft is not None:
+            spec = replace(spec, drafter="draft_model")
+        else:  # (recycling and drafting ahead: lookup's)
+            spec = replace(
+                spec, drafter="draft_head" if head and not spec.recycle and not spec.ahead else "prompt_lookup"
+            )
+    return spec if spec.tree is not None else replace(spec, tree=trees)
 
 
 def _default(
-    config: GenerationConfig, draft: nn.Module | None, head: bool = False, sampling: bool = False
-) -> SpecConfig:
+    config: GenerationConfig, draft: nn.Module | None, head: bool = False, sampling: bool = False,
+    user_set: frozenset[str] = frozenset(),
+) -> SpecConfig:  # fmt: skip
     ngram = int(config.max_matching_ngram_size or SpecConfig.max_matching_ngram_size)
     if draft is not None:
-        depth = int(config.num_assistant_tokens) if is_user_set(config, "num_assistant_tokens") else DRAFT_MODEL_DEPTH
+        depth = hf_depth(config, "num_assistant_tokens") if "num_assistant_tokens" in user_set else DRAFT_MODEL_DEPTH
         if (config.num_assistant_tokens_schedule or "constant") != "constant":
             # HF's heuristic schedule sizes each chain from the last step's outcome: it is the depth policy asked for
             return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
                               tree=False, adaptive=False)  # fmt: skip
         return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
-                          tree_budget=max(1, DRAFT_MODEL_NODES_PER_LEVEL * depth))  # fmt: skip
+                          tree_budget=min(MAX_DRAFT_NODES, DRAFT_MODEL_NODES_PER_LEVEL * depth))  # fmt: skip
     default = HEAD_SAMPLING if head and sampling else HEAD_GREEDY if head else SpecConfig()
-    lookup = config.prompt_lookup_num_tokens
-    if lookup is None:
+    if config.prompt_lookup_num_tokens is None:
         return replace(default, max_matching_ngram_size=ngram)
+    lookup = hf_depth(config, "prompt_lookup_num_tokens")
     per_level = default.tree_budget / max(default.num_draft_tokens, 1)  # the default tree's shape, k deep
-    return replace(default, num_draft_tokens=int(lookup), tree_budget=max(1, round(per_level * int(lookup))),
+    return replace(default, num_draft_tokens=lookup, tree_budget=min(MAX_DRAFT_NODES, round(per_level * lookup)),
                    max_matching_ngram_size=ngram)  # fmt: skip
+
+
+def hf_depth(config: GenerationConfig, name: str) -> int:
+    """A draft depth HF's generate takes (`prompt_lookup_num_tokens`, `num_assistant_tokens`): a positive int, named
+    where it is not (ValueError); HF drafts no deeper than the tokens left, and neither does a step here: taken up to
+    MAX_DRAFT_NODES."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int (draft tokens per step), got {value!r}")
+    return min(value, MAX_DRAFT_NODES)
 
 
 def build_drafter(
     spec: SpecConfig, *, draft: nn.Module | None, index: SuffixIndex | None, vocab_size: int,
     prompt_ids: torch.Tensor, special_ids: list[int], confidence: float, target: nn.Module | None = None,
-    head: DraftHead | None = None,
+    head: DraftHead | None = None, agreement: Agreement | None = None,
 ) -> Drafter:  # fmt: skip
+    if spec.tree is None:  # (spec_for resolves it per model; a spec built by hand: a tree)
+        spec = replace(spec, tree=True)
     """The drafter `spec` asks for. `draft`: the transformed draft model (drafter "draft_model"); `index`: the
     corpus's index or None; `prompt_ids` and `special_ids` (EOS, pad) stay in a VocabTrim vocabulary;
     `confidence`: HF's assistant_confidence_threshold (0: off); `target` and its draft `head` (drafter
-    "draft_head")."""
+    "draft_head"); `agreement`: the target's (tensor parallelism: a draft model's timed choices are every process's)."""
     if spec.drafter == "none":
         return NoDrafter()
     if spec.drafter == "draft_head":
@@ -109,7 +128,7 @@ def build_drafter(
         keep = torch.cat([ids, prompt_ids.flatten().cpu(), torch.tensor(special_ids, dtype=torch.long)])
     drafter = DraftModelDrafter(
         draft, vocab_size, commit=spec.commit, confidence_threshold=confidence,
-        agreement=Agreement(target) if target is not None else None,
+        agreement=agreement,
         branches=max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1,
         sampling_tree=spec.sampling_tree, tree=spec.tree, vocab=keep,
         max_nodes=max(spec.tree_budget, spec.num_draft_tokens) + 2, max_depth=spec.num_draft_tokens,

@@ -18,7 +18,7 @@ from ssmspec.speculate.runner import ModelRunner
 from ssmspec.speculate.step import StepReport
 from ssmspec.speculate.step.accept import accept, near_tie_tolerance, near_ties
 from ssmspec.speculate.step.emit import Rows
-from ssmspec.speculate.step.propose import Proposer, install_features
+from ssmspec.speculate.step.propose import Proposer
 from ssmspec.speculate.step.verify import Verifier
 
 
@@ -98,7 +98,10 @@ def speculative_generate(
     `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, a batch row by row) instead of the
     seams; its prefill also takes `model_inputs` (a multimodal prompt's pixel values, grids, token types)."""
     decoding = decoding if decoding is not None else Decoding()
-    proposer = Proposer(drafter, install_features(model, drafter))
+    # no draft deeper than the tree's nodes (a chain's budget is its depth); each step drafts no deeper than the tokens
+    # its rows have left (StepPolicy.plan)
+    num_draft_tokens = max(0, min(num_draft_tokens, tree_budget))
+    proposer = Proposer(drafter)
     runner = open_runner(model, generic=generic, commit=commit, decode_single_nodes=decode_single_nodes,
                          static_shapes=static_shapes, max_new_tokens=max_new_tokens, tree_budget=tree_budget,
                          num_draft_tokens=num_draft_tokens, capture_features=proposer.wants_features)  # fmt: skip
@@ -139,10 +142,8 @@ def open_runner(
     """The target's runner for one call: the seams' (ModelRunner) or HF's own forward (GenericRunner), sized for
     the call's largest tree and length; `capture_features`: its forwards keep the target's features for a drafter
     that drafts from them."""
-    runner = (GenericRunner if generic else ModelRunner)(
+    return (GenericRunner if generic else ModelRunner)(
         model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
         max_depth=num_draft_tokens, max_nodes=max(tree_budget, num_draft_tokens) + 1,
-        capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2,
+        capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2, capture_features=capture_features,
     )  # fmt: skip
-    runner.capture_features = capture_features
-    return runner

@@ -13,8 +13,7 @@ from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedModelError, UnsupportedSettingError
-from ssmspec.hf import instance as hf_instance
-from ssmspec.hf.generation import is_user_set, resolve
+from ssmspec.hf.generation import resolve
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.defaults import build_drafter, spec_for
@@ -45,29 +44,6 @@ def _corpus(model: nn.Module, spec: SpecConfig, plan) -> SuffixIndex:
     index = corpus_index(spec.corpus, plan.tokenizer, int(model.config.get_text_config().vocab_size), cache)
     model.__dict__["_ssmspec_corpus_indexes"] = cache
     return index
-
-
-def _check_processes_agree(model: nn.Module, plan, sampling: bool, generator: torch.Generator | None) -> None:
-    """Under tensor parallelism every process must verify the same trees (their forwards meet in collectives), so
-    they must start from the same prompts and, when `sampling`, the same random state (`generator`'s, else torch's
-    global one on the prompts' device): checked once per call (one all-reduce), raising on every process alike
-    rather than hanging in a mismatched collective or drawing different tokens. Nothing on one process."""
-    agreement = hf_instance.Agreement(model)
-    if not agreement.sharded:
-        return
-    tensors = [plan.input_ids, plan.attention_mask]
-    if sampling:
-        device = plan.input_ids.device
-        state = generator.get_state() if generator is not None else (
-            torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())  # fmt: skip
-        tensors.append(state)
-    if not agreement.same(tensors):
-        what = "input_ids and attention_mask" + (", and the same random state to sample" if sampling else "")
-        raise ValueError(
-            f"the processes of a tensor-parallel model must generate alike, but they were given different "
-            f"prompts or random states: every process needs the same {what} (seed every process alike, or pass "
-            "generators seeded alike)"
-        )
 
 
 def _generic(
@@ -134,9 +110,6 @@ def generate(
     if speculation is not None and not isinstance(speculation, SpecConfig):
         raise TypeError(f"speculation= must be an ssmspec.SpecConfig, got {type(speculation).__name__}")
     kwargs = dict(kwargs)
-    generator = kwargs.pop("generator", None)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator= must be a torch.Generator, got {type(generator).__name__}")
     if prompt_lookup_num_tokens is not None:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     try:
@@ -157,11 +130,10 @@ def generate(
     if fallback and info is not None and not info.batches and plan.input_ids.shape[0] > 1:
         raise NotSpeculated("the probe found batches inexact for this model")
     decoding = Decoding(
-        processors=plan.processors, stopping=plan.stopping, do_sample=bool(config.do_sample), generator=generator,
+        processors=plan.processors, stopping=plan.stopping, do_sample=bool(config.do_sample), generator=plan.generator,
         streamer=plan.streamer, output_scores=plan.return_dict and bool(config.output_scores),
         output_logits=plan.return_dict and bool(config.output_logits),
     )  # fmt: skip
-    _check_processes_agree(model, plan, decoding.do_sample, generator)
     chains = plan.model_inputs or getattr(info, "path", "seams") == "generic"
     # drafter "auto" drafts with the model's head on an eager target; a compiled one keeps n-grams (the head's
     # features leave its graph through a break before the LM head, and its calls stay eager: on the compiled embedded
@@ -169,9 +141,15 @@ def generate(
     # batch 4, 1.08x against 0.96x; docs: Benchmarks)
     compiled = getattr(model, "ssmspec_compile_call", None) is not None
     spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains,
-                    head=head is not None and not compiled, sampling=decoding.do_sample)  # fmt: skip
+                    head=head is not None and not compiled, sampling=decoding.do_sample,
+                    user_set=plan.user_set)  # fmt: skip
     try:
         generic = _generic(model, spec, info, plan.model_inputs, plan.attention_mask, generic_exact, fallback)
+        if not generic and spec.tree and spec.drafter != "none" and info is not None and not info.trees:
+            raise UnsupportedModelError(
+                type(model).__name__, "tree verification is not exact for this model, only chains: use "
+                f"SpecConfig(tree=False), or leave `tree` unset (found at transform: {info.limits['trees']})",
+            )  # fmt: skip
     except (UnsupportedModelError, UnsupportedSettingError) as e:
         if fallback:
             raise NotSpeculated(str(e)) from e
@@ -180,7 +158,7 @@ def generate(
         raise UnsupportedSettingError(
             "ahead", "SpecConfig.ahead with a draft model drafts ahead for greedy decoding only (do_sample=False)"
         )
-    if spec.ahead and hf_instance.tensor_parallel(model) > 1:
+    if spec.ahead and plan.tensor_parallel > 1:
         raise UnsupportedSettingError(
             "ahead", "SpecConfig.ahead drafts in a thread while the target verifies, and what it has ready depends "
             "on timing: the processes of a tensor-parallel model would verify different trees (their forwards must "
@@ -194,11 +172,12 @@ def generate(
         raise ValueError(
             "SpecConfig(drafter='draft_head') needs a draft head: ssmspec.transform(model, draft_head=...)"
         )
+    index = _corpus(model, spec, plan) if spec.corpus is not None else None
     drafter = build_drafter(
-        spec, draft=draft, index=_corpus(model, spec, plan) if spec.corpus is not None else None,
+        spec, draft=draft, index=index, agreement=plan.agreement,
         vocab_size=model.config.get_text_config().vocab_size, prompt_ids=plan.input_ids,
         special_ids=plan.eos_token_ids + [plan.pad_token_id],
-        confidence=config.assistant_confidence_threshold if is_user_set(config, "assistant_confidence_threshold")
+        confidence=config.assistant_confidence_threshold if "assistant_confidence_threshold" in plan.user_set
         else 0.0, target=model, head=head,
     )  # fmt: skip
     sequences, stats, _ = speculative_generate(

@@ -22,6 +22,8 @@ multimodal prompt's pixel values) runs one prompt at a time.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,12 +68,13 @@ class _Row:
     def n_real(self) -> int:
         return self.state.length - self.padding + self.carry.shape[1]
 
-    def verify(self, tokens: torch.Tensor, forward) -> torch.Tensor:
-        """Logits [1, n, V] of the chain `tokens` [1, n] (root first), fed after the carried tokens."""
+    def verify(self, tokens: torch.Tensor, forward, discardable: bool = False) -> torch.Tensor:
+        """Logits [1, n, V] of the chain `tokens` [1, n] (root first), fed after the carried tokens (`discardable`:
+        a one-node chain too is verified from a snapshot, so that it can be discarded)."""
         if self.carry.shape[1] + tokens.shape[1] > self.max_carry:  # the carry would cost more than its own forward
             self.flush(forward)
         carry = self.carry
-        snap = self.state.snapshot() if tokens.shape[1] > 1 else None  # one node is always accepted
+        snap = self.state.snapshot() if tokens.shape[1] > 1 or discardable else None  # (one node: always accepted)
         self.carry = carry[:, :0]
         logits = forward(self.state, torch.cat([carry, tokens], dim=1))[:, carry.shape[1] :]
         self.pending = (tokens, snap, carry)
@@ -144,7 +147,7 @@ class GenericRunner:
 
     def __init__(
         self, model: nn.Module, *, max_depth: int = 0, max_nodes: int | None = None, as_hf: bool = False,
-        trees: bool | None = None, **_: object,
+        trees: bool | None = None, capture_features: bool = False, **_: object,
     ) -> None:  # fmt: skip
         """`as_hf`: HF's cache exactly as its loop keeps it (ssmspec.hf.generic.HFState; the probes' reference).
         `trees`: verify trees (and chains) through the model's recurrence modules' one-token form
@@ -159,7 +162,10 @@ class GenericRunner:
         self.agreement = hf_instance.Agreement(model)  # as ModelRunner's: the same timings on every process
         self.prepack = packed_linear.is_packed(model)
         self.packed_sizes: dict[int, bool] | None = None  # as ModelRunner's: measured per tree size
-        self.capture_features = False  # as ModelRunner's: the features of the last verify's nodes (or prefill)
+        self.chooses_packing = self.prepack and self.device.type == "cpu" and packed_linear.packs_any(model)
+        self.capture_features = capture_features  # as ModelRunner's: the last verify's nodes' features (or prefill's)
+        if capture_features:
+            features.enable(model)
         self.features: torch.Tensor | None = None
         self._features: torch.Tensor | None = None  # the last forward's (one row)
         if trees is None:
@@ -170,6 +176,7 @@ class GenericRunner:
         self.rows: list[_Row] = []
         self.cache: _Progress | None = None
         self._pending: TokenTree | None = None
+        self._discardable = False  # one-node verifies take a snapshot (`tree_path`)
         # accepted tokens not fed yet: a partial commit goes back to the snapshot and leaves the root and the
         # accepted drafts to the next verify's forward (one forward a step, the prefix's cost the marginal cost
         # of a few more tokens); fed alone first where they would make that forward longer than `max_carry`
@@ -231,7 +238,11 @@ class GenericRunner:
     def padded_size(self, nodes: int) -> int:
         return nodes
 
-    def prepare(self, tree: TokenTree) -> TokenTree:
+    def prepare(self, tree: TokenTree | Sequence[tuple[list[int], list[int]]]) -> TokenTree:
+        """As ModelRunner.prepare: the tree (or per-row (tokens, parents) lists) on the model's device; a branching
+        tree is refused where this path verifies chains only."""
+        if not isinstance(tree, TokenTree):
+            tree = TokenTree.from_lists([tokens for tokens, _ in tree], [parents for _, parents in tree])
         if not self.trees and not tree.depth_is_index:
             raise UnsupportedModelError(type(self.model).__name__, CHAINS_ONLY)
         return tree.to(self.device)
@@ -251,7 +262,7 @@ class GenericRunner:
             if self.trees and n > 1:
                 out.append(row.verify_tree(tokens, tree._parents_list[r][:n], self.steps, self._forward))
             else:
-                out.append(row.verify(tokens, self._forward))
+                out.append(row.verify(tokens, self._forward, self._discardable))
             feats.append(self._row_features(n))
         logits, self.features = _rows_padded(out, tree.num_nodes), None
         if self.capture_features:
@@ -259,6 +270,16 @@ class GenericRunner:
         self._pending = tree
         self._sync()
         return logits
+
+    @contextlib.contextmanager
+    def tree_path(self) -> Iterator[None]:
+        """One-node verifies in this block can be discarded (ModelRunner's name for it: a draft model's runner
+        scores a root without committing it)."""
+        outer, self._discardable = self._discardable, True
+        try:
+            yield
+        finally:
+            self._discardable = outer
 
     def verify_bytes(self) -> int:
         """Not measured on the generic path (HF's forward keeps its own cache; SpecConfig.verify_memory has nothing

@@ -34,6 +34,15 @@ SHADOW_SHARE = 0.01
 # not pay on the embedded target, pricing every step cost about 1% of a call (8 ms of 640 at batch 8)
 FAR_FROM_PAYING = 0.85
 REPRICE_EVERY = 4
+# a depth is priced by the nodes per level the drafter has been drafting (decayed by LEVEL_DECAY per speculative step),
+# not by the budget's: a drafter fills a large budget only where it finds that many candidates (n-gram trees of the
+# embedded target held 1-2 nodes per level at budgets of 16 to 256), and priced at the budget's 32 nodes per level a
+# budget of 256 drafted 1.7 tokens a step against 2.5 at 16. Before any step: the default tree's 2 nodes per level
+LEVEL_NODES = 2.0
+LEVEL_DECAY = 0.9
+# ... and a drafter is asked for at most this many nodes per level of the depth chosen, whatever the budget (n-gram
+# trees 16 to 32 nodes per level wide, the budget's shape at 128 and 256 nodes, were as fast as 2 to 4 at best)
+WIDEST = 4.0
 
 
 class StepPolicy:
@@ -186,7 +195,8 @@ class AdaptiveDepth:
         self.profiles = profiles
         self.profile_key = profile_key
         self.agreement = agreement
-        self.per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))
+        self.per_depth = max(1.0, tree_budget / max(num_draft_tokens, 1))  # the budget's nodes per level
+        self.level_nodes = min(self.per_depth, LEVEL_NODES)  # what drafts held per level (LEVEL_NODES)
         self.steps = 0
         self.reprice_at = 0  # the step from which depths are priced again (it pauses while far from speculating)
         self.plain_steps = 0  # plain steps chosen in a row (low acceptance), and their shadow drafts' schedule
@@ -234,14 +244,15 @@ class AdaptiveDepth:
             self.plain_steps += 1
             affordable = self.shadow_budget >= self.shadow_cost or not self.goodput.measured
             if self.plain_steps >= self.next_shadow and affordable:
-                shadow = max(1, min(self.tree_budget, int(round(self.per_depth))))
+                shadow = max(1, min(self.tree_budget, int(round(min(self.per_depth, WIDEST)))))
                 self.shadows += 1
                 self.reprice_at = 0  # its rates are news: priced again next step
                 spacing = min(SHADOW_MAX, SHADOW_EVERY * 2 ** (self.shadows // SHADOW_EVERY))
                 self.next_shadow = self.plain_steps + spacing
         elif chosen > 0:
             self.plain_steps, self.next_shadow, self.shadows = 0, 1, 0
-        return chosen, max(1, min(self.tree_budget, int(round(self.per_depth * chosen)))), shadow
+        width = min(self.per_depth, WIDEST)
+        return chosen, max(1, min(self.tree_budget, int(round(width * chosen)))), shadow
 
     def _priced(self, rows: Rows, depth: int) -> int:
         """The depth (0..depth) of the most expected progress per unit of cost. The batch ends with its last row, and a
@@ -256,7 +267,7 @@ class AdaptiveDepth:
         most = max(remaining[r] for r in unfinished)
         behind = [most - remaining[r] for r in unfinished]
         rates = [self.acceptance.progress_survival(unfinished, behind, depth)]
-        gains = depth_gains(rates, self.goodput.cost, depth, self.per_depth, reruns=self.reruns)
+        gains = depth_gains(rates, self.goodput.cost, depth, self.level_nodes, reruns=self.reruns)
         chosen = best_depth(gains)
         best = max(gains[1:], default=0.0)
         if chosen == 0 and len(gains) > 1 and self.goodput.keeps_speculating(best):
@@ -269,6 +280,10 @@ class AdaptiveDepth:
         """A step's acceptance per row and its time, judged by how much nearer its end it brought the batch (under
         tensor parallelism the slowest process's times, so every process takes the same decisions)."""
         self.steps += 1
+        levels = [(report.sizes[r], d) for r, d in report.drafted.items() if d > 0]
+        if report.depth > 0 and levels:
+            observed = sum(n for n, _ in levels) / sum(d for _, d in levels)
+            self.level_nodes = min(self.per_depth, LEVEL_DECAY * self.level_nodes + (1 - LEVEL_DECAY) * observed)
         if self.prices:
             for r, drafted in report.drafted.items():
                 if report.depth > 0:

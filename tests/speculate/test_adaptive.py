@@ -304,15 +304,13 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
     clock = {"now": 0.0}
 
     class FakeRunner(_FakeRunner):
-        prepack, static_shapes, device, model = True, False, torch.device("cpu"), None
-        packed_sizes = None
+        prepack, chooses_packing, packed_sizes = True, True, None  # (a runner works out whether it may choose)
 
         def verify(self, tree):
             n = tree.num_nodes
             clock["now"] += (packed if linear.packs(self.packed_sizes, n, self.prepack) else plain)[n]
 
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["now"])
-    monkeypatch.setattr(linear, "packs_any", lambda model: True)
     runner = FakeRunner()
     curve = calibration.measure_cost(runner, sizes=[1, 2, 4, 8])
     assert runner.packed_sizes == {1: False, 2: False, 4: True, 8: True}
@@ -320,7 +318,7 @@ def test_cost_measurement_chooses_packed_linears_or_f_linear_per_size(monkeypatc
     # a size between measured ones takes the next measured size's choice; beyond them (a prefill), the default
     assert not linear.packs(runner.packed_sizes, 2, True) and linear.packs(runner.packed_sizes, 3, False)
     assert linear.packs(runner.packed_sizes, 96, True) and not linear.packs(runner.packed_sizes, 96, False)
-    runner.prepack = False  # a model without packed linears: one way only
+    runner.prepack = runner.chooses_packing = False  # a model without packed linears: one way only
     runner.packed_sizes = None
     assert calibration.measure_cost(runner, sizes=[1, 2, 4, 8]) == pytest.approx(plain) and runner.packed_sizes is None
 

@@ -219,7 +219,7 @@ def test_the_defaults_for_each_kind_of_call():
     from ssmspec.speculate.defaults import spec_for
 
     default = spec_for(None, GenerationConfig(), None)
-    assert default == SpecConfig(drafter="prompt_lookup") and default.tree and default.adaptive
+    assert default == SpecConfig(drafter="prompt_lookup", tree=True) and default.tree and default.adaptive
     assert (default.num_draft_tokens, default.tree_budget) == (8, 16)
     lookup = spec_for(None, GenerationConfig(prompt_lookup_num_tokens=4, max_matching_ngram_size=3), None)
     assert (lookup.num_draft_tokens, lookup.tree_budget, lookup.max_matching_ngram_size) == (4, 8, 3)
@@ -227,7 +227,8 @@ def test_the_defaults_for_each_kind_of_call():
     draft = object()
     d = spec_for(None, GenerationConfig(), draft)
     assert (d.drafter, d.num_draft_tokens, d.tree_budget, d.tree, d.adaptive) == ("draft_model", 4, 12, True, True)
-    assert spec_for(None, GenerationConfig(num_assistant_tokens=3), draft).num_draft_tokens == 3
+    set_depth = {"user_set": frozenset({"num_assistant_tokens"})}  # (hf.generation.Plan.user_set)
+    assert spec_for(None, GenerationConfig(num_assistant_tokens=3), draft, **set_depth).num_draft_tokens == 3
     heuristic = spec_for(None, GenerationConfig(num_assistant_tokens_schedule="heuristic"), draft)
     assert not heuristic.tree and not heuristic.adaptive  # HF's schedule decides the depth of HF's chains
     assert not spec_for(None, GenerationConfig(), None, trees=False).tree  # chains where trees are inexact
@@ -235,6 +236,12 @@ def test_the_defaults_for_each_kind_of_call():
     assert spec_for(given, GenerationConfig(prompt_lookup_num_tokens=4), None) is given
     # drafter "auto": the model's draft head where it has one (budgets of their own), n-gram lookup without one
     assert spec_for(SpecConfig(tree=False), GenerationConfig(), None) == given
+    # `tree` left unset follows the model (chains where its trees were found inexact); set, it is kept
+    assert spec_for(SpecConfig(num_draft_tokens=4), GenerationConfig(), None, trees=False).tree is False
+    assert spec_for(SpecConfig(tree=True), GenerationConfig(), None, trees=False).tree is True
+    # drafter "auto" takes the call's draft model (it was refused: "does not use it")
+    auto = spec_for(SpecConfig(adaptive=False), GenerationConfig(), object())
+    assert auto.drafter == "draft_model" and not auto.adaptive
     head = spec_for(None, GenerationConfig(), None, head=True)
     assert (head.drafter, head.tree_budget, head.num_draft_tokens, head.adaptive) == ("draft_head", 24, 8, True)
     sampled = spec_for(None, GenerationConfig(), None, head=True, sampling=True)

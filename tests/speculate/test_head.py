@@ -32,8 +32,8 @@ def test_features_are_what_the_lm_head_reads(family):
     """Captured while ssmspec verifies (seams and the generic path): the LM head applied to a node's feature gives
     that node's logits; a plain forward, or a forward on another thread, captures nothing."""
     model = _transformed(family)
-    runner = (GenericRunner if model.ssmspec_info.path == "generic" else ModelRunner)(model, max_depth=4, max_nodes=5)
-    runner.capture_features = True
+    kind = GenericRunner if model.ssmspec_info.path == "generic" else ModelRunner
+    runner = kind(model, max_depth=4, max_nodes=5, capture_features=True)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     runner.prefill(ids, torch.ones_like(ids))
     assert runner.features.shape[:2] == (1, 5)

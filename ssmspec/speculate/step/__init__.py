@@ -147,6 +147,7 @@ class StepReport:
         depth: the depth the plan allowed (0: a plain step).
         drafted: per row that took part, the depth of its draft; rows that did not (finished before the step, or
             decoding pads) are absent.
+        sizes: per row that took part, the nodes it drafted (its tree's beyond the root).
         accepted: per row that took part, how many drafted tokens the target accepted (before any stop).
         shadow_hits: per row that took part in a plain step with a shadow draft, whether the shadow's first level
             held the token the target chose.
@@ -161,6 +162,7 @@ class StepReport:
     nodes: int
     depth: int = 0
     drafted: dict[int, int] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)
     accepted: dict[int, int] = field(default_factory=dict)
     shadow_hits: dict[int, bool] = field(default_factory=dict)
     progress: int = 1
@@ -181,6 +183,7 @@ class StepReport:
             if not verified.active[r] or r in proposal.pads:
                 continue
             report.drafted[r] = depth_of(parents)
+            report.sizes[r] = len(tokens) - 1
             report.accepted[r] = len(accepted.tokens[r]) - 1
             report.all_accepted &= len(accepted.tokens[r]) == len(tokens)
             shadow = proposal.shadow[r] if proposal.shadow is not None else None

@@ -7,9 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
-from ssmspec.hf import features
 from ssmspec.speculate.drafters.base import Draft, Drafter
 from ssmspec.speculate.step import Accepted, Proposal, StepPlan, Verified
 from ssmspec.speculate.step.accept import top_k
@@ -17,18 +15,6 @@ from ssmspec.speculate.step.emit import Rows
 
 # prompt positions (the last ones) whose top-k a recycling drafter is told after the prefill
 PROMPT_TOPK_POSITIONS = 2048
-
-
-def install_features(model: nn.Module, drafter: Drafter) -> bool:
-    """Make the model's forwards hand over its features where `drafter` drafts from them (ssmspec.hf.features); a
-    model compiled before its LM head had the feature hook (a default call drafts with n-grams on a compiled model)
-    is compiled anew, as it was: its graphs would never hand the features over. Returns whether it drafts from
-    them."""
-    wanted = bool(drafter.target_features)
-    if wanted and features.install(model) and getattr(model, "ssmspec_compile_call", None) is not None:
-        args, kwargs = model.ssmspec_compile_call
-        model.compile(*args, **kwargs)
-    return wanted
 
 
 class Proposer:
@@ -40,12 +26,12 @@ class Proposer:
 
     Args:
         drafter: the call's drafter (`set_decoding` and `start` are called by `start`).
-        wants_features: the drafter drafts from the target's features (`install_features`).
     """
 
-    def __init__(self, drafter: Drafter, wants_features: bool) -> None:
+    def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
-        self.wants_features = wants_features
+        # it drafts from the target's features (its runner then captures them: ssmspec.hf.features)
+        self.wants_features = bool(drafter.target_features)
         self.topk = int(drafter.target_topk)
         self.calls_every_step = type(drafter).ahead is not Drafter.ahead
         # the target's features at the last step's commit, not yet handed to the drafter: (features [B, N, H], the
@@ -154,4 +140,4 @@ def trim(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[in
     return [tokens[t] for t in keep], [-1] + [new_index[parents[t]] for t in keep[1:]], new_index
 
 
-__all__ = ["PROMPT_TOPK_POSITIONS", "Draft", "Proposer", "install_features", "trim"]
+__all__ = ["PROMPT_TOPK_POSITIONS", "Draft", "Proposer", "trim"]

@@ -8,7 +8,6 @@ import torch
 
 from ssmspec.speculate.step import Proposal, Verified
 from ssmspec.speculate.step.emit import Rows
-from ssmspec.tree import TokenTree
 
 
 class Verifier:
@@ -30,8 +29,7 @@ class Verifier:
     def verify(self, proposal: Proposal, rows: Rows) -> Verified:
         runner, cap = self.runner, None
         while True:
-            tree = TokenTree.from_lists([t[0] for t in proposal.trees], [t[1] for t in proposal.trees])
-            tree = runner.prepare(tree)  # built and prepared on the host, then one transfer to the model's device
+            tree = runner.prepare(proposal.trees)  # built and prepared on the host, then one transfer to its device
             try:
                 logits = runner.verify(tree)
                 break
