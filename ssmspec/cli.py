@@ -56,14 +56,32 @@ def _hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
         return False
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether `name` is meant as a local path rather than a hub id ("org/name"): absolute, relative to "." or "~",
+    an existing file, or not of a hub id's form."""
+    import os
+    import re
+
+    if name.startswith(("/", ".", "~")) or os.path.exists(name) or os.sep in name.strip("/").replace("/", "", 1):
+        return True
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is None
+
+
 def load_pretrained(name: str, dtype: torch.dtype):
-    """(model, tokenizer or None) from a local directory, the local HF cache, or the hub. A hub id that is not
-    cached fails in one line within seconds when the hub cannot be reached (HF would retry for over a minute)."""
+    """(model, tokenizer or None) from a local directory, an embedded model's name (ssmspec.models), the local HF
+    cache, or the hub. A path that does not exist is named; a hub id that is not cached fails in one line within
+    seconds when the hub cannot be reached (HF would retry for over a minute)."""
     import os
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ssmspec import models
+
+    if not os.path.isdir(name) and name in models.EMBEDDED:  # an embedded model by its name
+        name = str(models.path(name))
     local = os.path.isdir(name)
+    if not local and looks_like_path(name):
+        raise FileNotFoundError(f"no model directory at {name!r}")
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -262,6 +280,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
     from ssmspec.speculate.head_training import train_head
 
+    if not Path(args.model).is_dir() and looks_like_path(args.model):
+        raise FileNotFoundError(f"no model directory at {args.model!r}")
     if args.out is None and not Path(args.model).is_dir():
         raise ValueError(f"{args.model!r} is not a local directory: pass --out (where to save the head)")
     files = [Path(f) for f in args.files]

@@ -28,6 +28,7 @@ from transformers.utils import ModelOutput
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import region_options
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features as hf_features
 from ssmspec.hf import instance as hf_instance
 from ssmspec.hf import layers as hf_layers
@@ -239,7 +240,7 @@ class SpecGenerationMixin:
             UnsupportedModelError: trees or batches the transform-time probe found inexact for this model,
                 where speculation was asked for.
             VocabMismatchError: the assistant model's vocabulary differs from the target's.
-            TypeError: `speculation` is not a SpecConfig or a bool.
+            TypeError: `speculation` is not a SpecConfig or a bool, or `assistant_model` is not a model.
         """
         if speculation is False:
             if prompt_lookup_num_tokens is not None or assistant_model is not None:
@@ -255,6 +256,11 @@ class SpecGenerationMixin:
         if default:
             speculation = getattr(self, "ssmspec_config", None)
         if assistant_model is not None:
+            if not isinstance(assistant_model, nn.Module) or not hasattr(assistant_model, "config"):
+                raise TypeError(
+                    "assistant_model= must be a causal LM model object (e.g. AutoModelForCausalLM.from_pretrained("
+                    f"path)), got {type(assistant_model).__name__} {assistant_model!r:.60}"
+                )
             check_vocab(assistant_model, self.config.get_text_config().vocab_size)
         draft = prepare_draft(assistant_model) if assistant_model is not None else None
         with using_kernel_policy(getattr(self, "ssmspec_kernel_policy", None)):
@@ -268,6 +274,15 @@ class SpecGenerationMixin:
             except spec_generate.NotSpeculated:  # refused before anything ran: HF's own decoding
                 pass
         return super().generate(inputs, generation_config, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """HF's save_pretrained, and the model's draft head beside the weights (`draft_head.safetensors` and
+        `draft_head.json`, where `ssmspec.transform` finds it when the checkpoint is loaded again)."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        head = self.__dict__.get("ssmspec_draft_head")
+        if head is not None and kwargs.get("is_main_process", True):
+            head.save(save_directory)
+        return out
 
     def compile(self, *args, **kwargs):
         """nn.Module.compile; with backend="ssmspec", the `kernels` option becomes this model's kernel policy
@@ -307,6 +322,7 @@ class SpecGenerationMixin:
     def __setstate__(self, state):
         super().__setstate__(state)
         hf_seams.reinstall(self)  # a new process has HF's own seams in the modeling modules
+        hf_attention.install(self)
 
 
 _CLASSES: dict[type, type] = {}
@@ -330,7 +346,7 @@ def _new_transformed(base: type) -> nn.Module:
 
 
 def transform(
-    hf_model: nn.Module, config: SpecConfig | None = None, *, prepack: bool = True,
+    hf_model: nn.Module, config: SpecConfig | None = None, *, prepack: bool | None = None,
     compile: bool | dict[str, Any] = False, draft_head: DraftHead | str | PathLike | None = "auto",
 ) -> nn.Module:  # fmt: skip
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
@@ -345,11 +361,12 @@ def transform(
         hf_model: a Hugging Face causal LM (`PreTrainedModel` with `generate`): an SSM, a hybrid, or a plain
             transformer (e.g. to use as a draft).
         config: default speculation settings for `generate`; None: ssmspec's defaults
-            (ssmspec.speculate.defaults).
+            (ssmspec.speculate.defaults), or on a model transformed before, the settings it has.
         prepack: on a CPU, ssmspec's own forwards (prefill, decode, verify) run every float32 / bfloat16
             `nn.Linear` on a oneDNN copy of its weight packed once (ssmspec.linear): a verify step of 2-16
             tokens then reads each weight once, as a decode step does. It holds as much memory again as the
-            linear weights; False keeps `F.linear` (no copy). Plain forwards are HF's either way.
+            linear weights; False keeps `F.linear` (no copy). Plain forwards are HF's either way. None: True, or
+            on a model transformed before, as it was.
         compile: True compiles the model for speed as measured fastest (`compile_options`: the ssmspec backend;
             Inductor's C++ wrapper on a CPU, CUDA graphs on a GPU; its own recompilation budget) and warms up
             its graphs once (prefill, decode and every tree-size bucket), with a progress bar, so that the
@@ -358,8 +375,9 @@ def transform(
             and `progress`. If compiling fails, the model stays eager, with one warning.
         draft_head: the draft head (EAGLE style, trained for this model: ssmspec.speculate.head_training) that
             `SpecConfig(drafter="draft_head")` drafts with, and the defaults where it measured faster: a
-            DraftHead, a directory holding one (`DraftHead.save`), "auto" (default: the one saved beside the
-            model's checkpoint, `draft_head.safetensors` in its local `name_or_path`, if any) or None.
+            DraftHead, a directory holding one (`DraftHead.save`), "auto" (default: on a model transformed before,
+            the head it has; else the one saved beside the model's checkpoint, `draft_head.safetensors` in its local
+            `name_or_path`, if any) or None. `save_pretrained` saves it beside the weights.
 
     Returns:
         The same model object, its class extended with `SpecGenerationMixin` (same class name).
@@ -380,11 +398,17 @@ def transform(
             f"it was loaded with {kinds}: ssmspec speculates on one process or under tensor parallelism "
             "(tp_plan) only (docs: Big models and batches); load it with tp_plan or device_map",
         )
-    head = _draft_head(hf_model, draft_head)  # checked first: a refused head changes nothing
-    if isinstance(hf_model, SpecGenerationMixin):
-        hf_model.ssmspec_config = config
+    again = isinstance(hf_model, SpecGenerationMixin)
+    if again and isinstance(draft_head, str) and draft_head == "auto" and "ssmspec_draft_head" in hf_model.__dict__:
+        head = hf_model.__dict__["ssmspec_draft_head"]  # a model transformed before keeps what it has
+    else:
+        head = _draft_head(hf_model, draft_head)  # checked first: a refused head changes nothing
+    if again:  # what is given changes; what is left out stays as it was
+        if config is not None:
+            hf_model.ssmspec_config = config
         hf_model.__dict__["ssmspec_draft_head"] = head
-        _set_prepack(hf_model, prepack)
+        if prepack is not None:
+            _set_prepack(hf_model, prepack)
         if compile:
             compile_fast(hf_model, **(compile if isinstance(compile, dict) else {}))
         return hf_model
@@ -392,8 +416,9 @@ def transform(
     changed: list[nn.Module] = []
     linears: list[nn.Module] = []
     try:
-        linears = packed_linear.install(hf_model) if prepack else []
+        linears = packed_linear.install(hf_model) if prepack is not False else []
         try:
+            hf_attention.install(hf_model)  # (pass-through outside ssmspec's forwards: other models unaffected)
             mixers, changed = hf_seams.install(hf_model)
             info = _check(hf_model, mixers)
             hf_model.__class__ = transformed_class(original_class)
@@ -534,11 +559,6 @@ def prepare_draft(draft: nn.Module) -> nn.Module:
     clone = _DRAFTS.get(draft)
     if clone is None:
         shared = {id(t): t for t in (*draft.parameters(), *draft.buffers())}
-        clone = transform(copy.deepcopy(draft, memo=dict(shared)))
-        if clone.ssmspec_info.path == "generic":
-            raise UnsupportedModelError(
-                type(draft).__name__, "a draft model drafts through ssmspec's seams, and this one has none "
-                f"({clone.ssmspec_info.limits['seams']})",
-            )  # fmt: skip
+        clone = transform(copy.deepcopy(draft, memo=dict(shared)))  # (without seams: HF's own forward drafts)
         _DRAFTS[draft] = clone
     return clone

@@ -146,7 +146,9 @@ def test_prepack_false_keeps_nn_linear_and_can_be_switched():
     model = ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")), prepack=False)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     assert not ModelRunner(model).prepack
-    ssmspec.transform(model)  # already transformed: turns them on
+    ssmspec.transform(model)  # already transformed: left as it was (prepack not given)
+    assert not ModelRunner(model).prepack
+    ssmspec.transform(model, prepack=True)  # turns them on
     assert ModelRunner(model).prepack
     ssmspec.transform(model, prepack=False)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))

@@ -10,6 +10,9 @@ from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.verification import COMMIT_STRATEGIES
 
 DRAFTERS = ("auto", "prompt_lookup", "draft_model", "draft_head", "none")
+# the most drafted nodes per row a step may verify, and the deepest draft: a verify step's buffers (its ancestor mask,
+# masked scan, attention over the tree) grow with the square of the nodes, and no drafter's trees pay near this size
+MAX_DRAFT_NODES = 1024
 PATHS = ("auto", "seams", "generic")
 SAMPLING_TREES = ("gumbel_top_k", "stochastic_beam")
 
@@ -22,15 +25,18 @@ class SpecConfig:
     Benchmarks, "The default configuration"): an n-gram tree of 16 nodes, 8 deep, with adaptive depth.
 
     Attributes:
-        drafter: "auto" (default): "draft_head" where the model has a draft head (and `recycle` and `ahead` are
-            off), else "prompt_lookup". "prompt_lookup": n-gram match in prompt + output; "draft_model" (needs
-            `assistant_model`); "draft_head": an EAGLE-style head on the target's own features, trained for the
-            target and attached by `ssmspec.transform(model, draft_head=...)` (ssmspec.speculate.drafters.head),
-            its tree fused with prompt lookup's (and the corpus's); "none": plain decoding through ssmspec's
-            engine.
-        num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes).
-        tree: False = chain; True = a tree from several matches / candidates (default).
-        tree_budget: maximum drafted nodes per row in tree mode.
+        drafter: "auto" (default): "draft_model" where the call passes `assistant_model`, else "draft_head" where
+            the model has a draft head (and `recycle` and `ahead` are off), else "prompt_lookup". "prompt_lookup":
+            n-gram match in prompt + output; "draft_model" (needs `assistant_model`); "draft_head": an EAGLE-style
+            head on the target's own features, trained for the target and attached by
+            `ssmspec.transform(model, draft_head=...)` (ssmspec.speculate.drafters.head), its tree fused with prompt
+            lookup's (and the corpus's); "none": plain decoding through ssmspec's engine.
+        num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes), 1 to MAX_DRAFT_NODES;
+            a call drafts no deeper than the tokens it has left and its tree budget.
+        tree: False = chain; True = a tree from several matches / candidates; None (default): a tree where the model
+            verifies trees exactly (its transform-time probe), else a chain. True on a model whose trees were found
+            inexact is refused before anything runs.
+        tree_budget: maximum drafted nodes per row in tree mode, 1 to MAX_DRAFT_NODES.
         max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones).
         commit: "replay" (re-run the recurrence along the accepted path; small memory) or "materialize"
             (keep every node's state; commit is a gather).
@@ -85,7 +91,7 @@ class SpecConfig:
 
     drafter: str = "auto"
     num_draft_tokens: int = 8
-    tree: bool = True
+    tree: bool | None = None
     tree_budget: int = 16
     max_matching_ngram_size: int = 2
     commit: str = "replay"
@@ -100,7 +106,7 @@ class SpecConfig:
     verify_memory: int | None = None
 
     def __post_init__(self) -> None:
-        types = {"drafter": str, "num_draft_tokens": int, "tree": bool, "tree_budget": int,
+        types = {"drafter": str, "num_draft_tokens": int, "tree": (bool, type(None)), "tree_budget": int,
                  "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
                  "static_shapes": (bool, type(None)),
                  "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
@@ -113,6 +119,7 @@ class SpecConfig:
             ):
                 kind = {
                     "static_shapes": "a bool or None",
+                    "tree": "a bool or None",
                     "draft_vocab": "an int, a sequence of token ids or None",
                     "corpus": "a SuffixIndex, an index path, a list of documents or None",
                     "verify_memory": "an int (bytes) or None",
@@ -138,12 +145,13 @@ class SpecConfig:
                 )
         if self.corpus is not None and self.drafter == "none":
             raise ValueError("SpecConfig.corpus needs a drafter ('prompt_lookup' or 'draft_model'), not 'none'")
-        if self.corpus is not None and self.drafter == "draft_model" and not self.tree and self.draft_vocab is None:
+        chain = self.tree is False
+        if self.corpus is not None and self.drafter == "draft_model" and chain and self.draft_vocab is None:
             raise ValueError(
                 "SpecConfig.corpus with a draft model is used by tree=True (the retrieval tree fused into the "
                 "draft's) or by draft_vocab; set one of them"
             )
-        if self.corpus is not None and self.drafter == "draft_head" and not self.tree:
+        if self.corpus is not None and self.drafter == "draft_head" and self.tree is False:
             raise ValueError(
                 "SpecConfig.corpus with a draft head is used by tree=True (the retrieval tree fused into the head's)"
             )
@@ -174,11 +182,17 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.commit must be one of {COMMIT_STRATEGIES}, got {self.commit!r}")
         if self.sampling_tree not in SAMPLING_TREES:
             raise ValueError(f"SpecConfig.sampling_tree must be one of {SAMPLING_TREES}, got {self.sampling_tree!r}")
-        if self.num_draft_tokens < 0:
-            raise ValueError(f"SpecConfig.num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if not 0 <= self.num_draft_tokens <= MAX_DRAFT_NODES:
+            raise ValueError(
+                f"SpecConfig.num_draft_tokens must be between 0 and {MAX_DRAFT_NODES} (draft depth per step), got "
+                f"{self.num_draft_tokens}"
+            )
         if self.verify_memory is not None and self.verify_memory < 1:
             raise ValueError(f"SpecConfig.verify_memory must be >= 1 (bytes) or None, got {self.verify_memory}")
-        if self.tree_budget < 1:
-            raise ValueError(f"SpecConfig.tree_budget must be >= 1, got {self.tree_budget}")
+        if not 1 <= self.tree_budget <= MAX_DRAFT_NODES:
+            raise ValueError(
+                f"SpecConfig.tree_budget must be between 1 and {MAX_DRAFT_NODES} (drafted nodes per row and step), got "
+                f"{self.tree_budget}"
+            )
         if self.max_matching_ngram_size < 1:
             raise ValueError(f"SpecConfig.max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}")

@@ -362,11 +362,28 @@ def test_hf_state_and_runner_refuse_misuse():
         runner.discard()
 
 
-def test_a_draft_model_without_seams_is_refused():
-    target = _transformed("mamba2")
-    ids = torch.tensor([[5, 6, 7, 8]])
-    with pytest.raises(UnsupportedModelError, match="drafts through ssmspec's seams"):
-        target.generate(ids, max_new_tokens=4, assistant_model=build_tiny_model("rwkv"))
+@pytest.mark.parametrize("family", GENERIC_FAMILIES)
+def test_a_draft_model_without_seams_drafts_through_hfs_forward(family):
+    """A draft of a family without kernel seams (transform gives it the generic path) drafts through HF's own forward
+    and cache: greedy chains and sampling, exact (a draft only changes the speed); it was refused."""
+    from ssmspec.speculate.drafters import DraftModelDrafter
+    from ssmspec.transform import prepare_draft
+
+    ref = cached_tiny_model("mamba2")
+    target = ssmspec.transform(copy.deepcopy(ref))
+    draft = build_tiny_model(family)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11, 12, 9, 10, 11, 12]])
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    spec = SpecConfig(drafter="draft_model", adaptive=False, num_draft_tokens=3)
+    out = target.generate(ids, max_new_tokens=12, assistant_model=draft, speculation=spec, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want)
+    assert max(out.spec_stats["tree_nodes_per_step"]) > 1  # it drafted
+    assert torch.equal(target.generate(ids, max_new_tokens=12, assistant_model=draft), want)
+    seeded = [target.generate(ids, max_new_tokens=8, do_sample=True, assistant_model=draft, speculation=spec,
+                              generator=torch.Generator().manual_seed(4)) for _ in range(2)]  # fmt: skip
+    assert torch.equal(seeded[0], seeded[1])
+    drafter = DraftModelDrafter(prepare_draft(draft), 96, tree=True)
+    assert isinstance(drafter.runner, GenericRunner) and drafter.tree == drafter.runner.trees
 
 
 def _qwen3_5_vl() -> torch.nn.Module:

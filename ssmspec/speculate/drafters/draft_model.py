@@ -14,6 +14,7 @@ from ssmspec.hf.instance import Agreement
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.drafters.base import Draft, Drafter
 from ssmspec.speculate.drafters.trees import best_first_tree, sample_tree
+from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
@@ -83,7 +84,9 @@ def check_vocab(draft_model: nn.Module, target_vocab_size: int) -> None:
 class DraftModelDrafter(Drafter):
     """A smaller causal LM drafts a chain greedily. The draft must be transformed (ssmspec.transform, on a
     copy: the user's draft is never changed), so an SSM draft rolls its state back exactly (snapshot/restore
-    around drafting, catch-up through tree verification). With `confidence_threshold`, drafting stops once
+    around drafting, catch-up through tree verification). A draft without kernel seams (RWKV, xLSTM, ...: transform
+    gave it the generic path) drafts through HF's own forward and cache (ssmspec.speculate.generic), chains only
+    unless its recurrence modules' tree form was found exact. With `confidence_threshold`, drafting stops once
     the draft's top probability falls below it (HF's `assistant_confidence_threshold`).
 
     When the target samples (`do_sample=True`), the draft samples too, from its own distribution processed by
@@ -129,18 +132,24 @@ class DraftModelDrafter(Drafter):
         if getattr(draft_model, "ssmspec_info", None) is None:
             raise TypeError("DraftModelDrafter needs a transformed draft: pass ssmspec.transform(copy of the draft)")
         compiled = getattr(draft_model, "ssmspec_compile_call", None) is not None
+        generic = getattr(draft_model.ssmspec_info, "path", "seams") == "generic"
         if static_shapes is None:
             static_shapes = compiled
         masked = None
         if vocab is not None:
-            if compiled:  # the same proposals from masked logits: a trimmed copy would compile anew per call
+            if compiled and not generic:  # the same proposals from masked logits: a trimmed copy would compile anew
                 masked = check_keep(vocab, draft_model.config.get_text_config().vocab_size)
             else:
                 draft_model = trim_vocab(draft_model, vocab)
-        self.runner = ModelRunner(
-            draft_model, commit=commit, static_shapes=static_shapes, max_depth=max_depth, max_nodes=max_nodes,
-            vocab=masked, agreement=agreement,
-        )  # fmt: skip
+        if generic:  # a draft without kernel seams drafts through HF's own forward and cache (chains, or its tree form)
+            self.runner = GenericRunner(draft_model, max_depth=max_depth, max_nodes=max_nodes)
+            if not self.runner.trees:
+                tree, branches = False, 1
+        else:
+            self.runner = ModelRunner(
+                draft_model, commit=commit, static_shapes=static_shapes, max_depth=max_depth, max_nodes=max_nodes,
+                vocab=masked, agreement=agreement,
+            )  # fmt: skip
         self.confidence_threshold = confidence_threshold
         self.branches = max(1, int(branches))
         if sampling_tree not in SAMPLING_TREES:
@@ -148,6 +157,7 @@ class DraftModelDrafter(Drafter):
         self.sampling_tree = sampling_tree
         self.tree = tree
         self.min_path_prob = min_path_prob
+        self.chain_fallbacks = 0
         self.processed: list[int] = []
         # per row, the draft's logits [V] at the nodes of its last dynamic tree whose children it scored (empty
         # after a proposal of another kind)
@@ -155,6 +165,7 @@ class DraftModelDrafter(Drafter):
         self._root_logits: torch.Tensor | None = None  # a chain's: the draft's logits at the roots [B, V]
 
     def start(self, input_ids, attention_mask):
+        self.chain_fallbacks = 0  # rows a dynamic tree fell back to a chain for, this call
         self.runner.prefill(input_ids, attention_mask)
         self.processed = attention_mask.sum(-1).tolist()
         self._device = input_ids.device
@@ -299,7 +310,14 @@ class DraftModelDrafter(Drafter):
             return at
 
         per_round = max(1, -(-max_nodes // max_depth))
-        return best_first_tree(contexts, logits, logits_at, max_nodes, max_depth, per_round, self.min_path_prob)
+        trees, fallbacks = best_first_tree(contexts, logits, logits_at, max_nodes, max_depth, per_round,
+                                           self.min_path_prob)  # fmt: skip
+        self.chain_fallbacks += fallbacks
+        return trees
+
+    def finish(self, stats) -> None:
+        if self.chain_fallbacks:  # rows whose draft was too unsure for a dynamic tree (`trees.best_first_tree`)
+            stats.drafter["chain_fallbacks"] = self.chain_fallbacks
 
     def _fits(self, length: int) -> None:
         """Widen a static-shape draft's fixed commit length to a `length`-node path (a catch-up after a long

@@ -52,6 +52,7 @@ class DraftHead(nn.Module):
         self.token_norm = nn.LayerNorm(embedding_size)
         self.fc1 = nn.Linear(hidden_size + embedding_size, self.config["inner_size"])
         self.fc2 = nn.Linear(self.config["inner_size"], hidden_size)
+        self.about: dict = {}  # what it was trained on and how it measured (`save`'s `about`, kept by `load`)
 
     def forward(self, features: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """The predicted next features [*, H] from features [*, H] and the next tokens' embeddings [*, E]."""
@@ -71,7 +72,7 @@ class DraftHead(nn.Module):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS))
-        (out / CONFIG).write_text(json.dumps({**self.config, **about}, indent=2) + "\n")
+        (out / CONFIG).write_text(json.dumps({**self.about, **about, **self.config}, indent=2) + "\n")
         return out
 
     @classmethod
@@ -87,6 +88,7 @@ class DraftHead(nn.Module):
         keys = ("hidden_size", "embedding_size", "vocab_size", "inner_size")
         head = cls(**{k: config[k] for k in keys})
         head.load_state_dict(load_file(str(where / WEIGHTS)))
+        head.about = {k: v for k, v in config.items() if k not in keys}
         return head.eval()
 
 
@@ -135,29 +137,36 @@ class HeadDrafter(Drafter):
         self, head: DraftHead, target: nn.Module, tree: bool = True, branches: int = 1,
         sampling_tree: str = "gumbel_top_k", min_path_prob: float = 0.02,
     ) -> None:  # fmt: skip
-        check_head(head, target)
         if sampling_tree not in SAMPLING_TREES:
             raise ValueError(f"sampling_tree must be one of {SAMPLING_TREES}, got {sampling_tree!r}")
         self.head = head
-        self.embed = target.get_input_embeddings()
-        self.lm_head = hf_features.lm_head(target)
+        self.target = target
         self.tree = tree
         self.branches = max(1, int(branches))
         self.sampling_tree = sampling_tree
         self.min_path_prob = min_path_prob
         self.dtype = next(head.parameters()).dtype
-        # a device_map may put the embedding and the LM head apart, or offload them (weights on meta between calls)
-        self.embed_device = hf_instance.execution_device(self.embed)
         self.head_device = next(head.parameters()).device
+        self.embed: nn.Module | None = None  # the target's embedding and LM head, bound at each call's `start`
+        self.lm_head: nn.Module | None = None
+        self.embed_device: torch.device | None = None
         self.features: list[torch.Tensor | None] = []
         self.steps = 0  # head calls in this generate call (one per drafted level)
+        self.chain_fallbacks = 0
         # per row, the head's logits [V] at the nodes of its last greedy tree whose children it scored (what a
         # FusedDrafter prunes retrieved branches with)
         self.scored: list[dict[int, torch.Tensor]] = []
 
     def start(self, input_ids, attention_mask):
+        """Bind to the target for this call: its embedding and LM head, where they execute now (a device_map may put
+        them apart, or offload them: weights on meta between calls), the head checked against it."""
+        check_head(self.head, self.target)
+        self.embed = self.target.get_input_embeddings()
+        self.lm_head = hf_features.lm_head(self.target)
+        self.embed_device = hf_instance.execution_device(self.embed)
         self.features = [None] * input_ids.shape[0]
         self.steps = 0
+        self.chain_fallbacks = 0  # rows a greedy tree fell back to a chain for (`trees.best_first_tree`)
 
     def observe_features(self, row: int, feature: torch.Tensor) -> None:
         """The target's feature [H] at the last position it committed for `row` (whose logits chose the next root)."""
@@ -165,6 +174,8 @@ class HeadDrafter(Drafter):
 
     def finish(self, stats) -> None:
         stats.drafter["head_calls"] = self.steps
+        if self.chain_fallbacks:  # rows whose head was too unsure for a tree (`trees.best_first_tree`)
+            stats.drafter["chain_fallbacks"] = self.chain_fallbacks
 
     @torch.no_grad()
     def _predict(self, parents: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,4 +218,7 @@ class HeadDrafter(Drafter):
             return [(c, list(range(-1, len(c) - 1))) for c in chains]
         # a round is one head call whatever its nodes: a few rounds of many nodes (at most ROUNDS)
         per_round = max(1, -(-max_nodes // depth), -(-max_nodes // ROUNDS))
-        return best_first_tree(contexts, root_logits, logits_at, max_nodes, depth, per_round, self.min_path_prob)
+        trees, fallbacks = best_first_tree(contexts, root_logits, logits_at, max_nodes, depth, per_round,
+                                           self.min_path_prob)  # fmt: skip
+        self.chain_fallbacks += fallbacks
+        return trees

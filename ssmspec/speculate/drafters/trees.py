@@ -20,29 +20,34 @@ LogitsAt = Callable[[list, list], torch.Tensor]
 def best_first_tree(
     contexts: Sequence[Sequence[int]], root_logits: torch.Tensor, logits_at: LogitsAt, max_nodes: int,
     max_depth: int, per_round: int, min_path_prob: float,
-) -> list[Draft]:  # fmt: skip
+) -> tuple[list[Draft], int]:  # fmt: skip
     """A dynamic tree per row, rooted at `contexts[b][-1]` (its logits `root_logits[b]`), grown best-first by the
     drafter's path probability (the product of its probabilities along the root-to-node path), `per_round` nodes
     per round and row, one `logits_at` call per round over all rows; a node joins only while the row has budget
     left and its path probability reaches `min_path_prob`, so confident drafts grow deep trees, unsure ones small
-    ones. Children never outscore their parent, so the nodes taken form a tree. `logits_at(trees, new)` sees
-    trees as (tokens, parents, depth, path probability) per row."""
+    ones. Children never outscore their parent, so the nodes taken form a tree. A row whose drafter is so unsure that
+    not even the root's likeliest child reaches `min_path_prob` (a flat distribution) drafts a chain of its likeliest
+    tokens instead (a tree of no node would make every step a plain step). `logits_at(trees, new)` sees trees as
+    (tokens, parents, depth, path probability) per row. Returns the trees and how many rows fell back to a chain."""
     b = len(contexts)
     trees = [([int(c[-1])], [-1], [0], [1.0]) for c in contexts]
     heaps: list[list] = [[] for _ in range(b)]
     new = [[0] for _ in range(b)]  # nodes whose children are not scored yet (their logits in `at`, in order)
+    chain = [False] * b  # rows drafting their likeliest chain (nothing reached min_path_prob at the root)
     at = root_logits
-    for _ in range(max_nodes):
+    for round_ in range(max_nodes):
         k = 0
         probs = at.float().softmax(-1)
         top_p, top_x = probs.topk(min(per_round + 1, probs.shape[-1]), dim=-1)
         top_p, top_x = top_p.tolist(), top_x.tolist()
         for r, (tokens, parents, depth, score) in enumerate(trees):
+            if round_ == 0 and score[0] * top_p[k][0] < min_path_prob:
+                chain[r] = True
             for node in new[r]:
                 if depth[node] < max_depth:
-                    for p, x in zip(top_p[k], top_x[k]):
+                    for p, x in zip(top_p[k][:1] if chain[r] else top_p[k], top_x[k]):
                         s = score[node] * p
-                        if s >= min_path_prob:
+                        if s >= min_path_prob or chain[r]:
                             heapq.heappush(heaps[r], (-s, node, x))
                 k += 1
             new[r] = []
@@ -56,7 +61,7 @@ def best_first_tree(
         if not any(new) or all(len(t[0]) > max_nodes for t in trees):
             break
         at = logits_at(trees, new)
-    return [(tokens, parents) for tokens, parents, _, _ in trees]
+    return [(tokens, parents) for tokens, parents, _, _ in trees], sum(chain)
 
 
 def sample_tree(
