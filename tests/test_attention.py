@@ -21,7 +21,8 @@ class _Module(torch.nn.Module):
 
 
 @pytest.mark.parametrize("boolean", [True, False])
-def test_grouped_sdpa_equals_hfs_repeated_heads(boolean):
+@pytest.mark.parametrize("limit", [attention.GROUPED_MASK_BYTES, 1])  # all groups in one call; one call each
+def test_grouped_sdpa_equals_hfs_repeated_heads(boolean, limit, monkeypatch):
     """Each query head's rows attend to its key/value head's keys with the mask of its own query token: the same
     numbers as HF's SDPA over repeated heads (float64), for boolean and additive masks."""
     g = torch.Generator().manual_seed(0)
@@ -31,6 +32,7 @@ def test_grouped_sdpa_equals_hfs_repeated_heads(boolean):
     allow[..., 0] = True
     mask = allow if boolean else torch.zeros(allow.shape, dtype=torch.float64).masked_fill(~allow, -1e300)
     module = _Module().eval()
+    monkeypatch.setattr(attention, "GROUPED_MASK_BYTES", limit)
     want, _ = hf_sdpa_module.sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     grouped = attention.grouped_sdpa(hf_sdpa_module.sdpa_attention_forward)
     with attention.grouping():
@@ -96,3 +98,29 @@ def test_eager_kv_buffers_grow_in_place_and_keep_every_committed_slot():
     after = [[t.clone() for t in cache.committed_kv(a.index, r)] for a in cache.attention for r in range(2)]
     for b, a in zip(before, after):
         assert all(torch.equal(x, y[:, : x.shape[1]]) for x, y in zip(b, a))
+
+
+def test_a_finished_row_holds_its_slots_while_the_others_go_on():
+    """A row that finished (EOS) computes nothing that is used any more: its K/V slots stop advancing (in eager
+    buffers it took a slot a step until the batch's last row finished, and a long batch grew the buffers past what
+    the call asked for); the tokens stay HF's."""
+    from ssmspec.speculate.engine import speculative_generate
+    from ssmspec.testing.drafters import OracleDrafter
+
+    ref = cached_tiny_model("bamba")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(3))
+    free = ref.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    eos = int(free[0, 8 + 2])  # row 0's third token ends it
+    assert eos not in free[1, 8:].tolist() + free[0, 8:10].tolist()
+    want = ref.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    rows = [r.tolist() for r in free]
+    out, _, runner = speculative_generate(
+        model, ids, torch.ones_like(ids), max_new_tokens=30, eos_token_ids=[eos], pad_token_id=0,
+        drafter=OracleDrafter(rows, vocab_size=96), tree_budget=1, num_draft_tokens=1,
+    )  # fmt: skip
+    assert torch.equal(out, want)
+    cache = runner.cache
+    assert cache.static_kv and int(cache.block[0]) <= 8 + 3  # held from the step it stopped in (15 steps before)
+    assert int(cache.block[1]) >= 8 + 29 and cache.visible(0) == int(cache.block.max())
+    assert int(cache.valid[0].sum()) == int(cache.n_real[0])

@@ -88,6 +88,7 @@ class SpecCache(DynamicCache):
         self.static_kv = False  # K/V in preallocated buffers (set by `start` when a capacity was given)
         self._bound = 0  # static K/V: host upper bound of the longest row's slots (`reserve` grows the buffers)
         self._limit = 0  # static K/V: the slots the call may need at most (prompt + capacity)
+        self._step_start: tuple = (None, None)  # (block, n_real) where the step being verified started
 
     # ---------------------------------------------------------------- layout bookkeeping
     @property
@@ -195,6 +196,7 @@ class SpecCache(DynamicCache):
         """Make sure a step of `nodes` nodes per row fits the static K/V buffers (eager, before the step: inside a
         compiled step nothing may change shape); grows them, doubling, where it would not. No-op otherwise."""
         old = self.valid.shape[1] if self.static_kv else 0
+        self._step_start = (self.block, self.n_real)  # (where a step starts: `holding`)
         if not self.static_kv or self._bound + nodes <= old:
             return
         width = max(2 * old, self._bound + nodes)
@@ -504,6 +506,27 @@ class SpecCache(DynamicCache):
         self._seen = None
         # eager: the slots in use exactly (a host read; a step's views are that wide), else an upper bound
         self._bound = int(self.block.max()) if self.views else self._bound + longest
+
+    def holding(self, rows: list[bool] | None) -> tuple | None:
+        """Before a commit: what `hold` needs to keep `rows` (finished rows) where they are, or None where nothing is
+        held (no such row, or not eager K/V buffers: HF's layout and compiled buffers advance every row alike)."""
+        if rows is None or not any(rows) or not (self.static_kv and self.views):
+            return None
+        return torch.tensor(rows, device=self.block.device), *self._step_start
+
+    def hold(self, held: tuple | None) -> None:
+        """After a commit: the rows `holding` saw stay where they were (their slots, made valid by the commit, are not;
+        their next step's K/V is written over them)."""
+        if held is None:
+            return
+        rows, block, n_real = held
+        col = torch.arange(self.valid.shape[1], device=block.device)
+        advanced = rows[:, None] & (col[None, :] >= block[:, None]) & (col[None, :] < self.block[:, None])
+        self.valid = self.valid & ~advanced
+        self.block = torch.where(rows, block, self.block)
+        self.n_real = torch.where(rows, n_real, self.n_real)
+        self._seen = None
+        self._bound = int(self.block.max())
 
     # ---------------------------------------------------------------- snapshots (draft models)
     def snapshot(self) -> dict:

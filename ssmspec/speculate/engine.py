@@ -126,7 +126,7 @@ def speculative_generate(
             accepted = accept(verified, decoding, stats.near_tie_tolerance, proposer.topk)
             proposer.observe(verified, accepted, rows)  # the drafter learns from the target's verdict
             kept = rows.keep(verified, accepted)  # each row's accepted path, cut where it stops
-            runner.commit(torch.tensor(kept.cut, dtype=torch.long))  # on the host: the commit uploads what it needs
+            runner.commit(torch.tensor(kept.cut, dtype=torch.long), kept.hold)  # (on the host: uploaded as needed)
             rows.emit(kept, verified, accepted)
             policy.observe(StepReport.of(verified, accepted, kept))
     finally:  # the drafter's thread and counters, also when a step fails

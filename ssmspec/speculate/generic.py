@@ -287,9 +287,10 @@ class GenericRunner:
         return 0
 
     @torch.no_grad()
-    def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(self, last: torch.Tensor, hold: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep each row's chain up to node `last[b]`: as verified when it is the whole chain, else back to the
-        snapshot, the carried and accepted tokens carried into the next forward."""
+        snapshot, the carried and accepted tokens carried into the next forward (`hold`: as ModelRunner's; HF's cache
+        grows for every row here)."""
         tree, self._pending = self._pending, None
         for r, (row, keep) in enumerate(zip(self.rows, last.tolist())):
             if row.pending_tree is not None:

@@ -302,13 +302,19 @@ class ModelRunner:
         return verification.nbytes() if verification is not None else 0
 
     @torch.no_grad()
-    def commit(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance each row past root -> last[b] of the tree verified last; returns (path, lengths)."""
+    def commit(self, last: torch.Tensor, hold: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance each row past root -> last[b] of the tree verified last; returns (path, lengths). `hold`: rows
+        that have finished (nothing they compute is used any more) whose K/V slots stop advancing: in eager K/V
+        buffers a finished row would otherwise take a slot a step until the batch's last row finishes."""
         tree, verification = self._pending
         self._pending = None
+        held = self.cache.holding(hold)
         if verification is None:  # the decode step already advanced every row by its one token
-            return tree.paths(last, 1 if self.static_shapes else None)
-        return verification.commit(last, self.max_depth + 1 if self.static_shapes else None, self.fold)
+            out = tree.paths(last, 1 if self.static_shapes else None)
+        else:
+            out = verification.commit(last, self.max_depth + 1 if self.static_shapes else None, self.fold)
+        self.cache.hold(held)
+        return out
 
     def discard(self) -> None:
         """Forget the tree verified last (its K/V slots are dropped; nothing else changed)."""

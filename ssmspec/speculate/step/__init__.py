@@ -129,6 +129,7 @@ class CommitPlan:
         emitted: per row, the tokens the row's output gains (pads included).
         stops: per row, whether the row is finished after the step.
         progress: how much nearer its end the step brought the batch (`batch_progress`).
+        hold: per row, whether it had finished before the step and keeps nothing (its state need not advance).
     """
 
     cut: list[int]
@@ -136,6 +137,7 @@ class CommitPlan:
     emitted: list[list[int]]
     stops: list[bool]
     progress: int
+    hold: list[bool] = field(default_factory=list)
 
 
 @dataclass

@@ -111,7 +111,8 @@ class Rows:
                 emitted.append([])
         lengths = [len(g) + (len(e) if a else 0) for g, e, a in zip(self.generated, emitted, verified.active)]
         progress = batch_progress(self.remaining, self.done, lengths, stops, self.max_new_tokens, accepted.tokens)
-        return CommitPlan(cut, paths, emitted, stops, progress)
+        hold = [not a and r not in proposal.pads for r, a in enumerate(verified.active)]
+        return CommitPlan(cut, paths, emitted, stops, progress, hold)
 
     def emit(self, kept: CommitPlan, verified: Verified, accepted: Accepted) -> None:
         """Append what `keep` decided: tokens (pads for a finished row decoding them), the step's counters, the
