@@ -89,6 +89,7 @@ class SpecCache(DynamicCache):
         self._bound = 0  # static K/V: host upper bound of the longest row's slots (`reserve` grows the buffers)
         self._limit = 0  # static K/V: the slots the call may need at most (prompt + capacity)
         self._step_start: tuple = (None, None)  # (block, n_real) where the step being verified started
+        self.held: torch.Tensor | None = None  # rows `hold` has held since the call started (finished)
 
     # ---------------------------------------------------------------- layout bookkeeping
     @property
@@ -145,6 +146,7 @@ class SpecCache(DynamicCache):
         self.valid = mask[:, mask.shape[1] - self._needed_width(mask.shape[1]) :]
         self.n_real = mask.sum(-1)
         self.block = torch.full_like(self.n_real, mask.shape[1])
+        self.held = None
         hf_layers.stack_states(self.layers, self.recurrent)
         if self.capacity is not None and self.attention:
             self.static_kv = True
@@ -520,6 +522,7 @@ class SpecCache(DynamicCache):
         if held is None:
             return
         rows, block, n_real = held
+        self.held = rows if self.held is None else self.held | rows
         col = torch.arange(self.valid.shape[1], device=block.device)
         advanced = rows[:, None] & (col[None, :] >= block[:, None]) & (col[None, :] < self.block[:, None])
         self.valid = self.valid & ~advanced

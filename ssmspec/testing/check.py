@@ -274,14 +274,28 @@ def check_model(
                 if not torch.equal(seq, ar_seq) and not flips:
                     raise EquivalenceError(f"speculative output differs from ssmspec autoregressive ({commit})")
                 # rows that emitted what plain decoding did (after a counted tie flip a row's tokens, so its
-                # states, legitimately differ)
-                same = [r for r in range(seq.shape[0]) if int(runner.n_real[r]) == int(ar_runner.n_real[r])
-                        and torch.equal(seq[r], ar_seq[r])]  # fmt: skip
+                # states, legitimately differ) and ran to the end: a row that stopped early keeps its K/V slots while
+                # the others go on, and its recurrent states step over pads as many times as the batch took steps
+                same = [
+                    r
+                    for r in range(seq.shape[0])
+                    if int(runner.n_real[r]) == int(ar_runner.n_real[r])
+                    and torch.equal(seq[r], ar_seq[r])
+                    and not _held(runner, r)
+                    and not _held(ar_runner, r)
+                ]
                 sd = state_diff(runner, ar_runner, same)
                 report.max_state_diff = max(report.max_state_diff, sd)
                 if sd > state_tolerance:
                     raise EquivalenceError(f"committed states after speculation differ by {sd:.3g} ({commit})")
     return report
+
+
+def _held(runner: ModelRunner | GenericRunner, row: int) -> bool:
+    """Whether `runner` held `row` (it finished while the batch went on: its K/V stopped advancing, its recurrent
+    states did not)."""
+    held = getattr(getattr(runner, "cache", None), "held", None)
+    return held is not None and bool(held[row])
 
 
 def _compare(seq, ref_seq, ref_logits, prompt_len, tie_tolerance, report, what) -> int:
