@@ -26,7 +26,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.utils import ModelOutput
 
 from ssmspec import linear as packed_linear
-from ssmspec.compile.backend import region_options
+from ssmspec.compile.backend import mode_and_options, region_options
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features as hf_features
@@ -305,7 +305,7 @@ class SpecGenerationMixin:
         self.ssmspec_compile_call = (args, dict(kwargs))  # to compile a copy alike (VocabTrim's trimmed draft)
         if kwargs.get("backend") == "ssmspec" and not packed_linear.is_packed(self):  # transform(prepack=False)
             kwargs["options"] = {"prepack": False, **(kwargs.get("options") or {})}
-        kwargs = region_options(kwargs)  # this model's own recompilation budget (not shared with its draft's)
+        kwargs = mode_and_options(region_options(kwargs))  # own recompilation budget; a mode with options
         # the commit between two verifications is compiled the same way (ssmspec.speculate.runner.compiled_fold)
         self.ssmspec_compile_options = {k: kwargs[k] for k in ("backend", "mode", "options", "isolate_recompiles",
                                                                "recompile_limit") if k in kwargs}  # fmt: skip

@@ -47,3 +47,45 @@ def test_a_failed_compile_leaves_the_model_eager_with_one_warning():
     assert len([w for w in record if "running eager" in str(w.message)]) == 1
     assert model._compiled_call_impl is None and not getattr(model, "ssmspec_static_shapes", False)
     assert torch.equal(model.generate(IDS, max_new_tokens=16), want)
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_a_mode_with_options_compiles_on_a_cpu(recwarn, mode):
+    """torch.compile refuses a mode and options together; transform(compile={"mode": ...}) adds options of its own on a
+    CPU (Inductor's C++ wrapper), so the mode travels among the ssmspec backend's options instead of failing."""
+    ref = cached_tiny_model("mamba2", dtype=torch.float32)
+    want = ref.generate(IDS, max_new_tokens=12, do_sample=False)
+    compile_kwargs = {"mode": mode, "options": {"inductor": False}, "progress": False}
+    model = ssmspec.transform(copy.deepcopy(ref), compile=compile_kwargs)
+    assert not [w for w in recwarn if "running eager" in str(w.message)]
+    assert model._compiled_call_impl is not None
+    assert model.ssmspec_compile_options["options"]["mode"] == mode and "mode" not in model.ssmspec_compile_options
+    assert torch.equal(model.generate(IDS, max_new_tokens=12), want)
+
+
+def test_other_backends_get_the_settings_a_mode_stands_for():
+    from torch._inductor import list_mode_options
+
+    from ssmspec.compile.backend import compile_mode, mode_and_options
+
+    kwargs = mode_and_options({"backend": "inductor", "mode": "max-autotune", "options": {"cpp_wrapper": True}})
+    assert "mode" not in kwargs and kwargs["options"] == {**list_mode_options("max-autotune"), "cpp_wrapper": True}
+    assert mode_and_options({"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}  # alone: as given
+    assert compile_mode({"backend": "ssmspec", "options": {"mode": "reduce-overhead"}}) == "reduce-overhead"
+
+
+def test_no_graph_is_compiled_after_the_warm_up():
+    """After transform(compile=True) returns, 200-token generates (greedy and sampling, batch 1 and 4, n-gram drafts
+    and plain steps as the policy chooses) compile no new graph: every prefill length class, decode step, tree-size
+    bucket and commit was compiled by the warm-up."""
+    ref = cached_tiny_model("mamba2", dtype=torch.float32)
+    model = ssmspec.transform(copy.deepcopy(ref), compile={"options": {"inductor": False}, "progress": False,
+                                                             "warmup": (1, 4)})  # fmt: skip
+    graphs = STATS.graphs
+    vocab = ref.config.vocab_size
+    for batch in (1, 4):
+        ids = (torch.arange(batch * 20).view(batch, 20) % 7 * 3 + 5) % vocab  # repetitive: n-gram drafts accepted
+        for sample in (False, True):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=sample,
+                           pad_token_id=0, generator=torch.Generator().manual_seed(batch))  # fmt: skip
+            assert STATS.graphs == graphs, f"batch {batch}, do_sample={sample}: {STATS.graphs - graphs} new graphs"

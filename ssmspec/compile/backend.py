@@ -35,7 +35,7 @@ from ssmspec.compile.passes import (
 )
 from ssmspec.ops import using_kernel_policy
 
-_OPTION_NAMES = ("kernels", "fuse", "inductor", "prepack")
+_OPTION_NAMES = ("kernels", "fuse", "inductor", "prepack", "mode")
 _KERNEL_OPTION = {None: "auto", "auto": "auto", True: "kernels", "kernels": "kernels", False: "reference",
                   "reference": "reference"}  # fmt: skip
 # graphs one compiled model may hold: its prefill lengths, one per tree-size bucket and decode, one commit per
@@ -55,6 +55,29 @@ def region_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     if "recompile_limit" in params:
         out.setdefault("recompile_limit", RECOMPILE_LIMIT)
     return out
+
+
+def mode_and_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile keyword arguments with a `mode` and `options` both given made acceptable to torch.compile, which
+    refuses the pair: for the ssmspec backend the mode travels among its options (the backend hands it to Inductor
+    with the other settings), for any other backend it becomes the settings it stands for (Inductor's
+    `list_mode_options`, torch internals named here), the caller's options winning."""
+    mode, options = kwargs.get("mode"), kwargs.get("options")
+    if mode is None or options is None:
+        return kwargs
+    out = {k: v for k, v in kwargs.items() if k != "mode"}
+    if out.get("backend") == "ssmspec":
+        out["options"] = {"mode": mode, **options}
+    else:
+        from torch._inductor import list_mode_options
+
+        out["options"] = {**list_mode_options(mode), **options}
+    return out
+
+
+def compile_mode(kwargs: dict[str, Any]) -> str | None:
+    """The torch.compile mode of compile keyword arguments (given as `mode`, or among the ssmspec backend's options)."""
+    return kwargs.get("mode") or (kwargs.get("options") or {}).get("mode")
 
 
 def _compile_parameters() -> frozenset[str]:
@@ -97,7 +120,8 @@ def ssmspec_backend(
             is an Inductor config setting applied to this model's graphs (as `torch.compile(options=...)`),
             e.g. `{"cpp_wrapper": True}`: Inductor's C++ wrapper instead of its Python one, which on CPU takes
             most of the per-call overhead off small verify steps (and compiles for minutes instead of seconds).
-        mode: torch.compile's mode, handed to Inductor ("reduce-overhead": CUDA graphs); a transformed model
+        mode: torch.compile's mode, handed to Inductor ("reduce-overhead": CUDA graphs; also taken from
+            `options["mode"]`, as torch.compile refuses both); a transformed model
             compiled with `model.compile` verifies with static shapes (SpecConfig.static_shapes).
 
     Returns:
@@ -107,6 +131,7 @@ def ssmspec_backend(
         ValueError: an option that is neither ssmspec's nor an Inductor config setting, or a bad kernels value.
     """
     options = dict(options or {})
+    mode = options.get("mode") or mode  # (`mode_and_options`: torch.compile takes a mode or options, not both)
     patches = {k: v for k, v in options.items() if k not in _OPTION_NAMES}
     unknown = set(patches) - set(_inductor_settings()) if patches else set()
     if unknown:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ssmspec import linear as packed_linear
+from ssmspec.compile.backend import compile_mode
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features
@@ -96,7 +97,7 @@ class ModelRunner:
         self.agreement = agreement if agreement is not None else hf_instance.Agreement(model)
         # the tree path's one-node trees advance the committed states as they are verified (`verify`), except under
         # CUDA graphs, whose graphs would then write inputs they do not own (skipped or copied; unmeasured)
-        mode = (getattr(model, "ssmspec_compile_options", None) or {}).get("mode")
+        mode = compile_mode(getattr(model, "ssmspec_compile_options", None) or {})
         self.in_place_single_nodes = not (self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune"))
         self.info = getattr(model, "ssmspec_info", None)
         self.level_aligned = bool(getattr(self.info, "slot_positions", False))
