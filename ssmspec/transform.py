@@ -369,8 +369,9 @@ def transform(
             on a model transformed before, as it was.
         compile: True compiles the model for speed as measured fastest (`compile_options`: the ssmspec backend;
             Inductor's C++ wrapper on a CPU, CUDA graphs on a GPU; its own recompilation budget) and warms up
-            its graphs once (prefill, decode and every tree-size bucket), with a progress bar, so that the
-            first request does not pay for compilation; a dict: those `model.compile` keyword arguments instead
+            its graphs once (decode, every tree-size bucket and, on a GPU, the prefill; on a CPU the prompt runs
+            eagerly, as fast there and minutes cheaper to warm up), with a progress bar, so that the first request
+            does not pay for compilation; a dict: those `model.compile` keyword arguments instead
             of the chosen ones where given, plus `warmup` (batch sizes to warm up, default (1,); () for none)
             and `progress`. If compiling fails, the model stays eager, with one warning.
         draft_head: the draft head (EAGLE style, trained for this model: ssmspec.speculate.head_training) that
@@ -480,9 +481,9 @@ def compile_fast(
 ) -> nn.Module:
     """Compile a transformed `model` with `compile_options` (overridden by `compile_kwargs`) and warm it up:
     speculative generates per batch size in `warmup` on dummy prompts of four lengths compile the prefill (for
-    any length), the decode step and, through the calibration (completed then), the verify step of every tree-size
-    bucket. A failure (compile or
-    warm-up) leaves the model eager, with one warning naming it."""
+    any length; on a GPU: a CPU runs it eagerly, ssmspec.speculate.runner), the decode step and, through the
+    calibration (measured then, never read from disk for a compiled model), the verify step of every tree-size
+    bucket. A failure (compile or warm-up) leaves the model eager, with one warning naming it."""
     device = hf_instance.input_device(model)
     kwargs = {**compile_options(device), **compile_kwargs}
     options = {**compile_options(device).get("options", {}), **(compile_kwargs.get("options") or {})}

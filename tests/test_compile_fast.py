@@ -89,3 +89,35 @@ def test_no_graph_is_compiled_after_the_warm_up():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=sample,
                            pad_token_id=0, generator=torch.Generator().manual_seed(batch))  # fmt: skip
             assert STATS.graphs == graphs, f"batch {batch}, do_sample={sample}: {STATS.graphs - graphs} new graphs"
+
+
+def test_a_compiled_model_prefills_eagerly_on_a_cpu():
+    """On a CPU the prompt runs through the model's eager forward (compiling it for any length cost minutes and ran
+    no faster); the decode and verify steps run compiled; the output is HF greedy's."""
+    ref = cached_tiny_model("mamba2", dtype=torch.float32)
+    ids = torch.cat([IDS, IDS[:, :7]], 1)  # 19 tokens: longer than any compiled step
+    want = ref.generate(ids, max_new_tokens=16, do_sample=False)
+    model = ssmspec.transform(copy.deepcopy(ref), compile={"options": {"inductor": False}, "progress": False})
+    compiled, lengths = model._compiled_call_impl, []
+
+    def recording(*args, **kwargs):
+        lengths.append(kwargs["input_ids"].shape[1])
+        return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = recording
+    assert torch.equal(model.generate(ids, max_new_tokens=16), want)
+    assert lengths and ids.shape[1] not in lengths and max(lengths) <= 16  # steps compiled, the prompt not
+
+
+def test_a_calibration_on_disk_leaves_no_graph_to_a_users_first_call(tmp_path, monkeypatch):
+    """With calibrations kept on disk, a second compiled copy of a model still compiles every tree-size bucket in its
+    warm-up (a compiled model's calibration is measured there, never read from disk)."""
+    monkeypatch.setenv("SSMSPEC_CACHE", str(tmp_path))
+    ref = cached_tiny_model("mamba2", dtype=torch.float32)
+    options = {"options": {"inductor": False}, "progress": False}
+    ssmspec.transform(copy.deepcopy(ref), compile=options).generate(IDS, max_new_tokens=24)
+    torch._dynamo.reset()  # (a new process: nothing compiled)
+    model = ssmspec.transform(copy.deepcopy(ref), compile=options)
+    graphs = STATS.graphs
+    model.generate(IDS, max_new_tokens=24, speculation=ssmspec.SpecConfig(adaptive=False))  # (trees every step)
+    assert STATS.graphs == graphs

@@ -68,6 +68,12 @@ def _is_class_forward(module: nn.Module, fn: Any) -> bool:
     return getattr(fn, "__func__", None) is type(module).forward and getattr(fn, "__self__", None) is module
 
 
+def uncompiled_call(model: nn.Module) -> Any:
+    """`model(...)` without the compiled forward `model.compile` installed (nn.Module internals, named here: its
+    `_call_impl` runs hooks and forward eagerly, as an uncompiled module's `__call__` does)."""
+    return model._call_impl if getattr(model, "_compiled_call_impl", None) is not None else model
+
+
 def tensor_parallel(model: nn.Module) -> int:
     """The degree of tensor parallelism the model was loaded with (`from_pretrained(tp_plan=...)`: transformers
     records it as `_tp_size`); 1 where it was not sharded."""

@@ -365,8 +365,10 @@ def directory() -> Path | None:
 def signature(model: nn.Module, runner) -> str | None:
     """What a calibration on disk is kept under: the model's architecture (its config without names and paths), its
     dtype, how ssmspec runs it (packed linears, compiled, kernel policy), the machine (processor or GPU, threads) and
-    the versions of torch and ssmspec; None where none is kept (a sharded model: every process must agree)."""
-    if runner.agreement.sharded:
+    the versions of torch and ssmspec; None where none is kept: a sharded model (every process must agree) and a
+    compiled one (static shapes: its warm-up verifies every tree-size bucket to compile it, and measures as it goes;
+    one taken from disk would leave the buckets to compile on a user's first call)."""
+    if runner.agreement.sharded or runner.static_shapes:
         return None
     import ssmspec  # (the version)
 

@@ -97,6 +97,10 @@ class ModelRunner:
         self.agreement = agreement if agreement is not None else hf_instance.Agreement(model)
         # the tree path's one-node trees advance the committed states as they are verified (`verify`), except under
         # CUDA graphs, whose graphs would then write inputs they do not own (skipped or copied; unmeasured)
+        # a compiled model's prefill runs eagerly on a CPU: compiled for any prompt length it took 87-124 s a graph
+        # to compile (211 of a 266 s warm-up on the embedded model) and ran no faster (20.2 against 20.5 ms for 128
+        # tokens, 159 against 111 ms for 1,024); decode and verify steps, static, stay compiled
+        self.eager_prefill = self.device.type == "cpu" and getattr(model, "ssmspec_compile_call", None) is not None
         mode = compile_mode(getattr(model, "ssmspec_compile_options", None) or {})
         self.in_place_single_nodes = not (self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune"))
         self.info = getattr(model, "ssmspec_info", None)
@@ -138,7 +142,8 @@ class ModelRunner:
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
 
-    def _call(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    def _call(self, input_ids, attention_mask, position_ids, eager: bool = False) -> torch.Tensor:
+        """The model's logits for these tokens on this runner's cache (`eager`: without its compiled forward)."""
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
@@ -147,7 +152,8 @@ class ModelRunner:
         packed = packed_linear.packs(self.packed_sizes, input_ids.shape[1], self.prepack)
         with (packed_linear.prepacked(packed), hf_attention.grouping(),
               features.capturing(self.model, self.capture_features) as capture):  # fmt: skip
-            logits = self.model(input_ids=input_ids, **kwargs).logits
+            call = hf_instance.uncompiled_call(self.model) if eager else self.model
+            logits = call(input_ids=input_ids, **kwargs).logits
         if capture is not None:
             self.features = features.positions(capture, logits)
         if self.dropped_ids is not None:
@@ -171,7 +177,7 @@ class ModelRunner:
         if not self.static_shapes and any(w is not None for w in self.cache.windows()):
             self.cache.capacity = None
         mask = attention_mask.to(torch.long)
-        logits = self._call(input_ids, mask, positions_from_mask(mask))
+        logits = self._call(input_ids, mask, positions_from_mask(mask), eager=self.eager_prefill)
         self.cache.start(mask)
         return logits if all_positions else logits[:, -1]
 
