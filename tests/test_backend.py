@@ -214,12 +214,11 @@ def test_split_scan_bug_is_worked_around_with_an_opaque_cumsum(monkeypatch, when
     model = ssmspec.transform(copy.deepcopy(ref))
     model.compile(backend="ssmspec", options={"kernels": "reference"})
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
-    want = ref.generate(ids, max_new_tokens=4, do_sample=False)
-    with pytest.warns(RuntimeWarning, match="ATen's cumsum"):
-        got = model.generate(
-            ids, max_new_tokens=4, speculation=ssmspec.SpecConfig(tree=True, num_draft_tokens=3, adaptive=False)
-        )
-    assert torch.equal(got, want)
+    with torch.no_grad():
+        want = ref(ids).logits
+        with pytest.warns(RuntimeWarning, match="ATen's cumsum"):
+            got = model(ids).logits  # HF's chunked path, compiled (a compiled model's prompt runs eagerly on a CPU)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # (float32: Inductor rounds its own way)
     assert seen["cumsum"] >= 1 and seen["opaque"] >= 1
     assert STATS.fallbacks == 0 and STATS.workarounds == seen["cumsum"]
 

@@ -349,8 +349,8 @@ def test_a_model_with_packed_linears_keeps_the_measured_choice_and_hfs_output(mo
     chosen = cal.packed_sizes()
     assert sorted(chosen) == [1, 2, 4, 5] and all(isinstance(v, bool) for v in chosen.values())
     seen = []
-    monkeypatch.setattr(ModelRunner, "_call", lambda self, *a, real=ModelRunner._call: (
-        seen.append(self.packed_sizes) or real(self, *a)))  # fmt: skip
+    monkeypatch.setattr(ModelRunner, "_call", lambda self, *a, real=ModelRunner._call, **kw: (
+        seen.append(self.packed_sizes) or real(self, *a, **kw)))  # fmt: skip
     out = model.generate(ids, max_new_tokens=12, speculation=spec, return_dict_in_generate=True)
     assert torch.equal(out.sequences, want) and out.spec_stats["calibration_seconds"] == 0
     # used for every verify step (the prefill, before it, runs on the default: packed)
