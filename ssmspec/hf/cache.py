@@ -55,7 +55,8 @@ class SpecCache(DynamicCache):
             tree nodes included; the buffers grow if a step would overflow them). None: HF's dynamic layout (K/V
             concatenated and rewritten per step).
         views: static K/V in eager mode: the attention reads only the slots in use, and the buffers are sized for
-            memory (PREALLOCATE_BYTES) rather than for one compiled shape.
+            memory (PREALLOCATE_BYTES) rather than for one compiled shape; a model with sliding-window layers keeps
+            HF's layout then.
 
     Raises:
         ValueError: an unknown commit strategy.
@@ -83,8 +84,9 @@ class SpecCache(DynamicCache):
         self.n_real: torch.Tensor | None = None  # [B] real tokens processed per row
         self.block: torch.Tensor | None = None  # [B] slots of each row in HF's layout (its pads included)
         self.reads_slot_positions = False  # a model read query/key offsets while verifying a tree
-        self.capacity = capacity
         self.views = views
+        # eager buffers keep every slot where HF's layout keeps a sliding layer's window only: HF's layout there
+        self.capacity = None if views and any(w is not None for w in self.windows()) else capacity
         self.static_kv = False  # K/V in preallocated buffers (set by `start` when a capacity was given)
         self._bound = 0  # static K/V: host upper bound of the longest row's slots (`reserve` grows the buffers)
         self._limit = 0  # static K/V: the slots the call may need at most (prompt + capacity)

@@ -174,8 +174,6 @@ class ModelRunner:
             )
         self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype,
                                capacity=self.capacity, views=not self.static_shapes)  # fmt: skip
-        if not self.static_shapes and any(w is not None for w in self.cache.windows()):
-            self.cache.capacity = None
         mask = attention_mask.to(torch.long)
         logits = self._call(input_ids, mask, positions_from_mask(mask), eager=self.eager_prefill)
         self.cache.start(mask)
