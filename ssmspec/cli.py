@@ -166,10 +166,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"prompt ids:   {ids[0].tolist()}")
         print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
+    from ssmspec.hf.mtp import MTPModule
+
+    head = model.ssmspec_draft_head
+    name = f"the {head.family} MTP layer" if isinstance(head, MTPModule) else "the draft head"
     drafter = (
-        "the draft head + prompt lookup"
-        if model.ssmspec_draft_head is not None and tree
-        else ("the draft head" if model.ssmspec_draft_head is not None else "prompt lookup")
+        f"{name} + prompt lookup" if head is not None and tree else name if head is not None else "prompt lookup"
     )  # drafter "auto"
     kind = (f"tree, {drafter}, up to {args.tree_budget} nodes, depth {args.draft_tokens}" if tree
             else f"chain, {drafter}, up to {args.draft_tokens} draft tokens")  # fmt: skip

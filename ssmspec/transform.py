@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,13 +33,16 @@ from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features as hf_features
 from ssmspec.hf import instance as hf_instance
 from ssmspec.hf import layers as hf_layers
+from ssmspec.hf import mtp as hf_mtp
 from ssmspec.hf import seams as hf_seams
 from ssmspec.hf import tree_modules
+from ssmspec.hf.mtp import MTPModule
 from ssmspec.ops import using_kernel_policy
 from ssmspec.probe import probe, probe_generic, probe_generic_batches, probe_generic_trees
 from ssmspec.speculate import generate as spec_generate
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import check_vocab
+from ssmspec.speculate.drafters.head import WEIGHTS as HEAD_WEIGHTS
 from ssmspec.speculate.drafters.head import DraftHead, check_head, find_head
 from ssmspec.speculate.generic import CHAINS_ONLY, ROW_BY_ROW
 
@@ -280,7 +284,11 @@ class SpecGenerationMixin:
         `draft_head.json`, where `ssmspec.transform` finds it when the checkpoint is loaded again)."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
         head = self.__dict__.get("ssmspec_draft_head")
-        if head is not None and kwargs.get("is_main_process", True):
+        if isinstance(head, MTPModule) and kwargs.get("is_main_process", True):  # (HF's state dict drops it)
+            from safetensors.torch import save_file
+
+            save_file(hf_mtp.mtp_state(head), str(Path(save_directory) / hf_mtp.MTP_FILE))
+        elif head is not None and kwargs.get("is_main_process", True):
             head.save(save_directory)
         return out
 
@@ -347,7 +355,7 @@ def _new_transformed(base: type) -> nn.Module:
 
 def transform(
     hf_model: nn.Module, config: SpecConfig | None = None, *, prepack: bool | None = None,
-    compile: bool | dict[str, Any] = False, draft_head: DraftHead | str | PathLike | None = "auto",
+    compile: bool | dict[str, Any] = False, draft_head: DraftHead | MTPModule | str | PathLike | None = "auto",
 ) -> nn.Module:  # fmt: skip
     """Make `hf_model` tree-verifiable and speculative, in place; returns the same object.
 
@@ -378,7 +386,10 @@ def transform(
             `SpecConfig(drafter="draft_head")` drafts with, and the defaults where it measured faster: a
             DraftHead, a directory holding one (`DraftHead.save`), "auto" (default: on a model transformed before,
             the head it has; else the one saved beside the model's checkpoint, `draft_head.safetensors` in its local
-            `name_or_path`, if any) or None. `save_pretrained` saves it beside the weights.
+            `name_or_path`, if any; else the MTP layer that checkpoint ships, its `mtp.*` tensors: ssmspec.hf.mtp)
+            or None. A directory or safetensors file with MTP tensors gives the model's MTP layer from them (an
+            MTP layout ssmspec does not build, or tensors missing from it, are refused by name). `save_pretrained`
+            saves it beside the weights (an MTP layer as `mtp.safetensors`).
 
     Returns:
         The same model object, its class extended with `SpecGenerationMixin` (same class name).
@@ -397,7 +408,7 @@ def transform(
         raise UnsupportedModelError(
             type(hf_model).__name__,
             f"it was loaded with {kinds}: ssmspec speculates on one process or under tensor parallelism "
-            "(tp_plan) only (docs: Big models and batches); load it with tp_plan or device_map",
+            "(tp_plan) only (docs: Big models); load it with tp_plan or device_map",
         )
     again = isinstance(hf_model, SpecGenerationMixin)
     if again and isinstance(draft_head, str) and draft_head == "auto" and "ssmspec_draft_head" in hf_model.__dict__:
@@ -452,15 +463,30 @@ def transform(
     return hf_model
 
 
-def _draft_head(model: nn.Module, head: DraftHead | str | PathLike | None) -> DraftHead | None:
+def _draft_head(model: nn.Module, head: DraftHead | MTPModule | str | PathLike | None) -> DraftHead | MTPModule | None:
     """The draft head `transform(..., draft_head=head)` attaches, checked against the model (module docstring of
-    ssmspec.speculate.drafters.head), on the model's device."""
+    ssmspec.speculate.drafters.head), on the model's device. "auto": a head saved beside the model's checkpoint,
+    else the MTP layer its checkpoint ships (ssmspec.hf.mtp); a path: a saved head, else a checkpoint directory or
+    safetensors file holding MTP tensors."""
     if isinstance(head, str) and head == "auto":
-        head = find_head(model)
+        found = find_head(model)
+        if found is None and (where := hf_mtp.checkpoint_dir(model)) is not None and hf_mtp.mtp_names(where):
+            return hf_mtp.build(model, hf_mtp.read_mtp(where))
+        head = found
     elif isinstance(head, str | PathLike):
-        head = DraftHead.load(head)
+        where = Path(head)
+        if where.is_dir() and (where / HEAD_WEIGHTS).exists() or not where.exists():
+            head = DraftHead.load(where)
+        elif hf_mtp.mtp_names(where):
+            return hf_mtp.build(model, hf_mtp.read_mtp(where))
+        else:
+            raise FileNotFoundError(f"no draft head at {where}: neither {HEAD_WEIGHTS} nor MTP (mtp.*) tensors")
+    elif isinstance(head, MTPModule):
+        return head
     elif head is not None and not isinstance(head, DraftHead):
-        raise TypeError(f"draft_head must be a DraftHead, a directory, 'auto' or None, got {type(head).__name__}")
+        raise TypeError(
+            f"draft_head must be a DraftHead, an MTP module, a path, 'auto' or None, got {type(head).__name__}"
+        )
     if head is None:
         return None
     check_head(head, model)

@@ -9,7 +9,7 @@ from os import PathLike
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.verification import COMMIT_STRATEGIES
 
-DRAFTERS = ("auto", "prompt_lookup", "draft_model", "draft_head", "none")
+DRAFTERS = ("auto", "prompt_lookup", "draft_model", "draft_head", "mtp", "none")
 # the most drafted nodes per row a step may verify, and the deepest draft: a verify step's buffers (its ancestor mask,
 # masked scan, attention over the tree) grow with the square of the nodes, and no drafter's trees pay near this size
 MAX_DRAFT_NODES = 1024
@@ -30,7 +30,9 @@ class SpecConfig:
             n-gram match in prompt + output; "draft_model" (needs `assistant_model`); "draft_head": an EAGLE-style
             head on the target's own features, trained for the target and attached by
             `ssmspec.transform(model, draft_head=...)` (ssmspec.speculate.drafters.head), its tree fused with prompt
-            lookup's (and the corpus's); "none": plain decoding through ssmspec's engine.
+            lookup's (and the corpus's); the model's MTP layer where its checkpoint ships one (ssmspec.hf.mtp) is its
+            draft head; "mtp": that MTP layer, refused where the model has none; "none": plain decoding through
+            ssmspec's engine.
         num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes), 1 to MAX_DRAFT_NODES;
             a call drafts no deeper than the tokens it has left and its tree budget.
         tree: False = chain; True = a tree from several matches / candidates; None (default): a tree where the model
@@ -151,13 +153,13 @@ class SpecConfig:
                 "SpecConfig.corpus with a draft model is used by tree=True (the retrieval tree fused into the "
                 "draft's) or by draft_vocab; set one of them"
             )
-        if self.corpus is not None and self.drafter == "draft_head" and self.tree is False:
+        if self.corpus is not None and self.drafter in ("draft_head", "mtp") and self.tree is False:
             raise ValueError(
                 "SpecConfig.corpus with a draft head is used by tree=True (the retrieval tree fused into the head's)"
             )
         if self.ahead < 0:
             raise ValueError(f"SpecConfig.ahead must be >= 0 (outcomes drafted ahead per row), got {self.ahead}")
-        if self.ahead and self.drafter in ("none", "draft_head"):
+        if self.ahead and self.drafter in ("none", "draft_head", "mtp"):
             raise ValueError(
                 "SpecConfig.ahead (Saguaro) drafts ahead for n-gram and draft-model drafters; drafter is "
                 f"{self.drafter!r}"

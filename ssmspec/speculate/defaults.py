@@ -19,6 +19,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ssmspec.hf.instance import Agreement
+from ssmspec.hf.mtp import MTPModule
 from ssmspec.speculate.config import MAX_DRAFT_NODES, SpecConfig
 from ssmspec.speculate.drafters import (
     AheadDrafter,
@@ -30,6 +31,7 @@ from ssmspec.speculate.drafters import (
     PromptLookupDrafter,
 )  # fmt: skip
 from ssmspec.speculate.drafters.head import DraftHead, HeadDrafter
+from ssmspec.speculate.drafters.mtp import MTPDrafter
 from ssmspec.speculate.retrieval import SuffixIndex, frequent_tokens
 
 # SpecConfig()'s own defaults are the n-gram default; a draft model drafts shallower trees (its proposals
@@ -108,9 +110,10 @@ def build_drafter(
     "draft_head"); `agreement`: the target's (tensor parallelism: a draft model's timed choices are every process's)."""
     if spec.drafter == "none":
         return NoDrafter()
-    if spec.drafter == "draft_head":
+    if spec.drafter in ("draft_head", "mtp"):
         branches = max(1, spec.tree_budget // max(spec.num_draft_tokens, 1)) if spec.tree else 1
-        drafter = HeadDrafter(head, target, tree=spec.tree, sampling_tree=spec.sampling_tree, branches=branches)
+        kind = MTPDrafter if isinstance(head, MTPModule) else HeadDrafter
+        drafter = kind(head, target, tree=spec.tree, sampling_tree=spec.sampling_tree, branches=branches)
         if not spec.tree:
             return drafter
         # the head's tree fused with prompt lookup's (context, and the corpus if any), as RASD fuses a retrieval

@@ -14,6 +14,7 @@ from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedModelError, UnsupportedSettingError
 from ssmspec.hf.generation import resolve
+from ssmspec.hf.mtp import MTPModule
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.defaults import build_drafter, spec_for
@@ -171,6 +172,12 @@ def generate(
     if spec.drafter == "draft_head" and head is None:
         raise ValueError(
             "SpecConfig(drafter='draft_head') needs a draft head: ssmspec.transform(model, draft_head=...)"
+        )
+    if spec.drafter == "mtp" and not isinstance(head, MTPModule):
+        raise ValueError(
+            "SpecConfig(drafter='mtp') needs the model's MTP layer: a checkpoint that ships `mtp.*` tensors, or "
+            "ssmspec.transform(model, draft_head=PATH) with PATH holding them"
+            + ("" if head is None else " (this model's draft head is an EAGLE-style head: drafter='draft_head')")
         )
     index = _corpus(model, spec, plan) if spec.corpus is not None else None
     drafter = build_drafter(

@@ -69,6 +69,14 @@ class Drafter:
         """(Drafters with `target_features`.) The target's feature [H] at row `row`'s last committed position, whose
         logits chose the next root. Default: nothing."""
 
+    # whether the engine hands this drafter the target's features at every position a row commits, in order
+    # (`observe_history`: the prompt's after the prefill, each step's accepted path after it), plain steps included
+    target_history: bool = False
+
+    def observe_history(self, row: int, features: torch.Tensor) -> None:
+        """(Drafters with `target_history`.) The target's features [k, H] at the next k positions row `row`
+        committed (the prompt's real positions, then each step's accepted nodes, root first). Default: nothing."""
+
     # the target's top-k successors the engine reports after every token it processes (`observe_prompt`,
     # `observe`); 0: none (the engine then computes nothing for the drafter)
     target_topk: int = 0

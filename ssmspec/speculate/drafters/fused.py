@@ -53,6 +53,14 @@ class FusedDrafter(Drafter):
     def observe_features(self, row: int, feature: torch.Tensor) -> None:
         self.draft.observe_features(row, feature)
 
+    @property
+    def target_history(self) -> bool:
+        """Whether the engine hands the draft the target's features at every committed position (an MTP layer)."""
+        return self.draft.target_history
+
+    def observe_history(self, row: int, features: torch.Tensor) -> None:
+        self.draft.observe_history(row, features)
+
     def set_decoding(self, decoding: Decoding) -> None:
         super().set_decoding(decoding)
         self.draft.set_decoding(decoding)

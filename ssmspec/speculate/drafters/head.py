@@ -156,6 +156,7 @@ class HeadDrafter(Drafter):
         # per row, the head's logits [V] at the nodes of its last greedy tree whose children it scored (what a
         # FusedDrafter prunes retrieved branches with)
         self.scored: list[dict[int, torch.Tensor]] = []
+        self.predicted: list[dict[int, torch.Tensor]] = []  # per row, node -> the head's output there (this proposal)
 
     def start(self, input_ids, attention_mask):
         """Bind to the target for this call: its embedding and LM head, where they execute now (a device_map may put
@@ -187,21 +188,35 @@ class HeadDrafter(Drafter):
         logits = self.lm_head(out.to(self.lm_head.weight.dtype))
         return out, logits.float()
 
+    def _root_logits(self, contexts) -> torch.Tensor | None:
+        """The head's logits [B, V] after every row's root (None: no draft this step, a row has no feature yet);
+        remembers the predicted root features the tree grows from."""
+        if any(f is None for f in self.features):
+            return None
+        roots, root_logits = self._predict(torch.stack(self.features), [int(c[-1]) for c in contexts])
+        self.predicted = [{0: roots[r]} for r in range(len(contexts))]  # per row, node -> its predicted feature
+        return root_logits
+
+    def _logits_at(self, trees, new) -> torch.Tensor:
+        """The head's logits [M, V] after every row's new nodes (rows in order), from their parents' features."""
+        nodes = [(r, n) for r, row in enumerate(new) for n in row]
+        parent = torch.stack([self.predicted[r][trees[r][1][n]] for r, n in nodes])
+        out, logits = self._predict(parent, [trees[r][0][n] for r, n in nodes])
+        for i, (r, n) in enumerate(nodes):
+            self.predicted[r][n] = out[i]
+        return logits
+
     def propose(self, contexts, max_nodes, max_depth):
         depth = min(max_nodes, max_depth)
         self.scored = []
-        if depth <= 0 or any(f is None for f in self.features):
+        root_logits = self._root_logits(contexts) if depth > 0 else None
+        if root_logits is None:
             return [([int(c[-1])], [-1]) for c in contexts]
-        roots, root_logits = self._predict(torch.stack(self.features), [int(c[-1]) for c in contexts])
-        predicted = [{0: roots[r]} for r in range(len(contexts))]  # per row, node -> its predicted feature
         self.scored = [{0: root_logits[r]} for r in range(len(contexts))]
 
-        def logits_at(trees, new):  # the head's logits after every row's new nodes, from their parents' features
-            nodes = [(r, n) for r, row in enumerate(new) for n in row]
-            parent = torch.stack([predicted[r][trees[r][1][n]] for r, n in nodes])
-            out, logits = self._predict(parent, [trees[r][0][n] for r, n in nodes])
-            for i, (r, n) in enumerate(nodes):
-                predicted[r][n] = out[i]
+        def logits_at(trees, new):  # the head's logits after every row's new nodes (kept for FusedDrafter's pruning)
+            logits = self._logits_at(trees, new)
+            for i, (r, n) in enumerate((r, n) for r, row in enumerate(new) for n in row):
                 self.scored[r][n] = logits[i]
             return logits
 

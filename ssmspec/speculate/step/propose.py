@@ -31,7 +31,8 @@ class Proposer:
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         # it drafts from the target's features (its runner then captures them: ssmspec.hf.features)
-        self.wants_features = bool(drafter.target_features)
+        self.history = bool(drafter.target_history)  # every committed position's features (an MTP layer)
+        self.wants_features = bool(drafter.target_features) or self.history
         self.topk = int(drafter.target_topk)
         self.calls_every_step = type(drafter).ahead is not Drafter.ahead
         # the target's features at the last step's commit, not yet handed to the drafter: (features [B, N, H], the
@@ -46,8 +47,12 @@ class Proposer:
         drafter, b = self.drafter, rows.batch
         drafter.set_decoding(rows.decoding)
         drafter.start(rows.input_ids, attention_mask)
-        if self.wants_features:
+        if drafter.target_features:
             self._features = (runner.features, [-1] * b, range(b))
+        if self.history:  # the features of every real prompt position (the prefill computed them all)
+            real = attention_mask.bool().to(runner.features.device)
+            for r in range(b):
+                drafter.observe_history(r, runner.features[r][real[r, -runner.features.shape[1] :]])
         if not self.topk:
             return logits
         ids_k, probs_k = top_k(logits[:, -PROMPT_TOPK_POSITIONS:], self.topk)
@@ -108,9 +113,13 @@ class Proposer:
                     nodes = [tree.index_of(r, n) for n in range(len(proposal.trees[r][0]))]
                     tops = [(accepted.tops[0][r][i], accepted.tops[1][r][i]) for i in nodes]
                     self.drafter.observe(r, rows.contexts[r], proposal.trees[r], tops, accepted.tokens[r])
-        if self.wants_features:  # (plain steps in a row need only the last)
-            told = [r for r in range(rows.batch) if verified.active[r] and r not in proposal.pads]
+        told = [r for r in range(rows.batch) if verified.active[r] and r not in proposal.pads]
+        if self.drafter.target_features:  # (plain steps in a row need only the last)
             self._features = (verified.features, list(accepted.last), told)
+        if self.history:  # the features along each row's accepted path (root first)
+            for r in told:
+                path = tree.path_nodes(r, accepted.last[r])
+                self.drafter.observe_history(r, verified.features[r, torch.tensor(path, device=tree.tokens.device)])
 
     def _hand_features(self) -> None:
         """Hand the drafter the target's features at each row's last committed position (one gather, a view per
