@@ -1,29 +1,291 @@
-"""MkDocs hook: render the generated parts of the docs at build time, from the code and committed data.
+"""MkDocs hook: the generated parts of the docs, rendered at build time from the code and from docs/data.
 
-- `<!-- ssmspec:families -->` / `<!-- ssmspec:family-details -->`: the supported families, from the report the
-  property suite wrote (docs/data/families.json, refreshed by scripts/docs-data.sh); the build fails if it is
-  missing or does not cover exactly the families the code supports. Refused families with the error
-  `ssmspec.transform` raises for each (computed now, on tiny models).
+Directives (an HTML comment, replaced by markdown when the page is built):
+
+- `<!-- ssmspec:families -->`, `<!-- ssmspec:family-details -->`, `<!-- ssmspec:families-table -->`: the supported
+  families, from the report the property suite wrote (docs/data/families.json, refreshed by scripts/docs-data.sh;
+  the build fails if it is missing or does not cover exactly the families the code supports), the generic path's
+  probes and the error `ssmspec.transform` raises for each refused family (computed now, on tiny models).
 - `<!-- ssmspec:settings -->`: every generation setting, applied / no effect / refused, from ssmspec.hf.generation.
 - `<!-- ssmspec:limitations -->`: what is refused and why, from the code's own lists.
-- `<!-- ssmspec:gpu -->`: docs/data/gpu.json (written by benchmarks/gpu.py), or a plain statement that it is missing.
-- `<!-- ssmspec:bench NAME -->`: a table from docs/data/NAME.json, which the benchmark scripts write.
-- Math: `$$ ... $$` blocks (each delimiter on its own line) become MathML at build time (latex2mathml):
-  rendered by the browser, nothing loaded from a CDN.
+- `<!-- ssmspec:spec-config -->`: SpecConfig's fields, defaults and documentation, from the class itself.
+- `<!-- ssmspec:spec-stats -->`: the keys of `out.spec_stats`, from ssmspec.speculate.engine.SpecStats.
+- `<!-- ssmspec:cli -->`: the `ssmspec` command's help, from its argument parser.
+- `<!-- ssmspec:embedded-models -->`: the models shipped in the package, from ssmspec/models/report.json.
+- `<!-- ssmspec:gpu -->`: docs/data/gpu.json (written by benchmarks/gpu.py).
+- `<!-- ssmspec:bench NAME -->`: a table of docs/data/NAME.json, with what the file records of its machine, date,
+  command and code revision. `<!-- ssmspec:batched NAME -->`: a batched-throughput file as one row per batch size.
+  `<!-- ssmspec:batched-gpu -->`: docs/data/batched_gpu.json, one row per run.
+- `<!-- ssmspec:speed-summary -->`: the table of measured speed-ups the README holds too (`SPEED_SUMMARY`).
+- `<!-- ssmspec:plot KIND [ARGS] -->`: an SVG plot drawn from docs/data (`_PLOTS`): no image is committed.
+- Math: `$$ ... $$` blocks (each delimiter on its own line) become MathML at build time (latex2mathml).
+
+Numbers in prose come from data too: `{{ FILE: PATH | FORMAT }}` is replaced by the value at PATH in
+docs/data/FILE.json. PATH is `/`-separated: dict keys (spaces allowed), list indices, `*` (every value), and
+`[key=value]` (the list elements whose `key` is `value`; `@last`: the last element's). A path that selects several
+values renders their range (`1.34–1.63x`). FORMAT: `x` (two decimals and "x"), `x1` (one decimal), `pct` (a
+fraction as a percentage), `int` (thousands separated), or a Python format spec. `{{ code: module.attr.path }}`
+renders a value of the code (a default, a constant). A path that the data does not hold fails the build.
+
+The figure rule (`hand_typed_figures`): outside code, placeholders and directives, a page may not type a speed or
+time figure itself: a number directly followed by `x` or `×` (`1.9x`), or by a unit of speed or time (`480 tok/s`,
+`tokens/s`, `tokens per second`, `ms`, `µs`, `us`, `s`, `seconds`, `minutes`). Such a figure drifts from the
+measurement it came from; cite it with a placeholder (or a table or plot) instead. The build also fails on a page
+longer than `MAX_PAGE_WORDS` words of source and on words about the project's own history (`HISTORY`); the README
+is held to the same rules (`check_readme`, run before every build), with `MAX_README_WORDS`.
 """
 
 from __future__ import annotations
 
 import functools
+import html
+import importlib
 import json
+import math
+import os
 import re
+import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"
-_PLACEHOLDER = re.compile(r"<!-- ssmspec:([\w-]+)(?: (\S+))? -->")
+README = ROOT / "README.md"
+MAX_PAGE_WORDS = 2500
+MAX_README_WORDS = 1000
+# the project's own history has no place in the docs: they state what the code does and what was measured
+HISTORY = re.compile(r"sto[p] [0-9]+|sess[i]on|len[t] ", re.I)  # (bracketed: this line is no match itself)
+
+_DIRECTIVE = re.compile(r"<!-- ssmspec:([\w-]+)(?: (.*?))? -->")
+_PLACEHOLDER = re.compile(r"\{\{\s*([\w.-]+)\s*:\s*(.+?)\s*(?:\|\s*([^}|]*?)\s*)?\}\}")
 _DISPLAY_MATH = re.compile(r"^\$\$\n(.+?)\n\$\$$", re.S | re.M)
+_FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})[^\n]*\n.*?^\1\2[ \t]*$", re.S | re.M)
+_FIGURE = re.compile(
+    r"(?<![\w.])\d(?:[\d,]*\d)?(?:\.\d+)?"  # a number
+    r"(?:[x×](?!\w)"  # directly followed by x: a speed-up
+    r"|\s?(?:tok(?:en)?s?/s|tokens per second|ms|µs|us|s|seconds|minutes)(?![\w/]))"  # or a unit of speed or time
+)
+
+
+# ---------------------------------------------------------------------------------------------- data and figures
+
+
+@functools.cache
+def load(name: str) -> dict:
+    """docs/data/NAME.json (NAME with or without `.json`)."""
+    path = DATA / (name if name.endswith(".json") else f"{name}.json")
+    if not path.exists():
+        raise ValueError(f"docs/data/{path.name} does not exist: run the benchmark that writes it")
+    return json.loads(path.read_text())
+
+
+def lookup(data, path: str, where: str = ""):
+    """The value at `path` in `data` (see the module docstring); a list where the path selects several."""
+    return _walk(data, [s.strip() for s in path.strip("/").split("/")], where or path)
+
+
+def _walk(node, segments: list[str], where: str, many: bool = False):
+    if not segments:
+        return node
+    seg, rest = segments[0], segments[1:]
+    if seg == "*" or (seg.startswith("[") and seg.endswith("]")):
+        items = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else None
+        if items is None:
+            raise ValueError(f"{where}: `{seg}` needs a list or a dict, found {type(node).__name__}")
+        if seg != "*":
+            conds = [c.split("=", 1) for c in seg[1:-1].split(",")]
+            for key, value in conds:
+                if value == "@last":
+                    value = str(items[-1].get(key)) if items else ""
+                items = [i for i in items if isinstance(i, dict) and str(i.get(key)) == value]
+        if not items:
+            raise ValueError(f"{where}: `{seg}` selects nothing")
+        out = []
+        for item in items:
+            got = _walk(item, rest, where, True)
+            out += got if isinstance(got, list) and many else [got]
+        return out
+    if isinstance(node, list) and re.fullmatch(r"-?\d+", seg):
+        try:
+            return _walk(node[int(seg)], rest, where, many)
+        except IndexError:
+            raise ValueError(f"{where}: no element {seg}") from None
+    if not isinstance(node, dict) or seg not in node:
+        keys = ", ".join(map(str, node)) if isinstance(node, dict) else type(node).__name__
+        raise ValueError(f"{where}: no `{seg}` (there: {keys[:300]})")
+    return _walk(node[seg], rest, where, many)
+
+
+_SUFFIXED = {"x": (".2f", "x", 1.0), "x1": (".1f", "x", 1.0), "pct": (".0f", " %", 100.0), "int": (",.0f", "", 1.0)}
+
+
+def fmt(value, spec: str = "") -> str:
+    """A value as the docs show it; a list of numbers as its range."""
+    numspec, suffix, scale = _SUFFIXED.get(spec, (spec, "", 1.0))
+
+    def one(v) -> str:
+        if v is None:
+            return "–"
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return str(v)
+        if not numspec:
+            return f"{v:.2f}" if isinstance(v, float) else str(v)
+        return format(v * scale, numspec)
+
+    if isinstance(value, list):
+        nums = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(nums) != len(value) or not nums:
+            return ", ".join(one(v) for v in value) + suffix
+        lo, hi = one(min(nums)), one(max(nums))
+        return (lo if lo == hi else f"{lo}–{hi}") + suffix
+    return one(value) + (suffix if isinstance(value, (int, float)) and not isinstance(value, bool) else "")
+
+
+def _code_value(path: str):
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ValueError(f"{{{{ code: {path} }}}}: no such module")
+
+
+def placeholder(source: str, path: str, spec: str | None = None) -> str:
+    """What `{{ source: path | spec }}` renders."""
+    if source == "code":
+        sys.path.insert(0, str(ROOT))
+        return fmt(_code_value(path), spec or "")
+    return fmt(lookup(load(source), path, f"{{{{ {source}: {path} }}}}"), spec or "")
+
+
+def _outside_code(markdown: str, fn) -> str:
+    """`fn` applied to the parts of `markdown` outside fenced code blocks."""
+    out, last = [], 0
+    for m in _FENCE.finditer(markdown):
+        out += [fn(markdown[last : m.start()]), m.group(0)]
+        last = m.end()
+    return "".join(out + [fn(markdown[last:])])
+
+
+def render_placeholders(markdown: str) -> str:
+    return _outside_code(markdown, lambda text: _PLACEHOLDER.sub(lambda m: placeholder(*m.groups()), text))
+
+
+def hand_typed_figures(markdown: str) -> list[str]:
+    """The speed or time figures a page types itself (the figure rule, module docstring), each with its context."""
+    text = _FENCE.sub("", markdown)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = _PLACEHOLDER.sub("", text)
+    text = _DISPLAY_MATH.sub("", text)
+    text = re.sub(r"(`+)(?:(?!\1).)+?\1", "", text, flags=re.S)  # inline code
+    text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets
+    found = []
+    for m in _FIGURE.finditer(text):
+        a, b = max(0, m.start() - 40), min(len(text), m.end() + 20)
+        found.append(" ".join(text[a:b].split()))
+    return found
+
+
+def history_words(text: str) -> list[str]:
+    return [" ".join(text[max(0, m.start() - 40) : m.end() + 30].split()) for m in HISTORY.finditer(text)]
+
+
+def words(markdown: str) -> int:
+    return len(markdown.split())
+
+
+def check_page(markdown: str, name: str, length: int | None = None) -> None:
+    """The rules every page is held to (module docstring); raises naming what breaks them. `length`: the words to
+    count, where not those of `markdown`."""
+    problems = []
+    figures = hand_typed_figures(markdown)
+    if figures:
+        problems.append("hand-typed speed figures (cite docs/data with {{ FILE: PATH | FORMAT }}): " + "; ".join(
+            f"«{f}»" for f in figures))  # fmt: skip
+    history = history_words(markdown)
+    if history:
+        problems.append("words about the project's history: " + "; ".join(f"«{h}»" for h in history))
+    n = words(markdown) if length is None else length
+    limit = MAX_README_WORDS if name == "README.md" else MAX_PAGE_WORDS
+    if n > limit:
+        problems.append(f"{n} words, more than {limit}: split the page")
+    if problems:
+        raise ValueError(f"{name}: " + " | ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------------- provenance
+
+
+def machine(data: dict) -> str:
+    """The machine a data file says it was measured on."""
+    named = data.get("machine") or data.get("device")
+    setup = " ".join(str(data.get(k, "")) for k in ("setup", "model"))
+    found = re.search(r"(NVIDIA [^,;]+|CPU(?:,? \d+ threads?)?)", setup)
+    hw = found.group(1).replace("CPU 2", "CPU, 2") if found else ""
+    if named:
+        named = str(named).split(", ")[0]
+        return f"{named}, {hw}" if hw and hw not in named and not hw.startswith("NVIDIA") else named
+    return hw or "machine not recorded"
+
+
+def provenance(name: str, data: dict | None = None) -> str:
+    """What docs/data/NAME.json records of how it was measured; 'not recorded' for what it does not."""
+    data = data if data is not None else load(name)
+    parts = [f"`docs/data/{name}.json`", machine(data), data.get("date") or "date not recorded"]
+    if data.get("command"):
+        parts.append(f"`{data['command']}`")
+    if data.get("revision"):
+        parts.append(f"revision `{data['revision']}`")
+    return ", ".join(parts)
+
+
+def _source_line(names: list[str]) -> str:
+    return "*Data: " + "; ".join(provenance(n) for n in names) + ".*\n"
+
+
+# ------------------------------------------------------------------------------------------- the README's table
+
+# (what was measured, data file, path of the speed-up, its baseline, path of the speed-up over the fastest plain
+# decoder measured in the same run, or None); every figure is the embedded 3M-parameter Mamba2 target on held-out
+# Python files, outputs identical to HF's
+SPEED_SUMMARY = (
+    ("Default call, greedy (the model's draft head)", "e2e_defaults", "methods/ssmspec default/speedup_vs_hf",
+     "HF greedy", "methods/ssmspec default/speedup_vs_best_baseline"),
+    ("Default call, greedy, no draft head (n-gram tree)", "e2e_defaults",
+     "methods/ssmspec default without a draft head/speedup_vs_hf", "HF greedy",
+     "methods/ssmspec default without a draft head/speedup_vs_best_baseline"),
+    ("Default call, sampling at temperature 0.7", "e2e_defaults",
+     "sampling/temperatures/0.7/ssmspec default/speedup_vs_hf", "HF sampling", None),
+    ("Default call, sampling at temperature 1.0", "e2e_defaults",
+     "sampling/temperatures/1.0/ssmspec default/speedup_vs_hf", "HF sampling", None),
+    ("Default call, batches of 1 to 32 prompts", "batched", "batches/*/ssmspec default/speedup_vs_hf",
+     "HF greedy, batched", "batches/*/ssmspec default/speedup_vs_best_plain"),
+    ("Default call, compiled (`transform(model, compile=True)`)", "e2e_compiled_default",
+     "methods/ssmspec default (compiled)/speedup_vs_hf", "eager HF greedy",
+     "methods/ssmspec default (compiled)/speedup_vs_best_baseline"),
+    ("Default call on a GPU, batch 1, eager", "batched_gpu",
+     "runs/[code=@last]/batches/1/ssmspec default/speedup_vs_hf", "HF greedy",
+     "runs/[code=@last]/batches/1/ssmspec default/speedup_vs_best_plain"),
+)  # fmt: skip
+
+
+def speed_summary() -> str:
+    """The table of measured speed-ups (the README's, generated by scripts/readme.py, and the docs')."""
+    lines = ["| measured | speed-up | over | over the fastest plain decoder | data: file, machine, date |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for what, name, path, base, best in SPEED_SUMMARY:
+        data = load(name)
+        cells = [what, f"**{fmt(lookup(data, path), 'x')}**", base, fmt(lookup(data, best), "x") if best else "–"]
+        cells.append(f"`{name}.json`: {machine(data)}, {data.get('date') or 'date not recorded'}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- families
 
 
 def _family_report() -> dict:
@@ -83,10 +345,12 @@ def _generic_families() -> list[tuple[str, str, str, str]]:
     return out
 
 
+_MEASURED = re.compile(r" by [\d.e+-]+ \(relative; tolerance [^)]*\)")
+
+
 def _overview() -> str:
     """Every family of the pinned transformers with recurrent state: the path it verifies on and what is exact,
-    from the property suite's report (seams), the generic probes (generic) and transform's errors (refused),
-    computed now. The README holds the same table (`python docs/hooks.py --write-readme`; the build checks it)."""
+    from the property suite's report (seams), the generic probes (generic) and transform's errors (refused)."""
     from ssmspec.testing import report
     from ssmspec.testing.configs import SUPPORTED_FAMILIES
 
@@ -102,29 +366,14 @@ def _overview() -> str:
     return "\n".join(lines) + "\n"
 
 
-_MEASURED = re.compile(r" by [\d.e+-]+ \(relative; tolerance [^)]*\)")
-_README_BLOCK = re.compile(r"(<!-- ssmspec:families-overview -->\n)(.*?)(<!-- /ssmspec:families-overview -->)", re.S)
+def families_line() -> str:
+    """The README's one line on the supported families (scripts/readme.py writes it; the build checks it)."""
+    from ssmspec.testing.configs import GENERIC_FAMILIES, SUPPORTED_FAMILIES, UNSUPPORTED_FAMILIES
 
-
-def _readme_block(readme: str) -> str:
-    m = _README_BLOCK.search(readme)
-    if m is None:
-        raise ValueError("README.md has no <!-- ssmspec:families-overview --> block")
-    return m.group(2)
-
-
-def write_readme() -> None:
-    """Rewrite the README's families table from `_overview()`."""
-    path = ROOT / "README.md"
-    text = path.read_text()
-    _readme_block(text)
-    path.write_text(_README_BLOCK.sub(lambda m: m.group(1) + _overview() + m.group(3), text))
-
-
-def on_pre_build(config) -> None:
-    """The README's families table is generated too: fail the build where it differs from what the code finds."""
-    if _readme_block((ROOT / "README.md").read_text()) != _overview():
-        raise ValueError("README.md's families table is out of date: run `python docs/hooks.py --write-readme`")
+    seams, generic, refused = (", ".join(f) for f in (SUPPORTED_FAMILIES, GENERIC_FAMILIES, UNSUPPORTED_FAMILIES))
+    return (f"{len(SUPPORTED_FAMILIES)} families through ssmspec's kernel seams (trees and batches: {seams}), "
+            f"{len(GENERIC_FAMILIES)} through Hugging Face's own forward ({generic}); refused, naming the module: "
+            f"{refused}.\n")  # fmt: skip
 
 
 def _cell(text: str) -> str:
@@ -157,6 +406,9 @@ def _family_details() -> str:
     return report.family_details_markdown(_family_report(), SUPPORTED_FAMILIES)
 
 
+# ------------------------------------------------------------------------------------------ reference from code
+
+
 def _settings() -> str:
     from ssmspec.hf.generation import settings_table
 
@@ -175,12 +427,11 @@ def _limitations() -> str:
     lines += ["", "### Model families refused", "", "| family | the module and why |", "|---|---|"]
     lines += [f"| {fam} | {_cell(msg)} |" for fam, msg in _refused_families()]
     lines += ["", "### Families on the generic path", "",
-              "No kernel seam: HF's own forward verifies chains (see How it works, \"The generic path\"), and trees "
-              "only where the model's recurrence modules have tree forms (xLSTM, RWKV, MiniMax, ZAYA); elsewhere "
-              "`SpecConfig(tree=True)` is refused naming the path. A batch is verified row by row where HF's batched "
-              "loop computes what its rows compute alone (HF's RWKV does not: it is refused there); a default call on "
-              "a batch runs HF's own batched generate.", "", "| family | why no seams | exact for |",
-              "|---|---|---|"]  # fmt: skip
+              "No kernel seam: HF's own forward verifies chains (see [Models without kernel seams]"
+              "(../explanation/generic-path.md)), and trees only where the model's recurrence modules have tree "
+              "forms; elsewhere `SpecConfig(tree=True)` is refused naming the path. A batch is verified row by row "
+              "where HF's batched loop computes what its rows compute alone; a default call on a batch runs HF's "
+              "own batched generate.", "", "| family | why no seams | exact for |", "|---|---|---|"]  # fmt: skip
     lines += [f"| {fam} | {_cell(why)} | {exact} |" for fam, _, why, exact in _generic_families()]
     limited = [(fam, "; ".join(r["limits"])) for fam, r in sorted(_family_report().items()) if r.get("limits")]
     lines += ["", "### Supported, within limits the probe found", "", "| family | exact for |", "|---|---|"]
@@ -193,18 +444,129 @@ def _limitations() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _docstring_sections(doc: str) -> dict[str, str]:
+    """A Google-style `Attributes:` section as {name: text}."""
+    out: dict[str, str] = {}
+    lines = doc.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+    except StopIteration:
+        return out
+    indent, name = None, None
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        width = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = width
+        if width < indent:
+            break
+        m = re.match(r"\s*(\w+): (.*)", line)
+        if width == indent and m:
+            name = m.group(1)
+            out[name] = m.group(2)
+        elif name:
+            out[name] += " " + line.strip()
+    return out
+
+
+def _spec_config() -> str:
+    import dataclasses
+
+    from ssmspec.speculate.config import SpecConfig
+
+    docs = _docstring_sections(SpecConfig.__doc__ or "")
+    lines = ["| field | default | what it does |", "|---|---|---|"]
+    for f in dataclasses.fields(SpecConfig):
+        if f.name not in docs:
+            raise ValueError(f"SpecConfig.{f.name} is not documented in the class's Attributes section")
+        lines.append(f"| `{f.name}` | `{f.default!r}` | {_cell(docs[f.name])} |")
+    return "\n".join(lines) + "\n"
+
+
+# what each key of `out.spec_stats` means; the build fails where the code has a key this does not describe
+_SPEC_STATS = {
+    "verify_steps": "verify steps of the call (one forward each, all rows together)",
+    "accepted_tokens": "drafted tokens the target accepted, summed over rows",
+    "emitted_tokens": "tokens appended to the outputs: accepted drafts plus each step's own token, after EOS and "
+    "length cuts",
+    "tree_nodes_per_step": "per step, the nodes per row verified (the largest over rows): a list",
+    "row_steps": "verify steps counted per active row",
+    "near_ties": "emitted tokens whose two best logits were closer than `near_tie_tolerance`: where float32 or "
+    "bfloat16 arithmetic may pick the other token (never in float64)",
+    "near_tie_tolerance": "the gap, relative to max(1, |top logit|), below which a token counts as a near-tie",
+    "max_verify_bytes": "the largest verify step's buffers (replay records or node states, tree K/V), all rows",
+    "out_of_memory": "verify steps that ran out of memory and were retried with a smaller tree",
+    "calibration_seconds": "seconds this call spent measuring the model's verify costs",
+    "calibrated": "whether the model's calibration is complete for this batch size and device after the call",
+    "drafter": "the drafter's own counters: drafting ahead's `hit_rate`, `saved_s`, `waited_s`, `thread_s`; RASD's "
+    "`pruned`; ...",
+    "mean_accepted_per_step": "tokens gained per verify step and row: accepted drafts plus the step's own token",
+    "path": '"seams" or "generic": which path verified',
+}
+
+
+def _spec_stats() -> str:
+    import dataclasses
+
+    from ssmspec.speculate.engine import SpecStats
+
+    keys = [f.name for f in dataclasses.fields(SpecStats)] + ["mean_accepted_per_step", "path"]
+    missing = [k for k in keys if k not in _SPEC_STATS]
+    if missing:
+        raise ValueError(f"spec_stats keys not described in docs/hooks.py _SPEC_STATS: {missing}")
+    stale = [k for k in _SPEC_STATS if k not in keys]
+    if stale:
+        raise ValueError(f"docs/hooks.py _SPEC_STATS describes keys the code no longer has: {stale}")
+    lines = ["| key | what |", "|---|---|"] + [f"| `{k}` | {_cell(_SPEC_STATS[k])} |" for k in keys]
+    return "\n".join(lines) + "\n"
+
+
+def _embedded_models() -> str:
+    from ssmspec import models
+
+    report = models.report()
+    about = {
+        "mamba2-target": "Mamba2, the default target (ships a draft head)",
+        "mamba2-draft": "Mamba2 draft model, the same tokenizer",
+        "bamba-hybrid": "Bamba (Mamba2 + attention)",
+    }
+    lines = ["| name | what | parameters | held-out bits per byte |", "|---|---|---|---|"]
+    for name in models.EMBEDDED:
+        r = report.get(name, {})
+        lines.append(f"| `{name}` | {about.get(name, '')} | {r.get('params', 0) / 1e6:.2f}M | "
+                     f"{fmt(r.get('held_out_bits_per_byte'))} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _cli() -> str:
+    from ssmspec.cli import build_parser
+
+    os.environ["COLUMNS"] = "100"  # the same wrapping on every machine
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")  # argparse internals
+    out = ["```text", parser.format_help().rstrip(), "```"]
+    for name, p in sub.choices.items():
+        out += ["", f"### `ssmspec {name}`", "", "```text", p.format_help().rstrip(), "```"]
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------- data tables
+
+
 def _gpu() -> str:
     path = DATA / "gpu.json"
     if not path.exists():
-        return ("**No GPU measurements yet.** `docs/data/gpu.json` does not exist: `python benchmarks/gpu.py` on a "
+        return ("**No GPU measurements.** `docs/data/gpu.json` does not exist: `python benchmarks/gpu.py` on a "
                 "CUDA machine writes it, and this page then shows its numbers.\n")  # fmt: skip
     data = json.loads(path.read_text())
-    lines = [f"Measured on **{data['device']}**, torch {data['torch']}."]
+    lines = [f"*Data: `docs/data/gpu.json`, {data['device']}, torch {data['torch']}, "
+             f"{data.get('date') or 'date not recorded'}.*"]  # fmt: skip
     kernels = data.get("kernels")
     if isinstance(kernels, list) and kernels:
-        lines += ["", "### Tree SSD kernel (bf16, 64 heads x 64 x state 128, batch 1)", "",
-                  "| nodes | kernel ms | x reference | x unrolled paths | x N single-token updates |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "#### Tree SSD kernel (bf16, 64 heads x 64 x state 128, batch 1)", "",
+                  "| nodes | kernel ms | reference over kernel | unrolled paths over kernel | N single-token updates "
+                  "over kernel |", "|---|---|---|---|---|"]  # fmt: skip
         for r in kernels:
             k = r["kernel_ms"]
             lines.append(f"| {r['nodes']} | {k:.3f} | {r['reference_ms'] / k:.2f} | {r['unrolled_ms'] / k:.2f} | "
@@ -212,7 +574,7 @@ def _gpu() -> str:
     vod = data.get("verify_over_decode", {})
     modes = {"eager": "eager", "graphs": "CUDA graphs", "compiled": "compiled", "graphs (compiled)":
              "compiled + CUDA graphs"}  # fmt: skip
-    lines += ["", "### verify(N) + commit / decode (1.3B-class Mamba2, bf16)", "",
+    lines += ["", "#### verify(N) + commit over one decode step (1.3B-class Mamba2, bf16)", "",
               "| N | " + " | ".join(modes.values()) + " |", "|---" * (len(modes) + 1) + "|"]  # fmt: skip
     ns = sorted({int(k) for m in modes for k in vod.get(m, {})})
     for n in ns:
@@ -223,7 +585,7 @@ def _gpu() -> str:
                                                      vod["decode_ms"].items()) + "."]  # fmt: skip
     for mode, err in vod.get("errors", {}).items():
         lines += ["", f"*{modes.get(mode, mode)}: {err}*"]
-    lines += ["", "### End to end", "", "| model | method | tokens/s | vs HF greedy | vs best plain decoder | "
+    lines += ["", "#### End to end", "", "| model | method | tokens/s | vs HF greedy | vs best plain decoder | "
               "identical | near-ties |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for model, rows in data.get("e2e", {}).items():
         for method, r in rows.items():
@@ -234,7 +596,7 @@ def _gpu() -> str:
                          f"{r['speedup_vs_best_ar']:.2f} | {r['identical']} | {r['near_ties']} |")  # fmt: skip
     families = data.get("families", {})
     if families:
-        lines += ["", '### Families under backend="ssmspec" in bf16 on CUDA (tiny models, speculative vs HF greedy)',
+        lines += ["", '#### Families under backend="ssmspec" in bf16 on CUDA (tiny models, speculative vs HF greedy)',
                   "", "| family | result | identical | near-ties | Inductor fallbacks |",
                   "|---|---|---|---|---|"]  # fmt: skip
         for fam, r in sorted(families.items()):
@@ -247,17 +609,8 @@ def _gpu() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(v) -> str:
-    if v is None:  # not measured for that row (a default call that ran HF's own generate has no acceptance)
-        return "–"
-    return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-
 def _bench(name: str) -> str:
-    path = DATA / f"{name}.json"
-    if not path.exists():
-        return f"*(no data: run the benchmark that writes docs/data/{name}.json)*\n"
-    data = json.loads(path.read_text())
+    data = load(name)
     setup = data.get("setup") or data.get("model") or ""
     if "methods" in data:  # e2e
         rows = [{"method": k, **v} for k, v in data["methods"].items()]
@@ -269,8 +622,237 @@ def _bench(name: str) -> str:
         cols += [c for c in r if c not in cols and not isinstance(r[c], (list, dict))]
     lines = [f"*{setup}*", "", "| " + " | ".join(c.replace("_", " ") for c in cols) + " |",
              "|" + "---|" * len(cols)]  # fmt: skip
-    lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n\n" + _source_line([name])
+
+
+def _batched_table(batches: dict, methods: list[str], best: str | None) -> list[str]:
+    head = "| batch | " + " | ".join(f"{m} tok/s (x HF)" for m in methods)
+    lines = [head + (f" | {best} over the best plain decoder | accepted / step |" if best else " |")]
+    lines.append("|---:" * (len(methods) + 1 + (2 if best else 0)) + "|")
+    for b, row in batches.items():
+        cells = [f"{row[m]['tokens_per_s']:,.0f} ({row[m]['speedup_vs_hf']:.2f}x)" if m in row else "–"
+                 for m in methods]  # fmt: skip
+        if best:
+            r = row.get(best, {})
+            cells += [fmt(r.get("speedup_vs_best_plain"), "x"), fmt(r.get("mean_accepted_per_step"))]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _batched(name: str) -> str:
+    data = load(name)
+    methods = list(dict.fromkeys(m for row in data["batches"].values() for m in row))
+    best = "ssmspec default (compiled)" if "ssmspec default (compiled)" in methods else "ssmspec default"
+    lines = [f"*{data['setup']}*", "", *_batched_table(data["batches"], methods, best)]
+    return "\n".join(lines) + "\n\n" + _source_line([name])
+
+
+def _batched_gpu() -> str:
+    data = load("batched_gpu")
+    sizes = sorted({int(b) for run in data["runs"] for b in run["batches"]})
+    lines = [f"*{data['setup']}. {data.get('notes', '')}*", "",
+             "The default call over the fastest plain decoder of the same run (HF's or ssmspec's), per run:", "",
+             "| code | command | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+             "|---|---|" + "---:|" * len(sizes)]  # fmt: skip
+    for run in data["runs"]:
+        cells = [fmt(run["batches"].get(str(b), {}).get("ssmspec default", {}).get("speedup_vs_best_plain"), "x")
+                 for b in sizes]  # fmt: skip
+        lines.append(f"| `{run['code']}` | `{run['command']}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + _source_line(["batched_gpu"])
+
+
+# ---------------------------------------------------------------------------------------------------- SVG plots
+
+_COLORS = ("#3949ab", "#ef6c00", "#2e7d32", "#8e24aa", "#00838f", "#c62828", "#6d4c41", "#546e7a")
+_FONT = 'font-family="system-ui, sans-serif"'
+
+
+def _t(x: float, y: float, text: str, size: int = 11, anchor: str = "middle", extra: str = "") -> str:
+    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" {_FONT} {extra}>'
+            f"{html.escape(str(text))}</text>")  # fmt: skip
+
+
+def _ylabel(text: str, middle: float) -> str:
+    return _t(14, middle, text, extra=f'transform="rotate(-90 14 {middle})"')
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    span = max(hi - lo, 1e-9)
+    raw = span / n
+    step = min((s * 10 ** math.floor(math.log10(raw)) for s in (1, 2, 2.5, 5, 10)), key=lambda s: abs(s - raw))
+    first = math.ceil(lo / step - 1e-9) * step
+    return [round(first + i * step, 10) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _figure(svg: list[str], width: int, height: int, title: str, caption: str) -> str:
+    body = "".join(svg)
+    return (f'<div class="plot"><svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+            f'role="img" aria-label="{html.escape(title)}">{body}</svg></div>\n\n{caption}')  # fmt: skip
+
+
+def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, xlabel: str, ylabel: str,
+              caption: str, logx: bool = False, ref: float | None = 1.0) -> str:  # fmt: skip
+    """Lines with markers (one per series), a dashed reference line, the legend on the right."""
+    width, height, left, right, top, bottom = 720, 360, 56, 210, 30, 46
+    pts = [p for s in series.values() for p in s]
+    fx = (lambda v: math.log2(v)) if logx else (lambda v: v)
+    x0, x1 = min(fx(p[0]) for p in pts), max(fx(p[0]) for p in pts)
+    ys = [p[1] for p in pts] + ([ref] if ref is not None else [])
+    y0, y1 = min(0.0, min(ys)), max(ys) * 1.08
+    px = lambda v: left + (fx(v) - x0) / max(x1 - x0, 1e-9) * (width - left - right)  # noqa: E731
+    py = lambda v: height - bottom - (v - y0) / max(y1 - y0, 1e-9) * (height - top - bottom)  # noqa: E731
+    svg = [_t(width / 2, 16, title, 13, extra='font-weight="600"')]
+    for v in _ticks(y0, y1):
+        svg.append(f'<line x1="{left}" x2="{width - right}" y1="{py(v):.1f}" y2="{py(v):.1f}" stroke="#ddd"/>')
+        svg.append(_t(left - 6, py(v) + 4, f"{v:g}", anchor="end"))
+    xticks = sorted({p[0] for p in pts})
+    for v in xticks:
+        svg.append(f'<line x1="{px(v):.1f}" x2="{px(v):.1f}" y1="{top}" y2="{height - bottom}" stroke="#f0f0f0"/>')
+        svg.append(_t(px(v), height - bottom + 16, f"{v:g}"))
+    svg.append(_t((left + width - right) / 2, height - 8, xlabel))
+    svg.append(_ylabel(ylabel, (top + height - bottom) / 2))
+    if ref is not None:
+        svg.append(f'<line x1="{left}" x2="{width - right}" y1="{py(ref):.1f}" y2="{py(ref):.1f}" stroke="#777" '
+                   'stroke-dasharray="5 4"/>')  # fmt: skip
+    for i, (label, s) in enumerate(series.items()):
+        color = _COLORS[i % len(_COLORS)]
+        s = sorted(s)
+        svg.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
+                   + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in s) + '"/>')  # fmt: skip
+        svg += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}"/>' for x, y in s]
+        ly = top + 10 + 18 * i
+        svg.append(f'<line x1="{width - right + 12}" x2="{width - right + 30}" y1="{ly}" y2="{ly}" stroke="{color}" '
+                   'stroke-width="2"/>')  # fmt: skip
+        svg.append(_t(width - right + 36, ly + 4, label, 11, anchor="start"))
+    return _figure(svg, width, height, title, caption)
+
+
+def bar_plot(groups: list[str], series: dict[str, list[float]], *, title: str, ylabel: str, caption: str,
+             ref: float | None = 1.0) -> str:  # fmt: skip
+    """Grouped vertical bars, each labelled with its value."""
+    width, height, left, right, top, bottom = 720, 340, 56, 16, 52, 40
+    y1 = max([v for vs in series.values() for v in vs] + [ref or 0]) * 1.12
+    py = lambda v: height - bottom - v / y1 * (height - top - bottom)  # noqa: E731
+    svg = [_t(width / 2, 16, title, 13, extra='font-weight="600"')]
+    for i, label in enumerate(series):
+        lx = left + 10 + 190 * i
+        svg.append(f'<rect x="{lx}" y="30" width="12" height="12" fill="{_COLORS[i % len(_COLORS)]}"/>')
+        svg.append(_t(lx + 18, 40, label, 11, anchor="start"))
+    for v in _ticks(0, y1):
+        svg.append(f'<line x1="{left}" x2="{width - right}" y1="{py(v):.1f}" y2="{py(v):.1f}" stroke="#ddd"/>')
+        svg.append(_t(left - 6, py(v) + 4, f"{v:g}", anchor="end"))
+    svg.append(_ylabel(ylabel, (top + height - bottom) / 2))
+    gw = (width - left - right) / len(groups)
+    bw = gw * 0.8 / len(series)
+    for g, group in enumerate(groups):
+        gx = left + g * gw + gw * 0.1
+        svg.append(_t(left + g * gw + gw / 2, height - bottom + 16, group))
+        for i, vs in enumerate(series.values()):
+            v = vs[g]
+            x = gx + i * bw
+            svg.append(f'<rect x="{x:.1f}" y="{py(v):.1f}" width="{bw - 3:.1f}" height="{py(0) - py(v):.1f}" '
+                       f'fill="{_COLORS[i % len(_COLORS)]}"/>')  # fmt: skip
+            svg.append(_t(x + (bw - 3) / 2, py(v) - 4, f"{v:.2f}", 10))
+    if ref is not None:
+        svg.append(f'<line x1="{left}" x2="{width - right}" y1="{py(ref):.1f}" y2="{py(ref):.1f}" stroke="#777" '
+                   'stroke-dasharray="5 4"/>')  # fmt: skip
+    return _figure(svg, width, height, title, caption)
+
+
+def hbar_plot(values: dict[str, float], *, title: str, xlabel: str, caption: str, ref: float | None = 1.0) -> str:
+    """One horizontal bar per entry, in order, its value at its end."""
+    names = list(values)
+    width, left, right, top, row = 820, 430, 50, 30, 18
+    height = top + row * len(names) + 34
+    x1 = max(list(values.values()) + [ref or 0]) * 1.05
+    px = lambda v: left + v / x1 * (width - left - right)  # noqa: E731
+    svg = [_t(width / 2, 16, title, 13, extra='font-weight="600"')]
+    for v in _ticks(0, x1):
+        svg.append(f'<line x1="{px(v):.1f}" x2="{px(v):.1f}" y1="{top}" y2="{height - 30}" stroke="#e4e4e4"/>')
+        svg.append(_t(px(v), height - 16, f"{v:g}"))
+    for i, name in enumerate(names):
+        y = top + i * row
+        svg.append(f'<rect x="{left}" y="{y + 2}" width="{px(values[name]) - left:.1f}" height="{row - 5}" '
+                   f'fill="{_COLORS[0]}"/>')  # fmt: skip
+        svg.append(_t(left - 6, y + row - 6, name, 10, anchor="end"))
+        svg.append(_t(px(values[name]) + 4, y + row - 6, f"{values[name]:.2f}", 10, anchor="start"))
+    if ref is not None:
+        svg.append(f'<line x1="{px(ref):.1f}" x2="{px(ref):.1f}" y1="{top}" y2="{height - 30}" stroke="#777" '
+                   'stroke-dasharray="5 4"/>')  # fmt: skip
+    svg.append(_t((left + width - right) / 2, height - 2, xlabel))
+    return _figure(svg, width, height, title, caption)
+
+
+_PROMPT_SETS = {"held-out code": "e2e_defaults", "third-party code": "e2e_third_party_default",
+                "prose": "e2e_prose", "random tokens": "e2e_random"}  # fmt: skip
+
+
+def _plot_prompt_sets(_: str) -> str:
+    series = {"default (draft head)": "ssmspec default", "default without a head": "ssmspec default without a "
+              "draft head", "ssmspec plain decoding": "ssmspec autoregressive"}  # fmt: skip
+    values = {label: [load(f)["methods"][m]["speedup_vs_hf"] for f in _PROMPT_SETS.values()]
+              for label, m in series.items()}  # fmt: skip
+    return bar_plot(list(_PROMPT_SETS), values, title="Speed-up over HF greedy per prompt set (embedded target)",
+                    ylabel="x HF greedy", caption=_source_line(list(_PROMPT_SETS.values())))  # fmt: skip
+
+
+def _latest_runs(data: dict) -> list[dict]:
+    return [r for r in data["runs"] if r["code"] == data["runs"][-1]["code"]]
+
+
+def _plot_batches(_: str) -> str:
+    cpu, gpu = load("batched"), load("batched_gpu")
+    runs = _latest_runs(gpu)
+    series = {}
+    for label, method in (("default", "ssmspec default"), ("plain decoding", "ssmspec autoregressive")):
+        series[f"CPU: {label}"] = [(int(b), r[method]["speedup_vs_hf"]) for b, r in cpu["batches"].items()]
+        sizes = sorted({int(b) for run in runs for b in run["batches"]})
+        series[f"GPU: {label} (median)"] = [
+            (b, statistics.median(run["batches"][str(b)][method]["speedup_vs_hf"] for run in runs
+                                  if str(b) in run["batches"])) for b in sizes]  # fmt: skip
+    caption = (f"GPU points: the median of the {len(runs)} runs of code `{runs[-1]['code']}` in the data file. "
+               + _source_line(["batched", "batched_gpu"]))  # fmt: skip
+    return line_plot(series, title="Speed-up over HF greedy (batched), per batch size and device", logx=True,
+                     xlabel="batch size (different prompts)", ylabel="x HF greedy, batched",
+                     caption=caption)  # fmt: skip
+
+
+def _plot_verify_cost(arg: str) -> str:
+    series, names = {}, []
+    for item in arg.split(";"):
+        name, _, label = item.partition("=")
+        name = name.strip()
+        data = load(name)
+        rows = [r for r in data["rows"] if r.get("shape", "chain") == "chain"]
+        series[label.strip() or name] = [(r["nodes"], r["ratio"]) for r in rows]
+        names.append(name)
+    return line_plot(series, title="Verify + commit of a chain of N tokens, in HF decode steps", logx=True,
+                     xlabel="tokens verified (N)", ylabel="cost / HF decode step",
+                     caption=_source_line(names))  # fmt: skip
+
+
+def _plot_tree_vs_chain(_: str) -> str:
+    data = load("tree_vs_chain")
+    shapes = list(dict.fromkeys(r["shape"] for r in data["rows"] if r["budget"]))
+    series = {s: [(r["budget"], r["speedup_vs_ar"]) for r in data["rows"] if r["shape"] == s] for s in shapes}
+    return line_plot(series, title="Tree against chain at equal node budget (n-gram drafts)", logx=True,
+                     xlabel="drafted nodes per step", ylabel="x ssmspec plain decoding",
+                     caption=_source_line(["tree_vs_chain"]))  # fmt: skip
+
+
+def _plot_methods(name: str) -> str:
+    data = load(name)
+    values = {m: r["speedup_vs_hf"] for m, r in data["methods"].items()}
+    return hbar_plot(values, title=f"Speed-up over eager HF greedy ({data.get('prompt_set', name)} prompts)",
+                     xlabel="x HF greedy", caption=_source_line([name]))  # fmt: skip
+
+
+_PLOTS = {"prompt-sets": _plot_prompt_sets, "batches": _plot_batches, "verify-cost": _plot_verify_cost,
+          "tree-vs-chain": _plot_tree_vs_chain, "methods": _plot_methods}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------- the hook
 
 
 def _math(markdown: str) -> str:
@@ -280,30 +862,106 @@ def _math(markdown: str) -> str:
                              markdown)  # fmt: skip
 
 
+def _mtp() -> str:
+    """The families whose checkpoints ship MTP layers: the layout ssmspec builds (ssmspec.hf.mtp), or why not."""
+    from ssmspec.hf import mtp as hf_mtp
+
+    layouts = {
+        "qwen3_next": "`mtp.fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0` (full attention, MoE), "
+        "`norm`",
+        "qwen3_5_text": "as Qwen3-Next, `layers.0` with a dense MLP",
+        "qwen3_5_moe_text": "as Qwen3-Next, `layers.0` with a MoE MLP (fused or per-expert tensors)",
+        "nemotron_h": "`mtp.layers.{i}`: one block per `mtp_layers_block_type` entry, `enorm`/`hnorm`/`eh_proj` on the "
+        "first, `final_layernorm` on the last",
+    }
+    missing = set(hf_mtp.FAMILIES) - set(layouts)
+    if missing:
+        raise ValueError(f"docs/hooks.py describes no MTP layout for {sorted(missing)}")
+    rows = ["| model type | native drafter | checkpoint tensors |", "|---|---|---|"]
+    rows += [f"| {fam} | MTP layer | {layouts[fam]} |" for fam in hf_mtp.FAMILIES]
+    rows += [f"| {fam} | refused | {_cell(why)} |" for fam, why in hf_mtp.REFUSED.items()]
+    return "\n".join(rows)
+
+
 _RENDERERS = {
+    "mtp": _mtp,
     "families-table": _overview,
     "families": _families,
     "family-details": _family_details,
     "settings": _settings,
     "limitations": _limitations,
+    "spec-config": _spec_config,
+    "spec-stats": _spec_stats,
+    "cli": _cli,
+    "embedded-models": _embedded_models,
     "gpu": _gpu,
+    "speed-summary": speed_summary,
+    "batched-gpu": _batched_gpu,
 }
+_WITH_ARG = {"bench": _bench, "batched": _batched, "provenance": lambda n: _source_line(n.split(","))}
+
+
+def render(markdown: str, where: str = "") -> str:
+    """A page's directives and placeholders rendered (not its math)."""
+
+    def directive(m: re.Match) -> str:
+        kind, arg = m.group(1), (m.group(2) or "").strip()
+        if kind == "plot":
+            plot, _, rest = arg.partition(" ")
+            if plot not in _PLOTS:
+                raise ValueError(f"unknown plot {plot!r} in {where}: one of {sorted(_PLOTS)}")
+            return _PLOTS[plot](rest)
+        if kind in _WITH_ARG:
+            return _WITH_ARG[kind](arg)
+        if kind in _RENDERERS:
+            return _RENDERERS[kind]()
+        raise ValueError(f"unknown ssmspec directive {m.group(0)} in {where}")
+
+    return render_placeholders(_outside_code(markdown, lambda text: _DIRECTIVE.sub(directive, text)))
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    def render(m: re.Match) -> str:
-        kind, arg = m.group(1), m.group(2)
-        if kind == "bench":
-            return _bench(arg)
-        if kind in _RENDERERS:
-            return _RENDERERS[kind]()
-        raise ValueError(f"unknown ssmspec placeholder {m.group(0)} in {page.file.src_uri}")
-
-    return _math(_PLACEHOLDER.sub(render, markdown))
+    check_page(markdown, page.file.src_uri)
+    return _math(render(markdown, page.file.src_uri))
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-readme"]:
-        raise SystemExit("usage: python docs/hooks.py --write-readme")
+# ------------------------------------------------------------------------------------------------------ README
+
+_README_BLOCKS = {"speed-table": speed_summary, "families-line": families_line}
+
+
+def readme_block(text: str, name: str) -> str:
+    m = re.search(rf"<!-- ssmspec:{name} -->\n(.*?)<!-- /ssmspec:{name} -->", text, re.S)
+    if m is None:
+        raise ValueError(f"README.md has no <!-- ssmspec:{name} --> ... <!-- /ssmspec:{name} --> block")
+    return m.group(1)
+
+
+def readme_without_blocks(text: str) -> str:
+    return re.sub(r"<!-- ssmspec:([\w-]+) -->\n.*?<!-- /ssmspec:\1 -->", "", text, flags=re.S)
+
+
+def write_readme(blocks: tuple[str, ...] = tuple(_README_BLOCKS)) -> None:
+    """Rewrite the README's generated blocks (scripts/readme.py)."""
+    text = README.read_text()
+    for name in blocks:
+        readme_block(text, name)
+        text = re.sub(rf"(<!-- ssmspec:{name} -->\n).*?(<!-- /ssmspec:{name} -->)",
+                      lambda m: m.group(1) + _README_BLOCKS[name]() + m.group(2), text, flags=re.S)  # fmt: skip
+    README.write_text(text)
+
+
+def check_readme(blocks: tuple[str, ...] = tuple(_README_BLOCKS)) -> None:
+    """The README's generated blocks are what the data and the code give now, and its prose follows the rules."""
+    text = README.read_text()
+    for name in blocks:
+        if readme_block(text, name) != _README_BLOCKS[name]():
+            raise ValueError(f"README.md's {name} block is out of date: run `python scripts/readme.py`")
+    check_page(readme_without_blocks(text), "README.md", length=words(text))
+    if history_words(text):
+        raise ValueError("README.md: words about the project's history: " + "; ".join(history_words(text)))
+
+
+def on_pre_build(config) -> None:
     sys.path.insert(0, str(ROOT))
-    write_readme()
+    check_readme()

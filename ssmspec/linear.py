@@ -5,7 +5,7 @@ Why: on a CPU a decode step and a verify step are bound by reading the weights. 
 sgemm) reads them at about half the speed for 2-16 rows than for one (a 32000 x 768 head: 8.5 ms for 1 row,
 17-19 ms for 2-16 on the 2-core CI machine), so verifying two tokens cost 1.6x one. oneDNN's linear on a
 weight packed once for a large batch (`_reorder_linear_weight(w, 128)`) costs 4-6 ms for 1-16 rows and
-also gives every row the same result whatever the row count (measured in docs/how-it-works.md).
+also gives every row the same result whatever the row count.
 
 What: `install(model)` gives each plain `nn.Linear` the class `PackedLinear` (same parameters, same state
 dict, same pickling). Its forward is `F.linear` unless the calling thread is inside `prepacked(True)`, which
@@ -40,7 +40,7 @@ from torch import nn
 PACK_BATCH = 128
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN's call costs ~18 us where F.linear's costs ~7: small weights stay on F.linear. Measured on the 2-core CI
-# machine (float32, docs/how-it-works.md): packed wins from about 2 MiB of weight at one row, from about 0.75 MiB
+# machine (float32): packed wins from about 2 MiB of weight at one row, from about 0.75 MiB
 # at 2+ rows (where MKL reads the weight at half speed)
 PACK_MIN_BYTES = 2 << 20
 PACK_MIN_BYTES_ROWS = 3 << 18

@@ -59,7 +59,7 @@ def compiled_fold(model: nn.Module):
     per model (kept on it), so that committing all layers is one compiled graph (one CUDA graph) without a
     host read. None for a model that was not compiled. Runners use it on CUDA only: on a CPU the eager commit
     (in place, all layers' states stacked, paths walked on the host) costs less than the compiled graph's
-    guards and call (about 0.5 against 1.1 ms on the embedded target, docs/how-it-works.md)."""
+    guards and call (about 0.5 against 1.1 ms on the embedded target)."""
     options = getattr(model, "ssmspec_compile_options", None)
     if options is None:
         return None

@@ -1,0 +1,111 @@
+"""The README and the docs follow the rules docs/hooks.py states: every speed figure comes from docs/data (the
+README's table is what scripts/readme.py generates from it, no page types a figure of its own), no page is too long,
+and nothing in them is about the project's own history. Fast (JSON and text only): the docs build checks the rest."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+
+
+def _load_hooks():
+    spec = importlib.util.spec_from_file_location("ssmspec_docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hooks = _load_hooks()
+
+
+def test_readme_speed_table_is_generated_from_the_data():
+    assert hooks.readme_block(README.read_text(), "speed-table") == hooks.speed_summary(), (
+        "README.md's speed table differs from docs/data: run `python scripts/readme.py`"
+    )
+
+
+def test_readme_table_fails_when_the_data_changes(monkeypatch):
+    load, data = hooks.load, hooks.load("e2e_defaults")
+    default = {**data["methods"]["ssmspec default"], "speedup_vs_hf": 9.99}
+    changed = {**data, "methods": {**data["methods"], "ssmspec default": default}}
+    monkeypatch.setattr(hooks, "load", lambda name: changed if name == "e2e_defaults" else load(name))
+    assert hooks.readme_block(README.read_text(), "speed-table") != hooks.speed_summary()
+
+
+def test_readme_is_a_landing_page():
+    text = README.read_text()
+    assert hooks.words(text) <= hooks.MAX_README_WORDS
+    assert "bash scripts/demo.sh" in text and "bash scripts/test.sh" in text
+    hooks.check_page(hooks.readme_without_blocks(text), "README.md", length=hooks.words(text))
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if "://" not in target:
+            assert (ROOT / target).exists(), f"README.md links to a missing file: {target}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
+def test_docs_pages_follow_the_rules(page):
+    hooks.check_page(page.read_text(), str(page.relative_to(ROOT)))
+
+
+def test_nothing_in_the_readme_or_docs_is_about_the_projects_history():
+    hits = []
+    for path in [README, ROOT / "mkdocs.yml", *sorted(DOCS.rglob("*"))]:
+        if path.is_file() and path.suffix in {".md", ".py", ".json", ".css", ".svg", ".yml"}:
+            hits += [f"{path.relative_to(ROOT)}: {hit}" for hit in hooks.history_words(path.read_text())]
+    assert not hits, hits
+
+
+def test_every_figure_a_page_cites_is_in_the_data():
+    data_directives = {"bench", "batched", "batched-gpu", "provenance", "plot", "speed-summary"}
+    for page in PAGES:
+        text = hooks._FENCE.sub("", page.read_text())
+        for m in hooks._PLACEHOLDER.finditer(text):
+            if m.group(1) != "code":  # the code's values: the docs build renders them
+                hooks.placeholder(*m.groups())
+        for m in hooks._DIRECTIVE.finditer(text):
+            if m.group(1) in data_directives:
+                hooks.render(m.group(0), str(page))
+
+
+def test_plots_are_drawn_from_the_data_as_svg():
+    for kind, arg in [("prompt-sets", ""), ("batches", ""), ("tree-vs-chain", ""), ("methods", "e2e"),
+                      ("verify-cost", "verify_cost_embedded=a;verify_cost_mamba2_24x768=b")]:  # fmt: skip
+        rendered = hooks.render(f"<!-- ssmspec:plot {kind} {arg} -->".replace("  ", " "), kind)
+        svg = re.search(r"<svg .*?</svg>", rendered, re.S)
+        assert svg is not None, kind
+        ET.fromstring(svg.group(0))  # well-formed
+        assert "docs/data/" in rendered  # says where its data came from
+
+
+def test_the_rules_catch_what_they_are_for():
+    for typed in ("The default runs 1.9x faster.", "It reached 480 tok/s.", "A step takes 5.5 ms here.",
+                  "2.07× HF greedy", "Compiling takes 30 s."):  # fmt: skip
+        with pytest.raises(ValueError, match="hand-typed"):
+            hooks.check_page(typed, "page.md")
+    with pytest.raises(ValueError, match="history"):
+        hooks.check_page(" ".join(["Measured in", "stop", "43."]), "page.md")
+    with pytest.raises(ValueError, match="words"):
+        hooks.check_page("word " * (hooks.MAX_PAGE_WORDS + 1), "page.md")
+    with pytest.raises(ValueError, match="no `nope`"):
+        hooks.placeholder("e2e", "methods/nope/speedup_vs_hf", "x")
+    # what is allowed: figures from the data, code, shapes and counts
+    hooks.check_page("It gives {{ e2e: methods/HF greedy/speedup_vs_hf | x }} on a 24 x 768 model, 16 nodes, "
+                     "`ssmspec bench --repeats 2`, torch 2.13.\n\n```\n1.9x\n```\n", "page.md")  # fmt: skip
+
+
+def test_placeholders_format_values_and_ranges():
+    default = hooks.load("e2e_defaults")["methods"]["ssmspec default"]["speedup_vs_hf"]
+    assert hooks.placeholder("e2e_defaults", "methods/ssmspec default/speedup_vs_hf", "x") == f"{default:.2f}x"
+    assert hooks.fmt([1.344, 1.63], "x") == "1.34–1.63x"
+    assert hooks.fmt(0.5, "pct") == "50 %"
+    batches = hooks.lookup(hooks.load("batched"), "batches/*/ssmspec default/speedup_vs_hf")
+    assert len(batches) == len(hooks.load("batched")["batches"])
