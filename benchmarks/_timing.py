@@ -24,3 +24,15 @@ def median_time(fn: Callable[[], object], repeats: int, *, warmup: int = 0) -> f
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def provenance(command: str) -> dict[str, str]:
+    """How a data file was measured: the machine's CPU, today's date, the command and the code revision."""
+    import subprocess
+    from datetime import date
+
+    from ssmspec.speculate.calibration import _cpu_name
+
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return {"machine": _cpu_name(), "date": date.today().isoformat(), "command": command,
+            "revision": revision.stdout.strip()}  # fmt: skip

@@ -530,6 +530,7 @@ def _embedded_models() -> str:
         "mamba2-target": "Mamba2, the default target (ships a draft head)",
         "mamba2-draft": "Mamba2 draft model, the same tokenizer",
         "bamba-hybrid": "Bamba (Mamba2 + attention)",
+        "nemotron-mtp": "Nemotron-H (Mamba2 + attention + MLP), its checkpoint shipping an MTP layer",
     }
     lines = ["| name | what | parameters | held-out bits per byte |", "|---|---|---|---|"]
     for name in models.EMBEDDED:

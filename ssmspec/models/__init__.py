@@ -1,4 +1,5 @@
-"""The embedded default models, trained by benchmarks/train_tiny.py on the Python standard library's source.
+"""The embedded default models, trained by benchmarks/train_tiny.py on the Python standard library's source, and a
+Nemotron-H hybrid trained with the MTP layer its checkpoint ships (benchmarks/train_mtp.py, same corpus and tokenizer).
 
     model, tokenizer = ssmspec.models.load("mamba2-target")
     # or with plain HF calls:
@@ -18,14 +19,14 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent
-EMBEDDED = ("mamba2-target", "mamba2-draft", "bamba-hybrid")
+EMBEDDED = ("mamba2-target", "mamba2-draft", "bamba-hybrid", "nemotron-mtp")
 
 
 def path(name: str) -> Path:
     """Directory of an embedded model (config, safetensors weights, tokenizer).
 
     Args:
-        name: one of `EMBEDDED` ("mamba2-target", "mamba2-draft", "bamba-hybrid").
+        name: one of `EMBEDDED` ("mamba2-target", "mamba2-draft", "bamba-hybrid", "nemotron-mtp").
 
     Raises:
         ValueError: an unknown name.

@@ -139,10 +139,12 @@ def generate(
     # drafter "auto" drafts with the model's head on an eager target; a compiled one keeps n-grams (the head's
     # features leave its graph through a break before the LM head, and its calls stay eager: on the compiled embedded
     # target n-grams measured 1.24x ssmspec's compiled plain decoding at batch 1, the head's trees 1.13-1.15x; at
-    # batch 4, 1.08x against 0.96x; docs: Benchmarks)
+    # batch 4, 1.08x against 0.96x; docs: Benchmarks). A checkpoint's MTP layer drafts when asked for (drafter "mtp"
+    # or "draft_head"): "auto" keeps n-grams, which measured faster on the embedded Nemotron-H with its MTP layer
+    # (docs/data/mtp.json: an MTP forward costs about a third of a verify step there)
     compiled = getattr(model, "ssmspec_compile_call", None) is not None
     spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains,
-                    head=head is not None and not compiled, sampling=decoding.do_sample,
+                    head=isinstance(head, DraftHead) and not compiled, sampling=decoding.do_sample,
                     user_set=plan.user_set)  # fmt: skip
     try:
         generic = _generic(model, spec, info, plan.model_inputs, plan.attention_mask, generic_exact, fallback)

@@ -1,0 +1,144 @@
+"""Train the embedded Nemotron-H hybrid with its multi-token-prediction (MTP) layer, as Nemotron 3 checkpoints ship
+one, on the same corpus and tokenizer as the other embedded models (the Python standard library's source).
+
+The target (Mamba2, attention and MLP blocks) and its MTP layer (an attention block and a MoE block, the
+`mtp_layers_block_type` Nemotron 3 publishes) are trained together, as DeepSeek-V3 trains its MTP modules: the
+target's next-token loss plus 0.3 x the MTP layer's loss on the token after next, from the target's features and
+the next token's embedding (ssmspec.hf.mtp). The checkpoint is saved as a real one: `save_pretrained`'s weights
+with the MTP tensors added under `mtp.*` in the published per-expert names, which transformers drops on load and
+`ssmspec.transform` finds. Held-out bits per byte and the MTP layer's held-out top-1 accuracy go to
+ssmspec/models/report.json.
+
+    python benchmarks/train_mtp.py                  # about 10 minutes on 2 CPU cores
+    python benchmarks/train_mtp.py --steps 20 --out /tmp/models   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from train_tiny import SEQ, bits_per_byte, encode
+from transformers import NemotronHConfig, NemotronHForCausalLM, PreTrainedTokenizerFast
+
+from ssmspec.hf import mtp as hf_mtp
+from ssmspec.models import ROOT, corpus_files
+from ssmspec.testing.mtp import per_expert
+
+NAME = "nemotron-mtp"
+MTP_WEIGHT = 0.3
+
+
+def config() -> NemotronHConfig:
+    """A 1.5M-parameter Nemotron-H (Mamba2, MLP and attention blocks) with one MTP layer (attention, MoE: 0.6M)."""
+    return NemotronHConfig(
+        hidden_size=192, layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
+                                            "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=48, intermediate_size=384,
+        mamba_num_heads=6, mamba_head_dim=64, n_groups=1, expand=2, ssm_state_size=32, conv_kernel=4, chunk_size=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=192,
+        moe_shared_expert_intermediate_size=192, num_nextn_predict_layers=1,
+        mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=4096, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=2048,
+    )  # fmt: skip
+
+
+def causal(n: int) -> torch.Tensor:
+    return torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)
+
+
+def losses(model, mtp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the target's next-token loss, the MTP layer's loss on the token after next, its top-1 hits) on x [B, T+1]."""
+    features = model.base_model(x[:, :-1]).last_hidden_state  # after the final norm: the LM head's input
+    logits = model.lm_head(features)
+    main = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    n = x.shape[1] - 2
+    embedded = model.get_input_embeddings()(x[:, 1:-1])
+    positions = torch.arange(n)[None].expand(x.shape[0], n)
+    out = mtp(features[:, :-1], embedded, positions, causal(n), None)
+    mtp_logits = model.lm_head(out)
+    mtp_loss = torch.nn.functional.cross_entropy(mtp_logits.flatten(0, 1), x[:, 2:].flatten())
+    hits = (mtp_logits.argmax(-1) == x[:, 2:]).float().mean()
+    return main, mtp_loss, hits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT))
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+    out = Path(args.out)
+    torch.set_num_threads(2)
+    torch.set_flush_denormal(True)
+    tok = PreTrainedTokenizerFast.from_pretrained(ROOT / "tokenizer")
+    train_files, held_files = corpus_files()
+    data, _ = encode(tok, train_files)
+    held, held_bytes = encode(tok, held_files)
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = NemotronHForCausalLM(config()).float().train()
+    model.set_experts_implementation("eager")
+    mtp = hf_mtp.NemotronHMTP(model, list(model.config.mtp_layers_block_type)).float().train()
+    mtp.apply(model._init_weights)  # (built outside the model: its experts' parameters start uninitialised)
+    params = list(model.parameters()) + list(mtp.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    warmup = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+    )
+    t0, seen = time.time(), []
+    for step in range(args.steps):
+        starts = [rng.randrange(0, len(data) - SEQ - 1) for _ in range(args.batch)]
+        x = torch.stack([data[s : s + SEQ + 1] for s in starts])
+        main_loss, mtp_loss, hits = losses(model, mtp, x)
+        (main_loss + MTP_WEIGHT * mtp_loss).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        seen.append((main_loss.item(), mtp_loss.item(), hits.item()))
+        if step % 50 == 0 or step == args.steps - 1:
+            last = seen[-50:]
+            print(f"step {step}/{args.steps} loss {sum(s[0] for s in last) / len(last):.3f} mtp "
+                  f"{sum(s[1] for s in last) / len(last):.3f} top-1 {sum(s[2] for s in last) / len(last):.3f} "
+                  f"({time.time() - t0:.0f}s)", flush=True)  # fmt: skip
+    train_seconds = time.time() - t0
+    model.eval()
+    mtp.eval()
+    with torch.no_grad():
+        windows = [held[s : s + SEQ + 1] for s in range(0, len(held) - SEQ - 1, SEQ)]
+        mtp_hits = sum(losses(model, mtp, w[None])[2].item() for w in windows) / len(windows)
+    mtp.family = "nemotron_h"
+    info = {
+        "params": sum(p.numel() for p in model.parameters()), "mtp_params": sum(p.numel() for p in mtp.parameters()),
+        "steps": args.steps, "batch": args.batch, "seq": SEQ, "mtp_loss_weight": MTP_WEIGHT,
+        "train_seconds": train_seconds, "held_out_bits_per_byte": bits_per_byte(model, held, held_bytes),
+        "held_out_mtp_top1": mtp_hits, "layers_block_type": model.config.layers_block_type,
+        "mtp_layers_block_type": model.config.mtp_layers_block_type,
+    }  # fmt: skip
+    print(f"{NAME}: {info}", flush=True)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
+    model.generation_config.bos_token_id = 1
+    where = out / NAME
+    model.half().save_pretrained(where, safe_serialization=True)
+    tok.save_pretrained(where)
+    from safetensors.torch import load_file, save_file
+
+    weights = where / "model.safetensors"
+    state = per_expert(hf_mtp.mtp_state(mtp.half()))  # the published names: experts one by one
+    save_file({**load_file(str(weights)), **state}, str(weights), metadata={"format": "pt"})
+    report_path = out / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    report[NAME] = info
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
