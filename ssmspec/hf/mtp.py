@@ -271,10 +271,16 @@ def build(model: nn.Module, tensors: dict[str, torch.Tensor]) -> MTPModule:
     return module.to(device=head.weight.device, dtype=head.weight.dtype).eval()
 
 
+def size_share(module: MTPModule, model: nn.Module) -> float:
+    """The MTP layer's parameters as a share of the model's (what one drafted level costs against a decode step,
+    roughly: the layer runs once per level, the model's every layer once per step)."""
+    return sum(p.numel() for p in module.parameters()) / max(1, sum(p.numel() for p in model.parameters()))
+
+
 def mtp_state(module: MTPModule) -> dict[str, torch.Tensor]:
     """The module's tensors as a checkpoint stores them (`mtp.` names; fused experts as transformers holds them)."""
     return {f"mtp.{k}": v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
 
 
 __all__ = ["FAMILIES", "MTP_FILE", "MTP_KEY", "MTPModule", "REFUSED", "build", "checkpoint_dir", "family_of",
-           "mtp_names", "mtp_state", "read_mtp"]  # fmt: skip
+           "mtp_names", "mtp_state", "read_mtp", "size_share"]  # fmt: skip

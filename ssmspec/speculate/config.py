@@ -31,8 +31,9 @@ class SpecConfig:
             head on the target's own features, trained for the target and attached by
             `ssmspec.transform(model, draft_head=...)` (ssmspec.speculate.drafters.head), its tree fused with prompt
             lookup's (and the corpus's); the model's MTP layer where its checkpoint ships one (ssmspec.hf.mtp) is its
-            draft head; "mtp": that MTP layer, refused where the model has none; "none": plain decoding through
-            ssmspec's engine.
+            draft head ("auto" takes it where it is small against the model: MTP_MAX_SHARE in
+            ssmspec.speculate.generate); "mtp": that MTP layer, refused where the model has none; "none": plain
+            decoding through ssmspec's engine.
         num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes), 1 to MAX_DRAFT_NODES;
             a call drafts no deeper than the tokens it has left and its tree budget.
         tree: False = chain; True = a tree from several matches / candidates; None (default): a tree where the model

@@ -14,7 +14,7 @@ from transformers.utils import ModelOutput
 
 from ssmspec.errors import UnsupportedModelError, UnsupportedSettingError
 from ssmspec.hf.generation import resolve
-from ssmspec.hf.mtp import MTPModule
+from ssmspec.hf.mtp import MTPModule, size_share
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.defaults import build_drafter, spec_for
@@ -22,6 +22,10 @@ from ssmspec.speculate.drafters.head import DraftHead
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, ROW_BY_ROW
 from ssmspec.speculate.retrieval import SuffixIndex, corpus_index
+
+# drafter "auto" drafts with a checkpoint's MTP layer where it holds at most this share of the model's parameters
+# (released checkpoints: one layer of dozens; the embedded Nemotron-H's, 31%, measured slower than n-grams)
+MTP_MAX_SHARE = 0.1
 
 
 class NotSpeculated(Exception):
@@ -139,12 +143,13 @@ def generate(
     # drafter "auto" drafts with the model's head on an eager target; a compiled one keeps n-grams (the head's
     # features leave its graph through a break before the LM head, and its calls stay eager: on the compiled embedded
     # target n-grams measured 1.24x ssmspec's compiled plain decoding at batch 1, the head's trees 1.13-1.15x; at
-    # batch 4, 1.08x against 0.96x; docs: Benchmarks). A checkpoint's MTP layer drafts when asked for (drafter "mtp"
-    # or "draft_head"): "auto" keeps n-grams, which measured faster on the embedded Nemotron-H with its MTP layer
-    # (docs/data/mtp.json: an MTP forward costs about a third of a verify step there)
+    # batch 4, 1.08x against 0.96x; docs: Benchmarks). A checkpoint's MTP layer counts as a head where it is small
+    # against the model (MTP_MAX_SHARE): on the embedded Nemotron-H, whose MTP layer holds 31% of its parameters,
+    # n-grams measured faster (docs/data/mtp.json)
     compiled = getattr(model, "ssmspec_compile_call", None) is not None
+    drafts = isinstance(head, DraftHead) or (isinstance(head, MTPModule) and size_share(head, model) <= MTP_MAX_SHARE)
     spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains,
-                    head=isinstance(head, DraftHead) and not compiled, sampling=decoding.do_sample,
+                    head=drafts and not compiled, sampling=decoding.do_sample,
                     user_set=plan.user_set)  # fmt: skip
     try:
         generic = _generic(model, spec, info, plan.model_inputs, plan.attention_mask, generic_exact, fallback)

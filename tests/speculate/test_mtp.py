@@ -61,19 +61,26 @@ def test_mtp_drafts_exactly_in_every_family(checkpoint, tree):
     assert out.spec_stats["drafter"]["head_calls"] > 0
 
 
-def test_draft_head_drafter_takes_the_mtp_layer_and_auto_keeps_ngrams(checkpoint):
-    """drafter "draft_head" drafts with the MTP layer the checkpoint ships; "auto" keeps n-gram lookup (measured faster:
-    docs/data/mtp.json); both give HF's output."""
+def test_auto_drafts_with_a_small_mtp_layer_only(checkpoint, monkeypatch):
+    """drafter "draft_head" drafts with the MTP layer the checkpoint ships; "auto" does where the layer is small against
+    the model (MTP_MAX_SHARE of its parameters; a tiny model's one layer of a few is not: n-gram lookup drafts); every
+    call gives HF's output."""
+    from ssmspec.speculate import generate as spec_generate
+
     family, ref, model = checkpoint
     ids = PROMPTS[0][:1]
     want = ref.generate(ids, max_new_tokens=16, do_sample=False)
-    out = model.generate(ids, max_new_tokens=16, return_dict_in_generate=True,
-                         speculation=ssmspec.SpecConfig(drafter="draft_head"))  # fmt: skip
-    assert torch.equal(out.sequences, want)
-    assert out.spec_stats["drafter"].get("mtp") == hf_mtp.family_of(model)
-    out = model.generate(ids, max_new_tokens=16, return_dict_in_generate=True)
-    assert torch.equal(out.sequences, want)
-    assert "mtp" not in out.spec_stats["drafter"]
+
+    def drafter_stats(**kw):
+        out = model.generate(ids, max_new_tokens=16, return_dict_in_generate=True, **kw)
+        assert torch.equal(out.sequences, want)
+        return out.spec_stats["drafter"]
+
+    assert drafter_stats(speculation=ssmspec.SpecConfig(drafter="draft_head")).get("mtp") == hf_mtp.family_of(model)
+    share = hf_mtp.size_share(model.__dict__["ssmspec_draft_head"], model)
+    assert share > spec_generate.MTP_MAX_SHARE and "mtp" not in drafter_stats()
+    monkeypatch.setattr(spec_generate, "MTP_MAX_SHARE", share)
+    assert drafter_stats().get("mtp") == hf_mtp.family_of(model)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
