@@ -351,18 +351,23 @@ _MEASURED = re.compile(r" by [\d.e+-]+ \(relative; tolerance [^)]*\)")
 def _overview() -> str:
     """Every family of the pinned transformers with recurrent state: the path it verifies on and what is exact,
     from the property suite's report (seams), the generic probes (generic) and transform's errors (refused)."""
+    from ssmspec.hf import mtp as hf_mtp
     from ssmspec.testing import report
     from ssmspec.testing.configs import SUPPORTED_FAMILIES
+    from ssmspec.testing.mtp import MTP_FAMILIES
+
+    def native(fam: str) -> str:  # the drafter the family's checkpoints ship (guides/mtp.md)
+        return "MTP layer" if fam in MTP_FAMILIES else "MTP layer: refused" if fam in hf_mtp.REFUSED else "–"
 
     data = _family_report()
-    lines = ["| family | path | what verifies it | exact for |", "|---|---|---|---|"]
+    lines = ["| family | path | what verifies it | exact for | native drafter |", "|---|---|---|---|---|"]
     for fam in SUPPORTED_FAMILIES:
         seams = ", ".join(data[fam].get("seams", []))
-        lines.append(f"| {fam} | seams | {seams} | {report._exact(data[fam])} |")
+        lines.append(f"| {fam} | seams | {seams} | {report._exact(data[fam])} | {native(fam)} |")
     for fam, _, _, exact in _generic_families():
-        lines.append(f"| {fam} | generic | HF's own forward and cache (no kernel seam) | {exact} |")
+        lines.append(f"| {fam} | generic | HF's own forward and cache (no kernel seam) | {exact} | {native(fam)} |")
     for fam, why in _refused_families():  # without the measured differences: the table states what, not how much
-        lines.append(f"| {fam} | refused | {_cell(_MEASURED.sub('', why))} | – |")
+        lines.append(f"| {fam} | refused | {_cell(_MEASURED.sub('', why))} | – | {native(fam)} |")
     return "\n".join(lines) + "\n"
 
 

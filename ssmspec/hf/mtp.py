@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ssmspec.errors import UnsupportedModelError
+from ssmspec.hf.instance import execution_device
 
 # an MTP tensor's name in a checkpoint: top-level `mtp.`, or under the language model of a multimodal checkpoint
 MTP_KEY = re.compile(r"^(?:model\.language_model\.|language_model\.|model\.)?mtp\.(?P<name>.+)$")
@@ -39,7 +40,8 @@ MTP_KEY = re.compile(r"^(?:model\.language_model\.|language_model\.|model\.)?mtp
 MTP_FILE = "mtp.safetensors"
 # families whose checkpoints ship MTP layers in a layout ssmspec does not build, and why
 REFUSED = {
-    "inkling": "Inkling's MTP is a chain of per-depth heads, each with its own attention cache (not built by ssmspec)",
+    "inkling": "Inkling's MTP is a chain of per-depth heads, each a decoder layer with short convolutions and its own "
+    "attention and convolution caches (not built by ssmspec)",
     "olmo_hybrid": "OLMo-Hybrid has no published MTP layout",
 }
 
@@ -160,13 +162,14 @@ class QwenMTP(MTPModule):
     """Qwen3-Next / Qwen3.5 (dense, MoE): `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0` (a
     full-attention decoder layer of the family, MoE or dense MLP as its config makes layer 0), `norm`."""
 
-    def __init__(self, model: nn.Module, layer_cls: str, norm_cls: str, mrope: bool) -> None:
+    def __init__(self, model: nn.Module, layer_cls: str, norm_cls: str, mrope: bool, moe: bool | None = None) -> None:
         config = model.config.get_text_config()
         super().__init__(_base(model).rotary_emb)
         mod, h, eps = _modeling(model), config.hidden_size, config.rms_norm_eps
         cfg = _layer_config(config, layer_types=["full_attention"], num_hidden_layers=1)
-        if hasattr(cfg, "mlp_only_layers"):
-            cfg.mlp_only_layers = []
+        if hasattr(cfg, "mlp_only_layers"):  # (Qwen3-Next) layer 0 gets the MLP kind the checkpoint holds
+            moe = bool(getattr(cfg, "num_experts", 0)) if moe is None else moe
+            cfg.mlp_only_layers, cfg.decoder_sparse_step = ([] if moe else [0]), 1
         norm = getattr(mod, norm_cls)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = norm(h, eps=eps)
@@ -221,6 +224,8 @@ QWEN = {
     "qwen3_5_moe_text": ("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeRMSNorm", True),
 }
 FAMILIES = (*QWEN, "nemotron_h")
+# the Nemotron-H block types an MTP layer may hold here (a Mamba2 block would need a recurrent cache of its own)
+NEMOTRON_BLOCKS = frozenset({"full_attention", "moe", "mlp"})
 
 
 def family_of(model: nn.Module) -> str:
@@ -229,8 +234,8 @@ def family_of(model: nn.Module) -> str:
 
 
 def build(model: nn.Module, tensors: dict[str, torch.Tensor]) -> MTPModule:
-    """The model's MTP module with `tensors` (names after `mtp.`) loaded, in the target's dtype, on its LM head's
-    device. UnsupportedModelError naming the family, the missing or unexpected tensors, or the layer count."""
+    """The model's MTP module with `tensors` (names after `mtp.`) loaded, in the target's dtype, where its LM head
+    computes. UnsupportedModelError naming the family, the missing or unexpected tensors, or the layer count."""
     family = family_of(model)
     name = type(model).__name__
     if family in REFUSED:
@@ -241,13 +246,18 @@ def build(model: nn.Module, tensors: dict[str, torch.Tensor]) -> MTPModule:
     if family in QWEN:
         if layers != 1:
             raise UnsupportedModelError(name, f"its checkpoint has {layers} MTP layers: ssmspec drafts with exactly 1")
-        module: MTPModule = QwenMTP(model, *QWEN[family])
+        module: MTPModule = QwenMTP(model, *QWEN[family], moe=any(k.startswith("layers.0.mlp.gate.") for k in tensors))
     else:
         types = list(model.config.get_text_config().mtp_layers_block_type or [])
         if layers != len(types):
             raise UnsupportedModelError(
                 name, f"its checkpoint has {layers} MTP blocks, its config's mtp_layers_block_type names {len(types)}"
             )
+        if other := sorted(set(types) - NEMOTRON_BLOCKS):
+            raise UnsupportedModelError(
+                name, f"its MTP blocks include {other}: ssmspec builds {sorted(NEMOTRON_BLOCKS)} blocks (no recurrent "
+                "state in the MTP layer)",
+            )  # fmt: skip
         module = NemotronHMTP(model, types)
     module.family = family
     state = _merge_experts(tensors, fused_gate_up=family in QWEN)
@@ -268,7 +278,8 @@ def build(model: nn.Module, tensors: dict[str, torch.Tensor]) -> MTPModule:
         raise UnsupportedModelError(name, f"its MTP tensors do not fit the model: {shapes}")
     head = model.get_output_embeddings()
     module.load_state_dict(state)
-    return module.to(device=head.weight.device, dtype=head.weight.dtype).eval()
+    # where the LM head computes (an offloaded head's weights sit on the meta device between forwards)
+    return module.to(device=execution_device(head), dtype=head.weight.dtype).eval()
 
 
 def size_share(module: MTPModule, model: nn.Module) -> float:

@@ -189,3 +189,36 @@ def test_save_pretrained_keeps_the_mtp_layer(tmp_path):
         assert all(torch.equal(after[k], before[k]) for k in before)
     given = ssmspec.transform(load(where), draft_head=tmp_path / "one" / hf_mtp.MTP_FILE)
     assert isinstance(given.__dict__["ssmspec_draft_head"], hf_mtp.MTPModule)
+
+
+def test_mtp_drafts_on_a_model_whose_lm_head_is_offloaded(tmp_path):
+    """With accelerate's big-model inference putting the LM head on disk (its weights on the meta device between
+    forwards), the MTP layer is built where the head computes and drafts exactly."""
+    pytest.importorskip("accelerate")
+    where = write_checkpoint("nemotron_h", tmp_path / "checkpoint")
+    ref = load(where)
+    tied = bool(ref.config.get_text_config().tie_word_embeddings)
+    device_map = {"model": "disk" if tied else "cpu", "lm_head": "disk"}
+    model = load(where, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert model.lm_head.weight.device.type == "meta"
+    model = ssmspec.transform(model)
+    head = model.__dict__["ssmspec_draft_head"]
+    assert all(p.device.type == "cpu" for p in head.parameters())
+    ids = PROMPTS[0][:1]
+    spec = ssmspec.SpecConfig(drafter="mtp", tree=True, tree_budget=6, num_draft_tokens=3, adaptive=False)
+    out = model.generate(ids, max_new_tokens=12, speculation=spec, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref.generate(ids, max_new_tokens=12, do_sample=False))
+    assert out.spec_stats["drafter"]["head_calls"] > 0
+
+
+def test_layer_kinds_come_from_the_checkpoint_and_recurrent_blocks_are_refused():
+    """A Qwen3-Next MTP layer with a dense MLP (no router tensors) builds with one, whatever the model's own layers use;
+    a Nemotron-H MTP layer with a Mamba2 block (which would need a recurrent cache of its own) is refused by name."""
+    model = build_tiny_model("qwen3_next")
+    dense = hf_mtp.QwenMTP(model, *hf_mtp.QWEN["qwen3_next"], moe=False).state_dict()
+    assert not any(".experts." in k for k in hf_mtp.build(model, dense).state_dict())
+    model = build_tiny_model("nemotron_h")
+    model.config.mtp_layers_block_type = ["linear_attention", "moe"]
+    tensors = {"layers.0.norm.weight": torch.ones(2), "layers.1.norm.weight": torch.ones(2)}
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        hf_mtp.build(model, tensors)

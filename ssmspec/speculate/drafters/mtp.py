@@ -102,8 +102,8 @@ class MTPDrafter(HeadDrafter):
     @torch.no_grad()
     def _forward(self, hidden, tokens, positions, slots, allowed) -> torch.Tensor:
         """One MTP forward over per-row queries (lists per row: hidden [q, H], tokens, positions, slots, and for each
-        query the slots it attends to past the row's committed ones); returns the output [B, Q, H] (padded rows'
-        queries attend to themselves alone)."""
+        query the slots it attends to past the row's committed ones, or None: every slot up to its own); returns the
+        output [B, Q, H] (padded rows' queries attend to themselves alone)."""
         self.steps += 1
         b, q = len(tokens), max(1, max(len(t) for t in tokens))
         ref = next(self.head.parameters())
@@ -118,9 +118,12 @@ class MTPDrafter(HeadDrafter):
         embedded = self.embed(ids).to(device, dtype)
         pos = torch.tensor([p + [0] * (q - len(p)) for p in positions], device=device)
         allow = torch.zeros(b, q, width, dtype=torch.bool)
+        span = torch.arange(width)
         for r in range(b):
             allow[r, :, : self.committed[r]] = True
-            for i, extra in enumerate(allowed[r]):
+            if allowed[r] is None:  # each query attends to every slot up to its own (committed entries in order)
+                allow[r, : len(slots[r])] |= span[None, :] <= torch.tensor(slots[r], dtype=torch.long)[:, None]
+            for i, extra in enumerate(allowed[r] or ()):
                 allow[r, i, extra] = True
             for i in range(len(tokens[r]), q):
                 allow[r, i] = False
@@ -153,7 +156,7 @@ class MTPDrafter(HeadDrafter):
             tokens.append([int(t) for t in ctx[n + 1 : m + 1]])
             positions.append(list(range(n, m)))
             slots.append(list(range(n, m)))
-            allowed.append([list(range(n, j + 1)) for j in range(n, m)])
+            allowed.append(None)  # (causal over the new entries)
             self.committed[r] = n  # (the entries attend to the ones before them, then count as committed)
         out = self._forward(hidden, tokens, positions, slots, allowed)
         last = torch.tensor([len(t) - 1 for t in tokens], device=out.device)
