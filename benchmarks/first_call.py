@@ -13,13 +13,12 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
+from _timing import provenance
 
 import ssmspec
 from ssmspec import models
@@ -78,15 +77,12 @@ def main() -> None:
                   f"{row['from_disk_over_calibrated']:.2f}x",
                   flush=True)  # fmt: skip
     if args.json:
-        revision = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
         setup = (f"embedded mamba2-target with its draft head, CPU {torch.get_num_threads()} threads, float32, "
                  f"batches of different held-out prompts x {args.prompt_tokens} tokens, {args.tokens} new tokens per "
                  f"row, the default call, medians of {args.repeats} fresh models")  # fmt: skip
-        result = {"setup": setup, "machine": calibration._cpu_name(), "date": str(date.today()),
-                  "command": "python benchmarks/first_call.py --batch " + " ".join(map(str, args.batch))
-                  + f" --tokens {args.tokens}", "revision": revision, "rows": rows}  # fmt: skip
+        batches = " ".join(map(str, args.batch))
+        command = f"python benchmarks/first_call.py --batch {batches} --tokens {args.tokens}"
+        result = {"setup": setup, **provenance(command), "rows": rows}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -469,16 +469,16 @@ def _draft_head(model: nn.Module, head: DraftHead | MTPModule | str | PathLike |
     else the MTP layer its checkpoint ships (ssmspec.hf.mtp); a path: a saved head, else a checkpoint directory or
     safetensors file holding MTP tensors."""
     if isinstance(head, str) and head == "auto":
-        found = find_head(model)
-        if found is None and (where := hf_mtp.checkpoint_dir(model)) is not None and hf_mtp.mtp_names(where):
-            return hf_mtp.build(model, hf_mtp.read_mtp(where))
-        head = found
+        head = find_head(model)
+        where = hf_mtp.checkpoint_dir(model) if head is None else None
+        if where is not None and (tensors := hf_mtp.read_mtp(where)):
+            return hf_mtp.build(model, tensors)
     elif isinstance(head, str | PathLike):
         where = Path(head)
-        if where.is_dir() and (where / HEAD_WEIGHTS).exists() or not where.exists():
+        if (where.is_dir() and (where / HEAD_WEIGHTS).exists()) or not where.exists():
             head = DraftHead.load(where)
-        elif hf_mtp.mtp_names(where):
-            return hf_mtp.build(model, hf_mtp.read_mtp(where))
+        elif tensors := hf_mtp.read_mtp(where):
+            return hf_mtp.build(model, tensors)
         else:
             raise FileNotFoundError(f"no draft head at {where}: neither {HEAD_WEIGHTS} nor MTP (mtp.*) tensors")
     elif isinstance(head, MTPModule):

@@ -62,17 +62,6 @@ def _files(where: Path) -> list[Path]:
     return sorted(where.glob("*.safetensors"))
 
 
-def mtp_names(where: str | Path) -> list[str]:
-    """The MTP tensor names (as stored) in a checkpoint directory or safetensors file, without reading tensors."""
-    from safetensors import safe_open
-
-    found = []
-    for file in _files(Path(where)):
-        with safe_open(str(file), framework="pt") as f:
-            found += [k for k in f.keys() if MTP_KEY.match(k)]
-    return found
-
-
 def read_mtp(where: str | Path) -> dict[str, torch.Tensor]:
     """The MTP tensors of a checkpoint directory (its safetensors index or files) or of one safetensors file, named
     without their `mtp.` prefix; empty where it has none."""
@@ -294,4 +283,4 @@ def mtp_state(module: MTPModule) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["FAMILIES", "MTP_FILE", "MTP_KEY", "MTPModule", "REFUSED", "build", "checkpoint_dir", "family_of",
-           "mtp_names", "mtp_state", "read_mtp", "size_share"]  # fmt: skip
+           "mtp_state", "read_mtp", "size_share"]  # fmt: skip

@@ -162,10 +162,14 @@ class HeadDrafter(Drafter):
         """Bind to the target for this call: its embedding and LM head, where they execute now (a device_map may put
         them apart, or offload them: weights on meta between calls), the head checked against it."""
         check_head(self.head, self.target)
+        self._bind(input_ids.shape[0])
+
+    def _bind(self, batch: int) -> None:
+        """The target's embedding and LM head where they execute now, and the call's counters reset."""
         self.embed = self.target.get_input_embeddings()
         self.lm_head = hf_features.lm_head(self.target)
         self.embed_device = hf_instance.execution_device(self.embed)
-        self.features = [None] * input_ids.shape[0]
+        self.features = [None] * batch
         self.steps = 0
         self.chain_fallbacks = 0  # rows a greedy tree fell back to a chain for (`trees.best_first_tree`)
 

@@ -14,13 +14,9 @@ rejected branch leaves nothing behind.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
-from ssmspec.hf import features as hf_features
-from ssmspec.hf import instance as hf_instance
 from ssmspec.hf.mtp import MTPModule
 from ssmspec.speculate.drafters.head import HeadDrafter
 
@@ -81,15 +77,10 @@ class MTPDrafter(HeadDrafter):
         self.used: list[int] = []  # per row, draft slots taken in this proposal
 
     def start(self, input_ids, attention_mask):
-        self.embed = self.target.get_input_embeddings()
-        self.lm_head = hf_features.lm_head(self.target)
-        self.embed_device = hf_instance.execution_device(self.embed)
         b = input_ids.shape[0]
-        self.features = [None] * b
+        self._bind(b)  # (built from the target's own checkpoint: nothing to check against it)
         self.slots = Slots()
         self.committed, self.pending = [0] * b, [[] for _ in range(b)]
-        self.steps = 0
-        self.chain_fallbacks = 0
 
     def observe_history(self, row: int, features: torch.Tensor) -> None:
         self.pending[row].append(features)
@@ -209,11 +200,6 @@ class MTPDrafter(HeadDrafter):
         for k, (r, i) in enumerate(picked):
             self.predicted[r][new[r][i]] = chosen[k]
         return self._logits(chosen)
-
-    def propose(self, contexts: Sequence[Sequence[int]], max_nodes: int, max_depth: int):
-        if min(max_nodes, max_depth) <= 0:  # a plain step: the committed entries wait for the next proposal
-            return [([int(c[-1])], [-1]) for c in contexts]
-        return super().propose(contexts, max_nodes, max_depth)
 
 
 __all__ = ["MTPDrafter", "Slots"]
