@@ -3,6 +3,7 @@
 from ssmspec import models  # noqa: F401  (ssmspec.models.load(...) after `import ssmspec`)
 from ssmspec.compile import backend as _backend  # noqa: F401  (registers the "ssmspec" torch.compile backend)
 from ssmspec.errors import (
+    CaptureError,
     InvalidTreeError,
     SSMSpecError,
     UnsupportedModelError,
@@ -18,6 +19,7 @@ from ssmspec.tree import TokenTree
 __version__ = "0.1.0"
 
 __all__ = [
+    "CaptureError",
     "InvalidTreeError",
     "SSMSpecError",
     "SpecCache",

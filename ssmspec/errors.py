@@ -32,3 +32,8 @@ class UnsupportedSettingError(SSMSpecError, NotImplementedError, ValueError):
     def __init__(self, setting: str, message: str) -> None:
         self.setting = setting
         super().__init__(message)
+
+
+class CaptureError(SSMSpecError, RuntimeError):
+    """A verify step could not be captured as a graph (SpecConfig.graphs): the op that read the host, or the
+    device's refusal, and where in the model's code it was called."""

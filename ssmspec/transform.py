@@ -27,7 +27,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.utils import ModelOutput
 
 from ssmspec import linear as packed_linear
-from ssmspec.compile.backend import mode_and_options, region_options
+from ssmspec.compile.backend import compile_mode, mode_and_options, region_options
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features as hf_features
@@ -496,9 +496,10 @@ def _draft_head(model: nn.Module, head: DraftHead | MTPModule | str | PathLike |
 def compile_options(device: torch.device) -> dict[str, Any]:
     """The `model.compile` keyword arguments that measured fastest for speculation on `device` (docs:
     Benchmarks): the ssmspec backend; on a CPU Inductor's C++ wrapper (it takes the Python wrapper's per-call
-    cost off small graphs); on CUDA, CUDA graphs (`mode="reduce-overhead"`) over the static tree buckets."""
+    cost off small graphs); on CUDA Inductor alone: ssmspec captures the compiled steps as CUDA graphs itself
+    (SpecConfig.graphs; torch's `mode="reduce-overhead"` graphs failed around HF's cache updated in place)."""
     if device.type == "cuda":
-        return {"backend": "ssmspec", "mode": "reduce-overhead"}
+        return {"backend": "ssmspec"}
     return {"backend": "ssmspec", "options": {"cpp_wrapper": True}}
 
 
@@ -517,6 +518,8 @@ def compile_fast(
         kwargs["options"] = options
     try:
         model.compile(**kwargs)
+        if device.type == "cuda" and compile_mode(kwargs) not in ("reduce-overhead", "max-autotune"):
+            model.ssmspec_graphs = True  # its verify steps captured by ssmspec (SpecConfig.graphs)
         vocab = int(model.config.get_text_config().vocab_size)
         # two prompt lengths within one scan chunk and two over it, per batch size: after the second of each,
         # Dynamo compiles the prefill for any length on that side of the chunk size (a guard of HF's chunking)
@@ -553,7 +556,7 @@ def _uncompile(model: nn.Module) -> None:
     """Undo `model.compile` (nn.Module internals, named here): the eager forward and no static shapes."""
     model._compiled_call_impl = None
     for name in ("ssmspec_static_shapes", "ssmspec_compile_call", "ssmspec_compile_options", "_ssmspec_calibration",
-                 "_ssmspec_compiled_commit", "_ssmspec_single_node_path"):  # fmt: skip
+                 "_ssmspec_compiled_commit", "_ssmspec_single_node_path", "ssmspec_graphs"):  # fmt: skip
         model.__dict__.pop(name, None)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ssmspec.compile.graphs import static
 from ssmspec.errors import InvalidTreeError
 
 
@@ -198,6 +199,28 @@ class TokenTree:
         moved._derived_tensors = {}
         return moved
 
+    def owned(self) -> TokenTree:
+        """A copy whose tensors are its own (the static inputs of a captured step, refilled by `copy_from`)."""
+        out = self._moved(lambda flat: flat.clone())
+        out.origin = self.origin
+        return out
+
+    def copy_from(self, other: TokenTree) -> None:
+        """Become `other` (a tree of the same batch size and node count) in place: every tensor keeps its address
+        (a captured step reads them), the host-side structure is `other`'s."""
+        if other.tokens.shape != self.tokens.shape:
+            raise InvalidTreeError(
+                f"a tree of shape {tuple(other.tokens.shape)} into one of {tuple(self.tokens.shape)}"
+            )
+        for name in ("tokens", "parents", "acceptable", "depth", "ancestor_mask"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        for name in ("depth_is_index", "_parents_list", "_depth_list", "origin", "_tokens_host", "_acceptable_host"):
+            if name in other.__dict__:
+                self.__dict__[name] = other.__dict__[name]
+            else:
+                self.__dict__.pop(name, None)
+        self._derived_tensors = {}
+
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> TokenTree:
         """A chain (each node the child of the previous) for every row.
@@ -298,7 +321,7 @@ class TokenTree:
 
         Under torch.compile it is computed with tensor ops instead, so that compiled graphs do not guard on
         (and recompile for) the Python-side cache of each new tree."""
-        if torch.compiler.is_compiling():
+        if static():
             return self._ancestors_tensor(k)
         return self.derived(("ancestors", k), lambda: self._ancestors_walked(k))
 
@@ -320,8 +343,8 @@ class TokenTree:
         """What `make()` returns, made once per tree and kept under `key`: a form of the structure that the ops of
         every layer need (an ancestor mask in the compute dtype, a conv's tap indices), made once per verify step
         rather than once per layer (each op costs microseconds on a small model). Not kept under torch.compile,
-        whose graphs would guard on this Python-side cache."""
-        if torch.compiler.is_compiling():
+        whose graphs would guard on this Python-side cache, nor while a step is captured (replays see other trees)."""
+        if static():
             return make()
         if key not in self._derived_tensors:
             self._derived_tensors[key] = make()
@@ -373,7 +396,7 @@ class TokenTree:
         Returns:
             ([B, M] node indices of each path, padded with its last node, [B] path lengths).
         """
-        if width is not None and (last.device.type != "cpu" or torch.compiler.is_compiling()):
+        if width is not None and (last.device.type != "cpu" or static()):
             return self._static_paths(upload(last, self.tokens.device), min(int(width), self.num_nodes))
         if self.num_nodes == 1:  # roots only: every path is the root (nothing to read or upload)
             root = torch.zeros(self.batch_size, 1, dtype=torch.long, device=self.tokens.device)

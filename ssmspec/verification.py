@@ -150,6 +150,10 @@ class Verification:
         self.done = True
         return path, lengths
 
+    def reopen(self) -> None:
+        """Ready for another commit: a captured step's verification, whose records its replay refilled."""
+        self.done = False
+
     def discard(self) -> None:
         """Drop the tree: committed states were never touched (an in-place verification's were: it ends a failed
         step, whose cache is not used again); the tree's K/V slots are removed."""

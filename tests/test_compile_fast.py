@@ -18,7 +18,8 @@ IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
 
 def test_the_chosen_options_per_device():
     assert compile_options(torch.device("cpu")) == {"backend": "ssmspec", "options": {"cpp_wrapper": True}}
-    assert compile_options(torch.device("cuda")) == {"backend": "ssmspec", "mode": "reduce-overhead"}
+    # on CUDA Inductor alone: ssmspec captures the steps (SpecConfig.graphs), not torch's reduce-overhead mode
+    assert compile_options(torch.device("cuda")) == {"backend": "ssmspec"}
 
 
 def test_compile_true_warms_up_before_the_first_request():

@@ -92,6 +92,9 @@ class SpecCache(DynamicCache):
         self._limit = 0  # static K/V: the slots the call may need at most (prompt + capacity)
         self._step_start: tuple = (None, None)  # (block, n_real) where the step being verified started
         self.held: torch.Tensor | None = None  # rows `hold` has held since the call started (finished)
+        # static K/V: `valid`, `block` and `n_real` are updated in place (captured steps read them at fixed addresses)
+        self.in_place_layout = False
+        self.kv_generation = 0  # static K/V: how often the buffers were (re)allocated (a captured step reads them)
 
     # ---------------------------------------------------------------- layout bookkeeping
     @property
@@ -195,6 +198,7 @@ class SpecCache(DynamicCache):
                     torch._dynamo.mark_static_address(buf)
                 placed.append(buf)
             hf_layers.set_kv(layer, *placed, self.seen)
+        self.kv_generation += 1
 
     def reserve(self, nodes: int) -> None:
         """Make sure a step of `nodes` nodes per row fits the static K/V buffers (eager, before the step: inside a
@@ -453,10 +457,10 @@ class SpecCache(DynamicCache):
             lengths: [B] accepted path lengths.
             longest: max(lengths) if known on the host (static K/V: how full the buffers are; else M is assumed).
         """
-        self.n_real = self.n_real + lengths
         if self.static_kv:
             self._keep_static(path, lengths, path.shape[1] if longest is None else longest)
             return
+        self.n_real = self.n_real + lengths
         self.block = self.block + lengths
         if not self.attention:
             self._seen = None
@@ -505,8 +509,15 @@ class SpecCache(DynamicCache):
         """Static K/V, after the commit moved the accepted slots (`kv_slots`): they become valid, the rest of the
         step's slots stay invalid; device work only."""
         steps = torch.arange(path.shape[1], device=path.device)
-        self.valid = self.valid.scatter(1, self.block[:, None] + steps, steps[None, :] < lengths[:, None])
-        self.block = self.block + lengths
+        slots, kept = self.block[:, None] + steps, steps[None, :] < lengths[:, None]
+        if self.in_place_layout:
+            self.valid.scatter_(1, slots, kept)
+            self.block.add_(lengths)
+            self.n_real.add_(lengths)
+        else:
+            self.valid = self.valid.scatter(1, slots, kept)
+            self.block = self.block + lengths
+            self.n_real = self.n_real + lengths
         self._seen = None
         # eager: the slots in use exactly (a host read; a step's views are that wide), else an upper bound
         self._bound = int(self.block.max()) if self.views else self._bound + longest
@@ -544,12 +555,16 @@ class SpecCache(DynamicCache):
             item["kv"] = hf_layers.kv(layer) if hasattr(layer, "keys") else (None, None)
             states.append(item)
         # static K/V: slots below each row's block are never written again, and `valid` is replaced, not changed
+        # (copied where the layout is updated in place)
+        layout = [self.valid, self.n_real, self.block]
+        if self.in_place_layout:
+            layout = [t.clone() for t in layout]
         return {
             "layers": states,
-            "valid": self.valid,
+            "valid": layout[0],
             "seen": self._seen,
-            "n_real": self.n_real,
-            "block": self.block,
+            "n_real": layout[1],
+            "block": layout[2],
             "bound": self._bound,
         }
 
@@ -563,5 +578,10 @@ class SpecCache(DynamicCache):
             keys, values = item["kv"]
             if keys is not None:
                 hf_layers.set_kv(layer, keys, values, snap["seen"])
-        self.valid, self._seen, self.n_real, self.block = snap["valid"], snap["seen"], snap["n_real"], snap["block"]
+        if self.in_place_layout:
+            for name in ("valid", "n_real", "block"):
+                getattr(self, name).copy_(snap[name])
+        else:
+            self.valid, self.n_real, self.block = snap["valid"], snap["n_real"], snap["block"]
+        self._seen = snap["seen"]
         self._bound = snap["bound"]

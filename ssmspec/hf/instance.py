@@ -189,3 +189,20 @@ def agree_on_inputs(
             "generators seeded alike)"
         )
     return agreement
+
+
+# where a transformers forward reads the host while a step is captured, and what runs it without: (the file it reads
+# from, the advice)
+CAPTURE_HINTS = (
+    (
+        "integrations/moe.py",
+        "HF's eager experts loop over the experts a batch routes to (a host read); "
+        "`model.set_experts_implementation('batched_mm')` (or 'grouped_mm' where it supports the dtype) runs them "
+        "without one",
+    ),
+)
+
+
+def capture_hint(message: str) -> str:
+    """Advice for a step capture that failed on a host read inside transformers' code (named by `message`), or ''."""
+    return next((f"; {advice}" for where, advice in CAPTURE_HINTS if where in message), "")

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ssmspec.compile.graphs import capturing
+
 # "ssmspec::<op>" -> the plain PyTorch function behind that custom op
 _REFERENCES: dict[str, Callable] = {}
 # ops whose reference is traceable (no data-dependent shapes or Python control flow on tensor values): the
@@ -104,14 +106,29 @@ def levelwise_states(
     fewer nodes on a level repeat one of them), so a tree costs O(N) node steps. Returns [B, N, *S].
     """
     b, n = parents.shape
-    states = h0.new_empty(b, n, *h0.shape[1:])
     rows = torch.arange(b, device=parents.device)[:, None]
+    if capturing():  # a captured step: no host plan (its shapes follow the tree), every node on every level
+        return _levelwise_static(h0, parents, depth, step, rows)
+    states = h0.new_empty(b, n, *h0.shape[1:])
     for d, (idx, up, valid) in enumerate(_level_plan(parents, depth)):
         prev = h0.unsqueeze(1).expand(b, idx.shape[1], *h0.shape[1:]) if d == 0 else states[rows, up]
         new = step(prev, idx)
         if valid is not None:
             new = torch.where(valid.view(*valid.shape, *([1] * (h0.ndim - 1))), new, states[rows, idx])
         states[rows, idx] = new
+    return states
+
+
+def _levelwise_static(h0, parents, depth, step, rows) -> torch.Tensor:
+    """`levelwise_states` with tensor ops only: level d recomputes every node from its parent's state and keeps
+    the nodes at depth d (N levels of N nodes: a captured step serves every tree of its bucket)."""
+    b, n = parents.shape
+    idx = torch.arange(n, device=parents.device).expand(b, n)
+    up = parents.clamp(min=0)
+    states = step(h0.unsqueeze(1).expand(b, n, *h0.shape[1:]), idx)  # right for the roots
+    shape = (b, n) + (1,) * (h0.ndim - 1)
+    for d in range(1, n):
+        states = torch.where((depth == d).view(shape), step(states[rows, up], idx), states)
     return states
 
 

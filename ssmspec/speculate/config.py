@@ -86,6 +86,11 @@ class SpecConfig:
             steps before (`spec_stats["max_verify_bytes"]` reports the largest step). Independently of it, a verify
             step that runs out of memory (torch.OutOfMemoryError) is retried with half the nodes, down to a plain
             decode step, and later steps keep that size. None: no budget.
+        graphs: capture each tree-size bucket's verify step once over static buffers and replay it every step
+            (ssmspec.compile.graphs: a CUDA graph on a GPU; on a CPU an op tape that replays the same ops, for
+            tests); needs static shapes, which it turns on. None: on for a model compiled on CUDA
+            (`transform(compile=True)`), off otherwise. A step that cannot be captured raises CaptureError
+            naming the op and where it was called.
 
     Raises:
         TypeError: a field of the wrong type (named).
@@ -107,6 +112,7 @@ class SpecConfig:
     recycle: int = 0
     path: str = "auto"
     verify_memory: int | None = None
+    graphs: bool | None = None
 
     def __post_init__(self) -> None:
         types = {"drafter": str, "num_draft_tokens": int, "tree": (bool, type(None)), "tree_budget": int,
@@ -114,7 +120,7 @@ class SpecConfig:
                  "static_shapes": (bool, type(None)),
                  "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
                  "draft_vocab": (int, list, tuple, type(None)), "ahead": int, "recycle": int,
-                 "path": str, "verify_memory": (int, type(None))}  # fmt: skip
+                 "path": str, "verify_memory": (int, type(None)), "graphs": (bool, type(None))}  # fmt: skip
         for f in fields(self):
             value, want = getattr(self, f.name), types[f.name]
             if not isinstance(value, want) or (
@@ -123,6 +129,7 @@ class SpecConfig:
                 kind = {
                     "static_shapes": "a bool or None",
                     "tree": "a bool or None",
+                    "graphs": "a bool or None",
                     "draft_vocab": "an int, a sequence of token ids or None",
                     "corpus": "a SuffixIndex, an index path, a list of documents or None",
                     "verify_memory": "an int (bytes) or None",
@@ -189,6 +196,14 @@ class SpecConfig:
             raise ValueError(
                 f"SpecConfig.num_draft_tokens must be between 0 and {MAX_DRAFT_NODES} (draft depth per step), got "
                 f"{self.num_draft_tokens}"
+            )
+        if self.graphs and self.static_shapes is False:
+            raise ValueError(
+                "SpecConfig.graphs captures static-shape steps; it cannot be combined with static_shapes=False"
+            )
+        if self.graphs and self.path == "generic":
+            raise ValueError(
+                "SpecConfig.graphs captures the seams' verify steps; the generic path (HF's cache) has none"
             )
         if self.verify_memory is not None and self.verify_memory < 1:
             raise ValueError(f"SpecConfig.verify_memory must be >= 1 (bytes) or None, got {self.verify_memory}")

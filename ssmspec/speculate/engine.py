@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ssmspec.errors import UnsupportedModelError
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.generic import GenericRunner
@@ -77,6 +78,7 @@ def speculative_generate(
     generic: bool = False,
     model_inputs: dict | None = None,
     verify_memory: int | None = None,
+    graphs: bool = False,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner | GenericRunner]:
     """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
     [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
@@ -90,7 +92,8 @@ def speculative_generate(
     processors (applied per node), stopping criteria (checked after every emitted token) and streamer.
     `static_shapes` pads trees to power-of-two node counts (or to the largest possible tree, where smaller) and
     commits fixed-length paths (the depth stays within `num_draft_tokens`, also under the heuristic schedule),
-    so a compiled verify step never recompiles.
+    so a compiled verify step never recompiles. `graphs` (with `static_shapes`) captures each bucket's verify step
+    once and replays it (ssmspec.compile.graphs: CUDA graphs on a GPU, an op tape elsewhere).
     `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
     (ssmspec.speculate.adaptive).
     `verify_memory` (bytes) cuts trees to the nodes per row whose verify buffers fit, as measured on earlier steps; a
@@ -104,7 +107,8 @@ def speculative_generate(
     proposer = Proposer(drafter)
     runner = open_runner(model, generic=generic, commit=commit, decode_single_nodes=decode_single_nodes,
                          static_shapes=static_shapes, max_new_tokens=max_new_tokens, tree_budget=tree_budget,
-                         num_draft_tokens=num_draft_tokens, capture_features=proposer.wants_features)  # fmt: skip
+                         num_draft_tokens=num_draft_tokens, capture_features=proposer.wants_features,
+                         graphs=graphs)  # fmt: skip
     stats = SpecStats(near_tie_tolerance=near_tie_tolerance(runner.dtype))
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
@@ -137,13 +141,16 @@ def speculative_generate(
 
 def open_runner(
     model: nn.Module, *, generic: bool, commit: str, decode_single_nodes: bool | None, static_shapes: bool,
-    max_new_tokens: int, tree_budget: int, num_draft_tokens: int, capture_features: bool,
+    max_new_tokens: int, tree_budget: int, num_draft_tokens: int, capture_features: bool, graphs: bool = False,
 ) -> ModelRunner | GenericRunner:  # fmt: skip
     """The target's runner for one call: the seams' (ModelRunner) or HF's own forward (GenericRunner), sized for
     the call's largest tree and length; `capture_features`: its forwards keep the target's features for a drafter
-    that drafts from them."""
+    that drafts from them; `graphs`: its verify steps captured and replayed (the seams' runner only)."""
+    if generic and graphs:
+        raise UnsupportedModelError(type(model).__name__, "the generic path (HF's own cache) cannot capture its steps")
+    extra = {"graphs": graphs} if graphs else {}
     return (GenericRunner if generic else ModelRunner)(
         model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
         max_depth=num_draft_tokens, max_nodes=max(tree_budget, num_draft_tokens) + 1,
-        capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2, capture_features=capture_features,
+        capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2, capture_features=capture_features, **extra,
     )  # fmt: skip

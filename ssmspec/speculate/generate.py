@@ -194,6 +194,8 @@ def generate(
         confidence=config.assistant_confidence_threshold if "assistant_confidence_threshold" in plan.user_set
         else 0.0, target=model, head=head,
     )  # fmt: skip
+    # captured verify steps: asked for, or by default on a model compiled for them (on CUDA) where the seams verify
+    graphs = spec.graphs if spec.graphs is not None else bool(getattr(model, "ssmspec_graphs", False)) and not generic
     sequences, stats, _ = speculative_generate(
         model,
         plan.input_ids,
@@ -210,10 +212,14 @@ def generate(
         adaptive=spec.adaptive and spec.drafter != "none",
         generic=generic,
         model_inputs=plan.model_inputs,
-        static_shapes=spec.static_shapes
-        if spec.static_shapes is not None
-        else bool(getattr(model, "ssmspec_static_shapes", False)),
+        static_shapes=graphs
+        or (
+            spec.static_shapes
+            if spec.static_shapes is not None
+            else bool(getattr(model, "ssmspec_static_shapes", False))
+        ),
         verify_memory=spec.verify_memory,
+        graphs=graphs,
     )
     if not plan.return_dict:
         return sequences

@@ -12,13 +12,15 @@ import contextlib
 import inspect
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import compile_mode
-from ssmspec.errors import UnsupportedModelError
+from ssmspec.compile.graphs import StepGraph
+from ssmspec.errors import CaptureError, UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features
 from ssmspec.hf import instance as hf_instance
@@ -69,6 +71,16 @@ def compiled_fold(model: nn.Module):
     return fold
 
 
+@dataclass
+class Captured:
+    """A captured verify step: its static tree (the inputs each replay is copied into), its graph, and the K/V
+    buffers' allocation it reads (`SpecCache.kv_generation`)."""
+
+    tree: TokenTree
+    graph: StepGraph
+    generation: int
+
+
 class ModelRunner:
     """Drive a (transformed) HF causal LM through prefill, tree verification and commit."""
 
@@ -80,7 +92,7 @@ class ModelRunner:
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool | None = None,
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
         vocab: torch.Tensor | None = None, agreement: hf_instance.Agreement | None = None,
-        static_kv: bool | None = None, capture_features: bool = False,
+        static_kv: bool | None = None, capture_features: bool = False, graphs: bool = False,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -141,6 +153,29 @@ class ModelRunner:
         self.features: torch.Tensor | None = None
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
+        # captured verify steps (`graphs`): one StepGraph per (batch, nodes) bucket over static inputs, replayed every
+        # step; every step then takes the tree path (HF's decode path and in-place one-node steps change the committed
+        # state, which a captured step, run twice when captured on CUDA, must only read)
+        self.graphs = graphs
+        self.captured: dict[tuple[int, int], Captured] = {}
+        self.captures = 0  # steps captured (all calls)
+        if graphs:
+            self._refuse_graphs(static_shapes)
+            self.decode_single_nodes, self.chooses_single_node_path = False, False
+            self.in_place_single_nodes = False
+        self._pool = torch.cuda.graph_pool_handle() if graphs and self.device.type == "cuda" else None
+
+    def _refuse_graphs(self, static_shapes: bool) -> None:
+        """Captured steps need a layout whose every tensor keeps its address: refused, naming why, elsewhere."""
+        why = None
+        if not static_shapes:
+            why = "captured verify steps need static shapes (SpecConfig.static_shapes=True)"
+        elif self.level_aligned:
+            why = "the model reads positions from cache slots (HF's K/V layout, rewritten every step)"
+        elif self.capacity is None:
+            why = "static K/V buffers are off for this runner"
+        if why is not None:
+            raise UnsupportedModelError(type(self.model).__name__, f"cannot capture its verify steps: {why}")
 
     def _call(self, input_ids, attention_mask, position_ids, eager: bool = False) -> torch.Tensor:
         """The model's logits for these tokens on this runner's cache (`eager`: without its compiled forward)."""
@@ -174,6 +209,8 @@ class ModelRunner:
             )
         self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype,
                                capacity=self.capacity, views=not self.static_shapes)  # fmt: skip
+        self.cache.in_place_layout = self.graphs
+        self.captured.clear()  # (they read the previous call's cache)
         mask = attention_mask.to(torch.long)
         logits = self._call(input_ids, mask, positions_from_mask(mask), eager=self.eager_prefill)
         self.cache.start(mask)
@@ -283,6 +320,8 @@ class ModelRunner:
             )
         decodes = self._decodes(tree)  # (may measure which path, on this cache, once per model)
         self.cache.reserve(tree.num_nodes)
+        if self.graphs:
+            return self._replay(tree)
         positions = self.cache.n_real[:, None] + tree.depth
         attention = self.masks(tree)
         if decodes:
@@ -300,6 +339,40 @@ class ModelRunner:
             logits = self._call(tree.tokens, attention, positions)
         self._pending = (tree, verification)
         return logits
+
+    def _replay(self, tree: TokenTree) -> torch.Tensor:
+        """`verify` as a captured step: the first tree of a (batch, nodes) bucket is captured with its own static
+        inputs, every later one copied into them and the step replayed; the capture's Verification then holds the
+        replay's records. Logits and features are copied out (the next replay overwrites the graph's)."""
+        key = (tree.batch_size, tree.num_nodes)
+        entry = self.captured.get(key)
+        if entry is not None and entry.generation != self.cache.kv_generation:  # the K/V buffers grew: all stale
+            self.captured.clear()
+            entry = None
+        if entry is None:
+            static = tree.owned()
+            graph = StepGraph(self.device, self._pool)
+            eager = self.device.type != "cuda"  # (on a CPU the op tape records the eager forward)
+
+            def step():
+                with self.cache.verifying(static) as verification:
+                    positions = self.cache.n_real[:, None] + static.depth
+                    logits = self._call(static.tokens, self.masks(static), positions, eager=eager)
+                return logits, self.features, verification
+
+            try:
+                logits, feats, verification = graph.capture(step)
+            except CaptureError as e:
+                raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
+            self.captured[key] = Captured(static, graph, self.cache.kv_generation)
+            self.captures += 1
+        else:
+            entry.tree.copy_from(tree)
+            logits, feats, verification = entry.graph.replay()
+            verification.reopen()
+        self.features = feats.clone() if feats is not None else None
+        self._pending = (tree, verification)
+        return logits.clone()
 
     def verify_bytes(self) -> int:
         """Bytes the pending verification holds until its commit (0 after a decode step)."""
