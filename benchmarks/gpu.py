@@ -23,6 +23,7 @@ them in separate calls (`--sections`), and `--merge` puts their JSON files toget
     python benchmarks/gpu.py --sections verify e2e --json /tmp/part.json
     python benchmarks/gpu.py --merge /tmp/part.json /tmp/other.json   # -> docs/data/gpu.json
     python benchmarks/gpu.py --smoke --json out.json
+    python benchmarks/gpu.py --quick               # one short call -> docs/data/gpu_quick.json
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from _timing import median_time  # noqa: E402
+from _timing import median_time, provenance  # noqa: E402
 from transformers import Mamba2Config, Mamba2ForCausalLM  # noqa: E402
 from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update  # noqa: E402
 from verify_cost import hf_decode_step  # noqa: E402
@@ -312,6 +313,88 @@ def e2e_section(
     return out
 
 
+def quick_section(device: str, prompts: int, new_tokens: int, smoke: bool = False, out: dict | None = None,
+                  save=lambda: None) -> dict:  # fmt: skip
+    """The embedded target end to end as a user calls it (float32, held-out code, batch 1), side by side: HF greedy
+    eager and compiled; ssmspec plain, default (its draft head) and n-gram calls, eager and on
+    `transform(compile=True)` (on CUDA: Inductor and ssmspec's captured steps); the warm-up's seconds, and the Dynamo
+    graphs compiled during the timed calls (none expected)."""
+    from ssmspec.compile.backend import STATS
+
+    print(f"\nquick: embedded target, {prompts} held-out prompts x {new_tokens} tokens, float32, {device}")
+    out = {} if out is None else out
+    ref, tok = models.load("mamba2-target")
+    ref = ref.to(device)
+    batch = [p.to(device) for p in held_out_prompts(tok, prompts, 128)]
+    want = [ref.generate(p, max_new_tokens=new_tokens, do_sample=False) for p in batch]
+    eager = ssmspec.transform(copy.deepcopy(ref))
+    t0 = time.perf_counter()
+    options = {"progress": False, **({"options": {"inductor": False}} if smoke else {})}
+    compiled = ssmspec.transform(copy.deepcopy(ref), compile=options)
+    out["warmup_s"] = time.perf_counter() - t0
+    out["compiled"] = compiled._compiled_call_impl is not None
+    out["captured_steps"] = bool(getattr(compiled, "ssmspec_graphs", False))
+    print(f"  transform(compile=True): {out['warmup_s']:.0f} s, compiled {out['compiled']}, "
+          f"captured steps {out['captured_steps']}")  # fmt: skip
+    compiled_ref = copy.deepcopy(ref)
+    compiled_ref.compile(backend="eager" if smoke else "inductor")
+    spec = ssmspec.SpecConfig
+    methods = {
+        "HF greedy": (ref, {"do_sample": False}),
+        "HF greedy (compiled)": (compiled_ref, {"do_sample": False}),
+        "ssmspec plain (eager)": (eager, {"speculation": spec(drafter="none")}),
+        "ssmspec default (eager)": (eager, {"speculation": True}),
+        "ssmspec n-gram (eager)": (eager, {"speculation": spec(drafter="prompt_lookup")}),
+        "ssmspec plain (compiled)": (compiled, {"speculation": spec(drafter="none")}),
+        "ssmspec default (compiled)": (compiled, {"speculation": True}),
+        "ssmspec n-gram (compiled)": (compiled, {"speculation": spec(drafter="prompt_lookup")}),
+        "ssmspec head (compiled)": (compiled, {"speculation": spec(drafter="draft_head")}),
+    }
+    rows = out.setdefault("rows", {})
+    for method, (model, kwargs) in methods.items():
+        speculative = "speculation" in kwargs
+        kwargs = {**kwargs, "return_dict_in_generate": True} if speculative else kwargs
+        try:
+            for p in batch:  # warm-up: the first call of a compiled model's batch size, its calibration
+                model.generate(p, max_new_tokens=new_tokens, **kwargs)
+            graphs = STATS.graphs
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start, same, ties, tokens, per_step = time.perf_counter(), True, 0, 0, []
+            for p, w in zip(batch, want):
+                got = model.generate(p, max_new_tokens=new_tokens, **kwargs)
+                seq = got.sequences if speculative else got
+                same &= torch.equal(seq, w)
+                if speculative:
+                    ties += got.spec_stats["near_ties"]
+                    per_step.append(got.spec_stats["mean_accepted_per_step"])
+                tokens += seq.shape[1] - p.shape[1]
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - recorded, the other rows still run
+            rows[method] = {"error": failure(e)}
+            print(f"  {method:<28} FAILED {rows[method]['error'][:400]}")
+            save()
+            continue
+        rows[method] = {"tokens_per_s": tokens / (time.perf_counter() - start), "identical": same,
+                        "near_ties": ties, "graphs_compiled_while_timed": STATS.graphs - graphs,
+                        "tokens_per_step": sum(per_step) / len(per_step) if per_step else 1.0}  # fmt: skip
+        print(f"  {method:<28} {rows[method]['tokens_per_s']:8.1f} tok/s  identical {same}  "
+              f"{rows[method]['tokens_per_step']:.2f} tokens/step", flush=True)  # fmt: skip
+        save()
+    timed = {k: v for k, v in rows.items() if "tokens_per_s" in v}
+    hf = timed.get("HF greedy", {}).get("tokens_per_s")
+    best = max((v["tokens_per_s"] for k, v in timed.items() if k.startswith("HF") or "plain" in k), default=None)
+    for method, row in timed.items():
+        row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf else None
+        row["speedup_vs_best_plain"] = row["tokens_per_s"] / best if best else None
+        print(
+            f"  {method:<28} x{row['speedup_vs_hf'] or 0:.2f} HF  x{row['speedup_vs_best_plain'] or 0:.2f} best plain"
+        )
+    save()
+    return out
+
+
 def speedups(rows: dict) -> dict:
     """Fill each timed row's speed-ups over HF greedy and over the best plain decoder a user has (HF or ssmspec
     without drafts, eager or compiled, among the rows measured); returns the timed rows."""
@@ -342,7 +425,7 @@ def merge(paths: list[str]) -> dict:
         for key in SECTIONS.values():
             if key not in part:
                 continue
-            if key == "kernels":
+            if key in ("kernels", "quick"):
                 result[key] = part[key]
             elif key == "verify_over_decode":
                 into = result.setdefault(key, {})
@@ -429,7 +512,13 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["mamba2-target", "bamba-hybrid"], help="e2e section's models")
     p.add_argument("--families", nargs="+", help="families section: only these families")
     p.add_argument("--workers", type=int, default=6, help="families section: processes at a time")
+    p.add_argument("--quick", action="store_true", help="one short device call: the embedded target end to end "
+                   "(eager and compile=True, with and without its head) and the 1.3B-class Mamba2's decode and "
+                   "verify(6) / verify(16) ms, compiled and captured; -> docs/data/gpu.json's 'quick' entry")  # fmt: skip
     args = p.parse_args()
+    if args.quick:
+        args.sections = ["quick", "verify"]
+        args.verify_modes = args.verify_modes or ["graphs (compiled)"]
     if args.merge:
         out = Path(args.json or ROOT / "docs" / "data" / "gpu.json")
         out.write_text(json.dumps(merge(args.merge), indent=1))
@@ -464,6 +553,7 @@ def main() -> None:
                 save,
             ),
             "e2e": lambda: e2e_section(device, ["mamba2-target"], 1, 8, True, result.setdefault("e2e", {}), save),
+            "quick": lambda: quick_section(device, 1, 8, True, result.setdefault("quick", {}), save),
             "families": lambda: families_section(
                 True, 1, out=result.setdefault("families", {}), save=save, only=args.families
             ),
@@ -479,19 +569,21 @@ def main() -> None:
                 torch.bfloat16,
                 48,
                 2048,
-                [1, 6, 16, 64],
-                args.repeats,
+                [1, 6, 16] if args.quick else [1, 6, 16, 64],
+                10 if args.quick else args.repeats,
                 False,
                 args.verify_modes,
                 result.setdefault("verify_over_decode", {}),
                 save,
             ),
             "e2e": lambda: e2e_section(device, args.models, 6, 128, False, result.setdefault("e2e", {}), save),
+            "quick": lambda: quick_section(device, 4, 128, False, result.setdefault("quick", {}), save),
             "families": lambda: families_section(
                 False, args.workers, out=result.setdefault("families", {}), save=save, only=args.families
             ),
         }
-        args.json = args.json or str(ROOT / "docs" / "data" / "gpu.json")
+        args.json = args.json or str(ROOT / "docs" / "data" / ("gpu_quick.json" if args.quick else "gpu.json"))
+    result.update(provenance(" ".join(["python", "benchmarks/gpu.py", *sys.argv[1:]])))
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
     result["torch"] = torch.__version__
     for name in args.sections:
@@ -506,7 +598,13 @@ def main() -> None:
 
 
 # section name -> its key in the JSON
-SECTIONS = {"kernels": "kernels", "verify": "verify_over_decode", "e2e": "e2e", "families": "families"}
+SECTIONS = {
+    "kernels": "kernels",
+    "verify": "verify_over_decode",
+    "e2e": "e2e",
+    "families": "families",
+    "quick": "quick",
+}
 
 
 if __name__ == "__main__":

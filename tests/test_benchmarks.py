@@ -25,6 +25,11 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert all(row["identical"] for row in rows.values())
     for row in rows.values():
         assert {"tokens_per_s", "speedup_vs_hf", "speedup_vs_best_ar", "identical", "near_ties"} <= set(row)
+    quick = data["quick"]  # `--quick`'s section: the embedded target as a user calls it
+    assert quick["compiled"] and not quick["captured_steps"]  # (captured steps: a compiled model on CUDA)
+    assert {"date", "revision", "command"} <= set(data)
+    assert len(quick["rows"]) == 9 and all(row["identical"] for row in quick["rows"].values())
+    assert all(row["graphs_compiled_while_timed"] == 0 for row in quick["rows"].values())
 
 
 def test_generic_path_benchmarks_run_and_agree_with_hf(tmp_path):
