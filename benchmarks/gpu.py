@@ -514,7 +514,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=6, help="families section: processes at a time")
     p.add_argument("--quick", action="store_true", help="one short device call: the embedded target end to end "
                    "(eager and compile=True, with and without its head) and the 1.3B-class Mamba2's decode and "
-                   "verify(6) / verify(16) ms, compiled and captured; -> docs/data/gpu.json's 'quick' entry")  # fmt: skip
+                   "verify(6) / verify(16) ms, compiled and captured (docs/data/gpu_quick.json)")  # fmt: skip
     args = p.parse_args()
     if args.quick:
         args.sections = ["quick", "verify"]
