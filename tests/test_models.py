@@ -40,3 +40,19 @@ def test_models_available_after_import_ssmspec():
     """`import ssmspec; ssmspec.models.load(...)` used to fail without `import ssmspec.models`."""
     code = "import ssmspec\nm, tok = ssmspec.models.load('mamba2-draft')\nassert m.config.vocab_size == len(tok)\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_the_mtp_example_drafts_with_its_layer_by_default():
+    """nemotron-mtp's MTP layer is found in its checkpoint by from_pretrained + transform, is small enough for the
+    default call to draft with it (as released checkpoints' are), and its drafts keep the output HF's (float64)."""
+    from ssmspec.hf.mtp import size_share
+    from ssmspec.speculate.generate import MTP_MAX_SHARE
+
+    ref = AutoModelForCausalLM.from_pretrained(models.path("nemotron-mtp"), dtype=torch.float64).eval()
+    model = ssmspec.transform(copy.deepcopy(ref))
+    assert size_share(model.ssmspec_draft_head, model) <= MTP_MAX_SHARE
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    want = ref.generate(ids, max_new_tokens=24, do_sample=False)
+    out = model.generate(ids, max_new_tokens=24, return_dict_in_generate=True)
+    assert out.spec_stats["drafter"]["mtp"] == "nemotron_h"
+    assert torch.equal(out.sequences, want)

@@ -267,6 +267,10 @@ def build(model: nn.Module, tensors: dict[str, torch.Tensor]) -> MTPModule:
         raise UnsupportedModelError(name, f"its MTP tensors do not fit the model: {shapes}")
     head = model.get_output_embeddings()
     module.load_state_dict(state)
+    if head.weight.dtype == torch.float64:  # HF's grouped_mm experts take no float64: its eager experts do
+        for cfg in {id(m.config): m.config for m in module.modules() if hasattr(m, "config")}.values():
+            if getattr(cfg, "_experts_implementation", None) == "grouped_mm":
+                cfg._experts_implementation = "eager"
     # where the LM head computes (an offloaded head's weights sit on the meta device between forwards)
     return module.to(device=execution_device(head), dtype=head.weight.dtype).eval()
 
