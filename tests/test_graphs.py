@@ -152,3 +152,26 @@ def test_refusals_leave_nothing_behind():
         model.generate(ids, max_new_tokens=8, speculation=SpecConfig(graphs=True, tree=False))
     want = ref.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=8, speculation=SpecConfig(tree=False)), want)
+
+
+def test_a_padded_batch_with_eos_and_scores():
+    """Left-padded rows, one stopping at EOS while the others go on (its pads decoded by the captured steps), scores
+    kept across replays (each step's are copied out of the graph's outputs)."""
+    ref = cached_tiny_model("bamba", dtype=torch.float64)
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor(
+        [[0, 0, 0, 5, 6, 7, 8, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [0, 9, 8, 7, 9, 8, 7, 9, 8, 7, 9]]
+    )
+    mask = (ids != 0).long()
+    mask[1] = 1
+    free = ref.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0)
+    eos = int(free[0, 11 + 8])  # a token row 0 emits mid-way: EOS for this call
+    kw = {"max_new_tokens": 30, "eos_token_id": eos, "pad_token_id": 0, "output_scores": True,
+          "return_dict_in_generate": True}  # fmt: skip
+    want = ref.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    assert (want.sequences[:, -1] == 0).any()  # a row stopped early and decodes pads
+    got = model.generate(ids, attention_mask=mask, speculation=SpecConfig(graphs=True), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores)
+    for a, b in zip(got.scores, want.scores):  # (float32 scores of float64 logits: one rounding apart at most)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)

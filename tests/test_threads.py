@@ -68,3 +68,17 @@ def test_plain_generate_in_one_thread_while_another_verifies_the_same_family():
     }
     for (name, _), out in _run_in_threads(jobs).items():
         assert torch.equal(out, want), name
+
+
+def test_captured_steps_in_two_threads():
+    """Each thread's step capture records its own thread's ops only (the op tape is a thread's dispatch mode)."""
+    refs = {"bamba": cached_tiny_model("bamba"), "lfm2": cached_tiny_model("lfm2")}
+    models = {k: ssmspec.transform(copy.deepcopy(v)) for k, v in refs.items()}
+    want = {k: refs[k].generate(_prompt(i), max_new_tokens=12, do_sample=False) for i, k in enumerate(refs)}
+    spec = SpecConfig(tree=True, num_draft_tokens=4, tree_budget=8, graphs=True)
+    jobs = {
+        k: (lambda k=k, i=i: models[k].generate(_prompt(i), max_new_tokens=12, speculation=spec))
+        for i, k in enumerate(models)
+    }
+    for (name, _), out in _run_in_threads(jobs).items():
+        assert torch.equal(out, want[name]), name
