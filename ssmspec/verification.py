@@ -37,6 +37,10 @@ class CommittedState(Protocol):
 
     def kv_slots(self) -> tuple[list[torch.Tensor], torch.Tensor] | None: ...
 
+    def advance_static(self, path: torch.Tensor, lengths: torch.Tensor) -> None: ...
+
+    def settle_static(self, longest: int) -> None: ...
+
 
 def move_slots(buffers: list[torch.Tensor], block: torch.Tensor, path: torch.Tensor) -> None:
     """Static K/V buffers [B, H, C, D]: each row's accepted nodes, written by the verify step at slots
@@ -142,13 +146,35 @@ class Verification:
         # host indices for the walked paths (no device read); the fixed-width paths are computed on the device
         path, lengths = self.tree.paths(last if width is None else on_device, width)
         last = on_device
-        groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
-        for rec in self.records.values():
-            groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))
-        (fold or fold_states)(groups, path, lengths, last, self.cache.kv_slots())
+        (fold or fold_states)(self.groups(), path, lengths, last, self.cache.kv_slots())
         self.cache.keep_kv(self.kv_start, path, lengths, longest)
         self.done = True
         return path, lengths
+
+    def groups(self) -> dict[str, list[tuple[torch.Tensor, Record]]]:
+        """The records by op family, each with the committed tensor it overwrites."""
+        groups: dict[str, list[tuple[torch.Tensor, Record]]] = {}
+        for rec in self.records.values():
+            groups.setdefault(rec.kind, []).append((self.cache.state_tensor(rec), rec))
+        return groups
+
+    def commit_static(
+        self, last: torch.Tensor, width: int, fold: Callable | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`commit`'s device work alone, for a captured commit (static K/V): `last` on the tree's device, paths of the
+        fixed `width` computed there, the states folded and the slot layout advanced in place; nothing read on the
+        host. `settle` finishes it."""
+        if self.done:
+            raise RuntimeError("this verification was already committed or discarded")
+        path, lengths = self.tree.paths(last, width)
+        (fold or fold_states)(self.groups(), path, lengths, last, self.cache.kv_slots())
+        self.cache.advance_static(path, lengths)
+        return path, lengths
+
+    def settle(self, longest: int) -> None:
+        """After `commit_static` (or its replay): the host's bookkeeping, `longest` the longest accepted path."""
+        self.cache.settle_static(longest)
+        self.done = True
 
     def reopen(self) -> None:
         """Ready for another commit: a captured step's verification, whose records its replay refilled."""

@@ -119,10 +119,12 @@ class StepGraph:
         """Whether `capture` has run."""
         return self.graph is not None or self.tape is not None
 
-    def capture(self, fn: Callable[[], Any]) -> Any:
+    def capture(self, fn: Callable[[], Any], warmup: bool = True) -> Any:
         """Capture `fn` and return its outputs for the inputs as they are now (the step this call stands for). On
-        CUDA `fn` runs once eagerly first (warm-up) and the graph is then replayed once; `fn` must therefore be
-        idempotent: writing its scratch, not the committed state it reads.
+        CUDA, with `warmup`, `fn` runs once eagerly first (libraries initialise lazily) and the graph is then replayed
+        once, so such an `fn` must be idempotent (writing its scratch, not the state it reads); without it (an `fn`
+        that advances state, run eagerly before by its caller) it runs once, as the graph's first replay. On the op
+        tape it runs once, recorded.
 
         Raises:
             CaptureError: `fn` read the host, or the device refused the capture (the cause chained).
@@ -131,11 +133,12 @@ class StepGraph:
             raise RuntimeError("this step is already captured")
         try:
             if self.device.type == "cuda":
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    fn()
-                torch.cuda.current_stream(self.device).wait_stream(stream)
+                if warmup:
+                    stream = torch.cuda.Stream(self.device)
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        fn()
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.outputs = fn()

@@ -457,14 +457,11 @@ class SpecCache(DynamicCache):
             lengths: [B] accepted path lengths.
             longest: max(lengths) if known on the host (static K/V: how full the buffers are; else M is assumed).
         """
-        if self.static_kv:
+        if self.static_kv or not self.attention:  # (no attention: the token counts alone)
             self._keep_static(path, lengths, path.shape[1] if longest is None else longest)
             return
         self.n_real = self.n_real + lengths
         self.block = self.block + lengths
-        if not self.attention:
-            self._seen = None
-            return
         self.seen = int(self.block.max())
         b, w = self.valid.shape
         dev = self.valid.device
@@ -507,20 +504,31 @@ class SpecCache(DynamicCache):
 
     def _keep_static(self, path: torch.Tensor, lengths: torch.Tensor, longest: int) -> None:
         """Static K/V, after the commit moved the accepted slots (`kv_slots`): they become valid, the rest of the
-        step's slots stay invalid; device work only."""
-        steps = torch.arange(path.shape[1], device=path.device)
-        slots, kept = self.block[:, None] + steps, steps[None, :] < lengths[:, None]
+        step's slots stay invalid."""
+        self.advance_static(path, lengths)
+        self.settle_static(longest)
+
+    def advance_static(self, path: torch.Tensor, lengths: torch.Tensor) -> None:
+        """`_keep_static`'s device work: the accepted slots valid (static K/V), each row's block and token count
+        advanced (in place with `in_place_layout`: a captured commit)."""
+        if self.static_kv:
+            steps = torch.arange(path.shape[1], device=path.device)
+            slots, kept = self.block[:, None] + steps, steps[None, :] < lengths[:, None]
+            self.valid = (
+                self.valid.scatter_(1, slots, kept) if self.in_place_layout else self.valid.scatter(1, slots, kept)
+            )
         if self.in_place_layout:
-            self.valid.scatter_(1, slots, kept)
             self.block.add_(lengths)
             self.n_real.add_(lengths)
         else:
-            self.valid = self.valid.scatter(1, slots, kept)
             self.block = self.block + lengths
             self.n_real = self.n_real + lengths
+
+    def settle_static(self, longest: int) -> None:
+        """`_keep_static`'s host bookkeeping, `longest` the longest accepted path."""
         self._seen = None
-        # eager: the slots in use exactly (a host read; a step's views are that wide), else an upper bound
-        self._bound = int(self.block.max()) if self.views else self._bound + longest
+        if self.static_kv:  # eager: the slots in use exactly (a host read; a step's views are that wide), else a bound
+            self._bound = int(self.block.max()) if self.views else self._bound + longest
 
     def holding(self, rows: list[bool] | None) -> tuple | None:
         """Before a commit: what `hold` needs to keep `rows` (finished rows) where they are, or None where nothing is

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ssmspec.compile.graphs import static
 from ssmspec.ops._common import (
     Record,
     SeamCall,
@@ -117,7 +118,7 @@ def window_index(s: int, path: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     """[B, S] column indices into [committed (S columns) | node inputs] of the new conv state after the
     accepted path [B, M] (padded) of `lengths` [B] nodes: its last S inputs, committed columns filling in.
     On the host (CPU tensors, eager) a few Python ints and one tensor; elsewhere tensor ops."""
-    if path.device.type == "cpu" and not torch.compiler.is_compiling():
+    if path.device.type == "cpu" and not static():
         host = zip(path.tolist(), lengths.tolist())
         rows = [[p[i] + s if i >= 0 else s + i for i in range(n - s, n)] for p, n in host]
         return torch.tensor(rows, dtype=torch.long)

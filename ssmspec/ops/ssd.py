@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
+from ssmspec.compile.graphs import static
 from ssmspec.ops._common import (
     Record,
     SeamCall,
@@ -339,7 +340,7 @@ def _replay_in_place(items: list, path: torch.Tensor, lengths: torch.Tensor) -> 
     first = items[0][1]
     k, (b, h) = len(items), (first["x"].shape[0], first["x"].shape[2])
     # the path's nodes of every layer (padded paths: entries past a row's length are masked)
-    full = lengths.device.type == "cpu" and min(lengths.tolist()) == path.shape[1]
+    full = lengths.device.type == "cpu" and not static() and min(lengths.tolist()) == path.shape[1]
     mask = None if full else torch.arange(path.shape[1], device=path.device) < lengths[:, None]  # [B, M]
     if b == 1:
         on_path = lambda t: t.index_select(1, path[0])  # noqa: E731

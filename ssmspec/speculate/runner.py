@@ -73,12 +73,15 @@ def compiled_fold(model: nn.Module):
 
 @dataclass
 class Captured:
-    """A captured verify step: its static tree (the inputs each replay is copied into), its graph, and the K/V
-    buffers' allocation it reads (`SpecCache.kv_generation`)."""
+    """A captured verify step and its commit: its static tree (the inputs each replay is copied into), its graphs,
+    and the K/V buffers' allocation they read (`SpecCache.kv_generation`)."""
 
     tree: TokenTree
     graph: StepGraph
     generation: int
+    last: torch.Tensor  # [B] each row's last accepted node, the captured commit's input
+    commit: StepGraph | None = None  # the bucket's commit, captured at its second commit (its first runs eagerly)
+    committed: bool = False
 
 
 class ModelRunner:
@@ -153,6 +156,7 @@ class ModelRunner:
         self.features: torch.Tensor | None = None
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
+        self._pending_capture: Captured | None = None  # the pending verification's captured step, if captured
         # captured verify steps (`graphs`): one StepGraph per (batch, nodes) bucket over static inputs, replayed every
         # step; every step then takes the tree path (HF's decode path and in-place one-node steps change the committed
         # state, which a captured step, run twice when captured on CUDA, must only read)
@@ -364,7 +368,8 @@ class ModelRunner:
                 logits, feats, verification = graph.capture(step)
             except CaptureError as e:
                 raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
-            self.captured[key] = Captured(static, graph, self.cache.kv_generation)
+            entry = Captured(static, graph, self.cache.kv_generation, tree.tokens.new_zeros(tree.batch_size))
+            self.captured[key] = entry
             self.captures += 1
         else:
             entry.tree.copy_from(tree)
@@ -372,7 +377,29 @@ class ModelRunner:
             verification.reopen()
         self.features = feats.clone() if feats is not None else None
         self._pending = (tree, verification)
+        self._pending_capture = entry
         return logits.clone()
+
+    def _commit_captured(self, entry: Captured, verification: Verification, last: torch.Tensor):
+        """`commit` of a captured step: the bucket's first commit runs eagerly (on CUDA it warms the commit up), its
+        second is captured, the later ones replay it; `last` is copied into the capture's input, the paths come back
+        copied out of its outputs, and the host keeps only its bound of the slots in use."""
+        width = self.max_depth + 1
+        if not entry.committed:
+            entry.committed = True
+            return verification.commit(last, width, self.fold)
+        longest = entry.tree.longest_path(last.tolist())  # (the tree's host copy: no device read)
+        entry.last.copy_(last, non_blocking=True)
+        if entry.commit is None:
+            entry.commit = StepGraph(self.device, self._pool)
+            path, lengths = entry.commit.capture(
+                lambda: verification.commit_static(entry.last, width, self.fold), warmup=False
+            )
+            self.captures += 1
+        else:
+            path, lengths = entry.commit.replay()
+        verification.settle(longest)
+        return path.clone(), lengths.clone()
 
     def verify_bytes(self) -> int:
         """Bytes the pending verification holds until its commit (0 after a decode step)."""
@@ -386,9 +413,12 @@ class ModelRunner:
         buffers a finished row would otherwise take a slot a step until the batch's last row finishes."""
         tree, verification = self._pending
         self._pending = None
+        entry, self._pending_capture = self._pending_capture, None
         held = self.cache.holding(hold)
         if verification is None:  # the decode step already advanced every row by its one token
             out = tree.paths(last, 1 if self.static_shapes else None)
+        elif entry is not None:
+            out = self._commit_captured(entry, verification, last)
         else:
             out = verification.commit(last, self.max_depth + 1 if self.static_shapes else None, self.fold)
         self.cache.hold(held)
@@ -398,7 +428,7 @@ class ModelRunner:
         """Forget the tree verified last (its K/V slots are dropped; nothing else changed)."""
         if self._pending is not None:
             tree, verification = self._pending
-            self._pending = None
+            self._pending, self._pending_capture = None, None
             if verification is None:
                 raise RuntimeError("a decode step cannot be discarded (HF's decode path updates states in place)")
             if verification.in_place:
