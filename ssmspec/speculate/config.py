@@ -87,8 +87,8 @@ class SpecConfig:
             step that runs out of memory (torch.OutOfMemoryError) is retried with half the nodes, down to a plain
             decode step, and later steps keep that size. None: no budget.
         graphs: capture each tree-size bucket's verify step and its commit once over static buffers and replay them
-            every step (ssmspec.compile.graphs: a CUDA graph on a GPU; on a CPU an op tape that replays the same ops, for
-            tests); needs static shapes, which it turns on. None: on for a model compiled on CUDA
+            every step (ssmspec.compile.graphs: a CUDA graph on a GPU; on a CPU an op tape that replays the same
+            ops, for tests); needs static shapes, which it turns on. None: on for a model compiled on CUDA
             (`transform(compile=True)`), off otherwise. A step that cannot be captured raises CaptureError
             naming the op and where it was called.
 
