@@ -22,7 +22,8 @@ class SpecConfig:
     """Speculation settings for `model.generate(..., speculation=SpecConfig(...))` (immutable).
 
     The defaults are the configuration that measured fastest on held-out code without a corpus (docs:
-    Benchmarks, "The default configuration"): an n-gram tree of 16 nodes, 8 deep, with adaptive depth.
+    Benchmarks, "The default configuration"): an n-gram tree of 16 nodes, 8 deep, with adaptive depth; sizes left
+    None take the ones measured fastest for the drafter a call runs (ssmspec.speculate.defaults.sized).
 
     Attributes:
         drafter: "auto" (default): "draft_model" where the call passes `assistant_model`, else "draft_head" where
@@ -35,11 +36,14 @@ class SpecConfig:
             ssmspec.speculate.generate); "mtp": that MTP layer, refused where the model has none; "none": plain
             decoding through ssmspec's engine.
         num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes), 1 to MAX_DRAFT_NODES;
-            a call drafts no deeper than the tokens it has left and its tree budget.
+            a call drafts no deeper than the tokens it has left and its tree budget. None (default): the drafter's
+            measured depth (n-gram lookup 8; a draft head or MTP layer 8 greedy, 4 sampling; a draft model 4).
         tree: False = chain; True = a tree from several matches / candidates; None (default): a tree where the model
             verifies trees exactly (its transform-time probe), else a chain. True on a model whose trees were found
             inexact is refused before anything runs.
-        tree_budget: maximum drafted nodes per row in tree mode, 1 to MAX_DRAFT_NODES.
+        tree_budget: maximum drafted nodes per row in tree mode, 1 to MAX_DRAFT_NODES. None (default): the
+            drafter's measured size (n-gram lookup 16; a draft head or MTP layer 24 greedy, 12 sampling; a draft
+            model 12).
         max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones).
         commit: "replay" (re-run the recurrence along the accepted path; small memory) or "materialize"
             (keep every node's state; commit is a gather).
@@ -98,9 +102,9 @@ class SpecConfig:
     """
 
     drafter: str = "auto"
-    num_draft_tokens: int = 8
+    num_draft_tokens: int | None = None
     tree: bool | None = None
-    tree_budget: int = 16
+    tree_budget: int | None = None
     max_matching_ngram_size: int = 2
     commit: str = "replay"
     sampling_tree: str = "gumbel_top_k"
@@ -115,7 +119,8 @@ class SpecConfig:
     graphs: bool | None = None
 
     def __post_init__(self) -> None:
-        types = {"drafter": str, "num_draft_tokens": int, "tree": (bool, type(None)), "tree_budget": int,
+        types = {"drafter": str, "num_draft_tokens": (int, type(None)), "tree": (bool, type(None)),
+                 "tree_budget": (int, type(None)),
                  "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
                  "static_shapes": (bool, type(None)),
                  "corpus": (SuffixIndex, str, PathLike, list, tuple, type(None)),
@@ -130,6 +135,8 @@ class SpecConfig:
                     "static_shapes": "a bool or None",
                     "tree": "a bool or None",
                     "graphs": "a bool or None",
+                    "num_draft_tokens": "an int or None",
+                    "tree_budget": "an int or None",
                     "draft_vocab": "an int, a sequence of token ids or None",
                     "corpus": "a SuffixIndex, an index path, a list of documents or None",
                     "verify_memory": "an int (bytes) or None",
@@ -192,7 +199,7 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.commit must be one of {COMMIT_STRATEGIES}, got {self.commit!r}")
         if self.sampling_tree not in SAMPLING_TREES:
             raise ValueError(f"SpecConfig.sampling_tree must be one of {SAMPLING_TREES}, got {self.sampling_tree!r}")
-        if not 0 <= self.num_draft_tokens <= MAX_DRAFT_NODES:
+        if self.num_draft_tokens is not None and not 0 <= self.num_draft_tokens <= MAX_DRAFT_NODES:
             raise ValueError(
                 f"SpecConfig.num_draft_tokens must be between 0 and {MAX_DRAFT_NODES} (draft depth per step), got "
                 f"{self.num_draft_tokens}"
@@ -207,7 +214,7 @@ class SpecConfig:
             )
         if self.verify_memory is not None and self.verify_memory < 1:
             raise ValueError(f"SpecConfig.verify_memory must be >= 1 (bytes) or None, got {self.verify_memory}")
-        if not 1 <= self.tree_budget <= MAX_DRAFT_NODES:
+        if self.tree_budget is not None and not 1 <= self.tree_budget <= MAX_DRAFT_NODES:
             raise ValueError(
                 f"SpecConfig.tree_budget must be between 1 and {MAX_DRAFT_NODES} (drafted nodes per row and step), got "
                 f"{self.tree_budget}"

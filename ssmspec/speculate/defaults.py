@@ -34,7 +34,7 @@ from ssmspec.speculate.drafters.head import DraftHead, HeadDrafter
 from ssmspec.speculate.drafters.mtp import MTPDrafter
 from ssmspec.speculate.retrieval import SuffixIndex, frequent_tokens
 
-# SpecConfig()'s own defaults are the n-gram default; a draft model drafts shallower trees (its proposals
+# sizes a SpecConfig leaves None (`sized`): n-gram lookup's NGRAM; a draft model drafts shallower trees (its proposals
 # cost a forward per level): 4 deep, 3 nodes per level
 DRAFT_MODEL_DEPTH = 4
 DRAFT_MODEL_NODES_PER_LEVEL = 3
@@ -43,6 +43,24 @@ DRAFT_MODEL_NODES_PER_LEVEL = 3
 # adds its own branches); sampling, a shallower one (its drafts are accepted with the target's probability)
 HEAD_GREEDY = SpecConfig(tree_budget=24, num_draft_tokens=8)
 HEAD_SAMPLING = SpecConfig(tree_budget=12, num_draft_tokens=4)
+NGRAM = SpecConfig(tree_budget=16, num_draft_tokens=8)  # n-gram lookup (and the corpus): SpecConfig's documented sizes
+
+
+def sized(spec: SpecConfig, sampling: bool = False) -> SpecConfig:
+    """`spec` with the sizes it leaves None (num_draft_tokens, tree_budget) set to the ones measured fastest for its
+    drafter (a draft head or MTP layer: HEAD_GREEDY / HEAD_SAMPLING as `sampling`; a draft model: DRAFT_MODEL_DEPTH
+    deep, DRAFT_MODEL_NODES_PER_LEVEL nodes a level; anything else, n-gram lookup's NGRAM); sizes given are kept."""
+    if spec.num_draft_tokens is not None and spec.tree_budget is not None:
+        return spec
+    if spec.drafter in ("draft_head", "mtp"):
+        base = HEAD_SAMPLING if sampling else HEAD_GREEDY
+        depth, budget = base.num_draft_tokens, base.tree_budget
+    elif spec.drafter == "draft_model":
+        depth, budget = DRAFT_MODEL_DEPTH, min(MAX_DRAFT_NODES, DRAFT_MODEL_NODES_PER_LEVEL * DRAFT_MODEL_DEPTH)
+    else:
+        depth, budget = NGRAM.num_draft_tokens, NGRAM.tree_budget
+    return replace(spec, num_draft_tokens=spec.num_draft_tokens if spec.num_draft_tokens is not None else depth,
+                   tree_budget=spec.tree_budget if spec.tree_budget is not None else budget)  # fmt: skip
 
 
 def spec_for(
@@ -62,6 +80,7 @@ def spec_for(
             spec = replace(
                 spec, drafter="draft_head" if head and not spec.recycle and not spec.ahead else "prompt_lookup"
             )
+    spec = sized(spec, sampling)
     return spec if spec.tree is not None else replace(spec, tree=trees)
 
 
@@ -78,7 +97,7 @@ def _default(
                               tree=False, adaptive=False)  # fmt: skip
         return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
                           tree_budget=min(MAX_DRAFT_NODES, DRAFT_MODEL_NODES_PER_LEVEL * depth))  # fmt: skip
-    default = HEAD_SAMPLING if head and sampling else HEAD_GREEDY if head else SpecConfig()
+    default = HEAD_SAMPLING if head and sampling else HEAD_GREEDY if head else NGRAM
     if config.prompt_lookup_num_tokens is None:
         return replace(default, max_matching_ngram_size=ngram)
     lookup = hf_depth(config, "prompt_lookup_num_tokens")
@@ -102,12 +121,13 @@ def build_drafter(
     prompt_ids: torch.Tensor, special_ids: list[int], confidence: float, target: nn.Module | None = None,
     head: DraftHead | None = None, agreement: Agreement | None = None,
 ) -> Drafter:  # fmt: skip
-    if spec.tree is None:  # (spec_for resolves it per model; a spec built by hand: a tree)
-        spec = replace(spec, tree=True)
     """The drafter `spec` asks for. `draft`: the transformed draft model (drafter "draft_model"); `index`: the
     corpus's index or None; `prompt_ids` and `special_ids` (EOS, pad) stay in a VocabTrim vocabulary;
     `confidence`: HF's assistant_confidence_threshold (0: off); `target` and its draft `head` (drafter
     "draft_head"); `agreement`: the target's (tensor parallelism: a draft model's timed choices are every process's)."""
+    if spec.tree is None:  # (spec_for resolves it per model; a spec built by hand: a tree)
+        spec = replace(spec, tree=True)
+    spec = sized(spec)  # (spec_for sizes it for the call; a spec built by hand: its drafter's greedy sizes)
     if spec.drafter == "none":
         return NoDrafter()
     if spec.drafter in ("draft_head", "mtp"):

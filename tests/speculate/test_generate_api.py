@@ -4,6 +4,7 @@ arguments raise clear errors before generating."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,8 +220,8 @@ def test_the_defaults_for_each_kind_of_call():
     from ssmspec.speculate.defaults import spec_for
 
     default = spec_for(None, GenerationConfig(), None)
-    assert default == SpecConfig(drafter="prompt_lookup", tree=True) and default.tree and default.adaptive
-    assert (default.num_draft_tokens, default.tree_budget) == (8, 16)
+    assert default == SpecConfig(drafter="prompt_lookup", tree=True, num_draft_tokens=8, tree_budget=16)
+    assert default.tree and default.adaptive
     lookup = spec_for(None, GenerationConfig(prompt_lookup_num_tokens=4, max_matching_ngram_size=3), None)
     assert (lookup.num_draft_tokens, lookup.tree_budget, lookup.max_matching_ngram_size) == (4, 8, 3)
     assert lookup.tree and lookup.adaptive
@@ -232,10 +233,20 @@ def test_the_defaults_for_each_kind_of_call():
     heuristic = spec_for(None, GenerationConfig(num_assistant_tokens_schedule="heuristic"), draft)
     assert not heuristic.tree and not heuristic.adaptive  # HF's schedule decides the depth of HF's chains
     assert not spec_for(None, GenerationConfig(), None, trees=False).tree  # chains where trees are inexact
-    given = SpecConfig(drafter="prompt_lookup", tree=False)
-    assert spec_for(given, GenerationConfig(prompt_lookup_num_tokens=4), None) is given
+    given = SpecConfig(drafter="prompt_lookup", tree=False, num_draft_tokens=6, tree_budget=10)
+    assert spec_for(given, GenerationConfig(prompt_lookup_num_tokens=4), None) is given  # (sizes given: kept)
     # drafter "auto": the model's draft head where it has one (budgets of their own), n-gram lookup without one
-    assert spec_for(SpecConfig(tree=False), GenerationConfig(), None) == given
+    assert spec_for(SpecConfig(tree=False, num_draft_tokens=6, tree_budget=10), GenerationConfig(), None) == given
+    # sizes left None: the ones measured for the drafter the call runs, also where the drafter is named
+    assert spec_for(SpecConfig(tree=False), GenerationConfig(), None) == replace(given, num_draft_tokens=8,
+                                                                                   tree_budget=16)  # fmt: skip
+    for drafter in ("draft_head", "mtp"):
+        named = spec_for(SpecConfig(drafter=drafter), GenerationConfig(), None)
+        assert (named.num_draft_tokens, named.tree_budget) == (8, 24)
+        named = spec_for(SpecConfig(drafter=drafter, num_draft_tokens=5), GenerationConfig(), None, sampling=True)
+        assert (named.num_draft_tokens, named.tree_budget) == (5, 12)
+    named = spec_for(SpecConfig(drafter="draft_model"), GenerationConfig(), object())
+    assert (named.num_draft_tokens, named.tree_budget) == (4, 12)
     # `tree` left unset follows the model (chains where its trees were found inexact); set, it is kept
     assert spec_for(SpecConfig(num_draft_tokens=4), GenerationConfig(), None, trees=False).tree is False
     assert spec_for(SpecConfig(tree=True), GenerationConfig(), None, trees=False).tree is True
