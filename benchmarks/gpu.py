@@ -276,31 +276,13 @@ def e2e_section(
         want = [ref.generate(p, max_new_tokens=new_tokens, do_sample=False) for p in batch]
         rows = out[name] = {}
         for method, (model, kwargs) in methods.items():
-            spec = "speculation" in kwargs
-            if spec:
-                kwargs = {**kwargs, "return_dict_in_generate": True}
             try:
-                # warm-up on every prompt: each compiled graph (tree-size bucket, commit width) a timed run
-                # meets is compiled before the timing starts
-                for p in batch:
-                    model.generate(p, max_new_tokens=new_tokens, **kwargs)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0, same, ties, tokens = time.perf_counter(), True, 0, 0
-                for p, w in zip(batch, want):
-                    got = model.generate(p, max_new_tokens=new_tokens, **kwargs)
-                    seq = got.sequences if spec else got
-                    same &= torch.equal(seq, w)
-                    ties += got.spec_stats["near_ties"] if spec else 0
-                    tokens += seq.shape[1] - p.shape[1]
-                if device == "cuda":
-                    torch.cuda.synchronize()
+                measured = timed_generates(model, kwargs, batch, want, new_tokens, device)
             except Exception as e:  # noqa: BLE001 - recorded, the other methods still run
                 rows[method] = {"error": failure(e)}
                 print(f"  {name:<14} {method:<34} FAILED {rows[method]['error'][:400]}")
                 continue
-            rows[method] = {"tokens_per_s": tokens / (time.perf_counter() - t0), "identical": same,
-                            "near_ties": ties}  # fmt: skip
+            rows[method] = {k: measured[k] for k in ("tokens_per_s", "identical", "near_ties")}
             print(f"  {name:<14} {method:<34} {rows[method]['tokens_per_s']:8.1f} tok/s", flush=True)
             save()
         for method, row in speedups(rows).items():
@@ -313,14 +295,42 @@ def e2e_section(
     return out
 
 
+def timed_generates(model, kwargs: dict, batch: list, want: list, new_tokens: int, device: str) -> dict:
+    """Every prompt of `batch` generated once untimed (the compiled graphs of each tree-size bucket and commit width, a
+    compiled model's first call's calibration), then once timed; each timed output compared with HF greedy's (`want`).
+    Returns tokens_per_s, identical, near_ties, tokens_per_step (1 without speculation) and the Dynamo graphs compiled
+    during the timed calls."""
+    from ssmspec.compile.backend import STATS
+
+    speculative = "speculation" in kwargs
+    kwargs = {**kwargs, "return_dict_in_generate": True} if speculative else kwargs
+    for p in batch:
+        model.generate(p, max_new_tokens=new_tokens, **kwargs)
+    graphs = STATS.graphs
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start, same, ties, tokens, per_step = time.perf_counter(), True, 0, 0, []
+    for p, w in zip(batch, want):
+        got = model.generate(p, max_new_tokens=new_tokens, **kwargs)
+        seq = got.sequences if speculative else got
+        same &= torch.equal(seq, w)
+        if speculative:
+            ties += got.spec_stats["near_ties"]
+            per_step.append(got.spec_stats["mean_accepted_per_step"])
+        tokens += seq.shape[1] - p.shape[1]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"tokens_per_s": tokens / (time.perf_counter() - start), "identical": same, "near_ties": ties,
+            "graphs_compiled_while_timed": STATS.graphs - graphs,
+            "tokens_per_step": sum(per_step) / len(per_step) if per_step else 1.0}  # fmt: skip
+
+
 def quick_section(device: str, prompts: int, new_tokens: int, smoke: bool = False, out: dict | None = None,
                   save=lambda: None) -> dict:  # fmt: skip
     """The embedded target end to end as a user calls it (float32, held-out code, batch 1), side by side: HF greedy
     eager and compiled; ssmspec plain, default (its draft head) and n-gram calls, eager and on
     `transform(compile=True)` (on CUDA: Inductor and ssmspec's captured steps); the warm-up's seconds, and the Dynamo
     graphs compiled during the timed calls (none expected)."""
-    from ssmspec.compile.backend import STATS
-
     print(f"\nquick: embedded target, {prompts} held-out prompts x {new_tokens} tokens, float32, {device}")
     out = {} if out is None else out
     ref, tok = models.load("mamba2-target")
@@ -352,34 +362,14 @@ def quick_section(device: str, prompts: int, new_tokens: int, smoke: bool = Fals
     }
     rows = out.setdefault("rows", {})
     for method, (model, kwargs) in methods.items():
-        speculative = "speculation" in kwargs
-        kwargs = {**kwargs, "return_dict_in_generate": True} if speculative else kwargs
         try:
-            for p in batch:  # warm-up: the first call of a compiled model's batch size, its calibration
-                model.generate(p, max_new_tokens=new_tokens, **kwargs)
-            graphs = STATS.graphs
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start, same, ties, tokens, per_step = time.perf_counter(), True, 0, 0, []
-            for p, w in zip(batch, want):
-                got = model.generate(p, max_new_tokens=new_tokens, **kwargs)
-                seq = got.sequences if speculative else got
-                same &= torch.equal(seq, w)
-                if speculative:
-                    ties += got.spec_stats["near_ties"]
-                    per_step.append(got.spec_stats["mean_accepted_per_step"])
-                tokens += seq.shape[1] - p.shape[1]
-            if device == "cuda":
-                torch.cuda.synchronize()
+            rows[method] = timed_generates(model, kwargs, batch, want, new_tokens, device)
         except Exception as e:  # noqa: BLE001 - recorded, the other rows still run
             rows[method] = {"error": failure(e)}
             print(f"  {method:<28} FAILED {rows[method]['error'][:400]}")
             save()
             continue
-        rows[method] = {"tokens_per_s": tokens / (time.perf_counter() - start), "identical": same,
-                        "near_ties": ties, "graphs_compiled_while_timed": STATS.graphs - graphs,
-                        "tokens_per_step": sum(per_step) / len(per_step) if per_step else 1.0}  # fmt: skip
-        print(f"  {method:<28} {rows[method]['tokens_per_s']:8.1f} tok/s  identical {same}  "
+        print(f"  {method:<28} {rows[method]['tokens_per_s']:8.1f} tok/s  identical {rows[method]['identical']}  "
               f"{rows[method]['tokens_per_step']:.2f} tokens/step", flush=True)  # fmt: skip
         save()
     timed = {k: v for k, v in rows.items() if "tokens_per_s" in v}

@@ -503,8 +503,8 @@ class SpecCache(DynamicCache):
         return [t for a in self.attention for t in hf_layers.kv(self.layers[a.index])], self.block
 
     def _keep_static(self, path: torch.Tensor, lengths: torch.Tensor, longest: int) -> None:
-        """Static K/V, after the commit moved the accepted slots (`kv_slots`): they become valid, the rest of the
-        step's slots stay invalid."""
+        """Static K/V (or no attention at all), after the commit moved the accepted slots (`kv_slots`): they become
+        valid, the rest of the step's slots stay invalid; each row's token count advances."""
         self.advance_static(path, lengths)
         self.settle_static(longest)
 
