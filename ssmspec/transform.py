@@ -27,7 +27,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.utils import ModelOutput
 
 from ssmspec import linear as packed_linear
-from ssmspec.compile.backend import compile_mode, mode_and_options, region_options
+from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode, mode_and_options, region_options
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features as hf_features
@@ -518,7 +518,7 @@ def compile_fast(
         kwargs["options"] = options
     try:
         model.compile(**kwargs)
-        if device.type == "cuda" and compile_mode(kwargs) not in ("reduce-overhead", "max-autotune"):
+        if device.type == "cuda" and compile_mode(kwargs) not in CUDA_GRAPH_MODES:
             model.ssmspec_graphs = True  # its verify steps captured by ssmspec (SpecConfig.graphs)
         vocab = int(model.config.get_text_config().vocab_size)
         # two prompt lengths within one scan chunk and two over it, per batch size: after the second of each,

@@ -75,6 +75,10 @@ def mode_and_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# torch.compile modes whose compiled graphs run as torch's own CUDA graphs (cudagraph trees) on CUDA
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def compile_mode(kwargs: dict[str, Any]) -> str | None:
     """The torch.compile mode of compile keyword arguments (given as `mode`, or among the ssmspec backend's options)."""
     return kwargs.get("mode") or (kwargs.get("options") or {}).get("mode")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ssmspec import linear as packed_linear
-from ssmspec.compile.backend import compile_mode
+from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode
 from ssmspec.compile.graphs import StepGraph
 from ssmspec.errors import CaptureError, UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
@@ -117,7 +117,7 @@ class ModelRunner:
         # tokens, 159 against 111 ms for 1,024); decode and verify steps, static, stay compiled
         self.eager_prefill = self.device.type == "cpu" and getattr(model, "ssmspec_compile_call", None) is not None
         mode = compile_mode(getattr(model, "ssmspec_compile_options", None) or {})
-        self.in_place_single_nodes = not (self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune"))
+        self.in_place_single_nodes = not (self.device.type == "cuda" and mode in CUDA_GRAPH_MODES)
         self.info = getattr(model, "ssmspec_info", None)
         self.level_aligned = bool(getattr(self.info, "slot_positions", False))
         # static shapes (compiled / CUDA-graph verification): trees padded to a power-of-two node count, commits
