@@ -222,3 +222,43 @@ def test_fused_drafter_prunes_retrieved_branches_the_draft_rules_out(prune_below
     stats = SpecStats()
     fused.finish(stats)
     assert stats.drafter["pruned"] == (1 if prune_below else 0)
+
+
+class _SampledStub(_StubDraft):
+    """A sampling draft's tree: `max_nodes` nodes, a chain as deep as asked and the rest as the root's children (a q
+    at the root and node 1); records the budget it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.budgets = []
+
+    def propose(self, contexts, max_nodes, max_depth):
+        self.budgets.append(max_nodes)
+        q = torch.full((12,), 1 / 12)
+        # a chain of max_depth under the root, the rest of the budget as the root's further children
+        tokens, parents = [None, 5], [-1, 0]
+        for d in range(1, max_depth):
+            tokens.append(6 + d)
+            parents.append(len(tokens) - 2)
+        tokens += [1 + i for i in range(max_nodes - (len(tokens) - 1))]
+        parents += [0] * (len(tokens) - len(parents))
+        return [([ctx[-1], *tokens[1:]], list(parents), {0: q, 1: q}) for ctx in contexts]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_fused_drafter_gives_a_sampled_draft_the_whole_budget(do_sample):
+    """Retrieved nodes never go under a node whose children were sampled, and a sampled tree is as deep as the step: a
+    sampling call's budget goes to the draft alone (greedy: `draft_share` of it), and the merged tree keeps it."""
+    from ssmspec.speculate.decoding import Decoding
+    from ssmspec.speculate.drafters import FusedDrafter, PromptLookupDrafter
+
+    corpus = SuffixIndex.from_sequences([[2, 9, 1, 1], [2, 3, 1], [2, 5, 6]])
+    draft = _SampledStub()
+    fused = FusedDrafter(draft, PromptLookupDrafter(2, tree=True, corpus=corpus), prune_below=0.0)
+    fused.set_decoding(Decoding(do_sample=do_sample))
+    fused.start(None, None)
+    ((tokens, parents, qs),) = fused.propose([[0, 2]], 8, 3)
+    assert draft.budgets == [8 if do_sample else 4]
+    assert len(tokens) - 1 <= 8
+    if do_sample:  # the draft's tree as drafted, its 8 nodes
+        assert (tokens[1:], parents) == ([5, 7, 8, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 0, 0, 0, 0, 0])

@@ -77,8 +77,17 @@ class FusedDrafter(Drafter):
         stats.drafter["pruned"] = self.pruned
 
     def propose(self, contexts, max_nodes, max_depth):
-        share = max(1, int(round(max_nodes * self.draft_share))) if max_nodes > 1 else max_nodes
+        if self.decoding is not None and self.decoding.do_sample:
+            # a sampled tree's every node but its leaves carries a q, and retrieved nodes never go under those: they
+            # can only continue a leaf above max_depth, so the draft gets the whole budget (its half left the
+            # MTP layer of the embedded Nemotron-H one branch at the root instead of three: 2.4 tokens a step
+            # against 2.85)
+            share = max_nodes
+        else:
+            share = max(1, int(round(max_nodes * self.draft_share))) if max_nodes > 1 else max_nodes
         drafted = self.draft.propose(contexts, share, max_depth)
+        if share == max_nodes and all(len(d[0]) - 1 >= max_nodes for d in drafted):
+            return drafted  # (nothing left for retrieval to fill)
         prune = self.prune_below > 0 and bool(self.draft.scored)
         retrieved = self.retrieval.propose(contexts, 2 * max_nodes if prune else max_nodes, max_depth)
         return [

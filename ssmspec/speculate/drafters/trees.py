@@ -126,7 +126,8 @@ def grow_level(trees, dists: torch.Tensor, width: int, level: int, gen, sampling
             order = (logq[0] + gumbel[0]).topk(min(width, int((q[0] > 0).sum()))).indices.tolist()
             picks = [(0, x, 0.0, 0.0) for x in order]
         else:
-            picks = [(f, int(torch.multinomial(q[f], 1, generator=gen)), 0.0, 0.0) for f in range(len(frontier))]
+            drawn = torch.multinomial(q, 1, generator=gen)[:, 0].tolist() if len(frontier) else []  # (one per node)
+            picks = [(f, x, 0.0, 0.0) for f, x in enumerate(drawn)]
         new = []
         for f, x, phi_x, key in picks:
             node = frontier[f][0]
