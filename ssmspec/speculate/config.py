@@ -37,13 +37,14 @@ class SpecConfig:
             decoding through ssmspec's engine.
         num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes), 1 to MAX_DRAFT_NODES;
             a call drafts no deeper than the tokens it has left and its tree budget. None (default): the drafter's
-            measured depth (n-gram lookup 8; a draft head or MTP layer 8 greedy, 4 sampling; a draft model 4).
+            measured depth (n-gram lookup 8; a draft head 8 greedy, 4 sampling; an MTP layer 8 greedy, 3 sampling; a
+            draft model 4).
         tree: False = chain; True = a tree from several matches / candidates; None (default): a tree where the model
             verifies trees exactly (its transform-time probe), else a chain. True on a model whose trees were found
             inexact is refused before anything runs.
         tree_budget: maximum drafted nodes per row in tree mode, 1 to MAX_DRAFT_NODES. None (default): the
-            drafter's measured size (n-gram lookup 16; a draft head or MTP layer 24 greedy, 12 sampling; a draft
-            model 12).
+            drafter's measured size (n-gram lookup 16; a draft head 24 greedy, 12 sampling; an MTP layer 24 greedy, 9
+            sampling; a draft model 12).
         max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones).
         commit: "replay" (re-run the recurrence along the accepted path; small memory) or "materialize"
             (keep every node's state; commit is a gather).

@@ -43,17 +43,28 @@ DRAFT_MODEL_NODES_PER_LEVEL = 3
 # adds its own branches); sampling, a shallower one (its drafts are accepted with the target's probability)
 HEAD_GREEDY = SpecConfig(tree_budget=24, num_draft_tokens=8)
 HEAD_SAMPLING = SpecConfig(tree_budget=12, num_draft_tokens=4)
+# a checkpoint's MTP layer (drafter "mtp", or "auto" on a model whose MTP layer is small: ssmspec.speculate.generate),
+# as measured fastest on the embedded Nemotron-H (docs/data/mtp.json): greedy, the head's tree (each of its levels
+# costs a forward of the layer: fewer rounds, MTPDrafter.rounds); sampling, 3 branches at the root, 3 deep (the
+# layer fed its own outputs is accepted less at every level: a 4th level was accepted 0.25 of the times it was
+# reached, and 4 deep ran 1.24x HF's sampling against 1.34x for 3)
+MTP_GREEDY = HEAD_GREEDY
+MTP_SAMPLING = SpecConfig(tree_budget=9, num_draft_tokens=3)
 NGRAM = SpecConfig(tree_budget=16, num_draft_tokens=8)  # n-gram lookup (and the corpus): SpecConfig's documented sizes
 
 
-def sized(spec: SpecConfig, sampling: bool = False) -> SpecConfig:
+def sized(spec: SpecConfig, sampling: bool = False, mtp: bool = False) -> SpecConfig:
     """`spec` with the sizes it leaves None (num_draft_tokens, tree_budget) set to the ones measured fastest for its
-    drafter (a draft head or MTP layer: HEAD_GREEDY / HEAD_SAMPLING as `sampling`; a draft model: DRAFT_MODEL_DEPTH
-    deep, DRAFT_MODEL_NODES_PER_LEVEL nodes a level; anything else, n-gram lookup's NGRAM); sizes given are kept."""
+    drafter (a draft head: HEAD_GREEDY / HEAD_SAMPLING as `sampling`; an MTP layer, drafter "mtp" or a head that is
+    one (`mtp`): MTP_GREEDY / MTP_SAMPLING; a draft model: DRAFT_MODEL_DEPTH deep, DRAFT_MODEL_NODES_PER_LEVEL nodes
+    a level; anything else, n-gram lookup's NGRAM); sizes given are kept."""
     if spec.num_draft_tokens is not None and spec.tree_budget is not None:
         return spec
     if spec.drafter in ("draft_head", "mtp"):
-        base = HEAD_SAMPLING if sampling else HEAD_GREEDY
+        if spec.drafter == "mtp" or mtp:
+            base = MTP_SAMPLING if sampling else MTP_GREEDY
+        else:
+            base = HEAD_SAMPLING if sampling else HEAD_GREEDY
         depth, budget = base.num_draft_tokens, base.tree_budget
     elif spec.drafter == "draft_model":
         depth, budget = DRAFT_MODEL_DEPTH, min(MAX_DRAFT_NODES, DRAFT_MODEL_NODES_PER_LEVEL * DRAFT_MODEL_DEPTH)
@@ -65,28 +76,28 @@ def sized(spec: SpecConfig, sampling: bool = False) -> SpecConfig:
 
 def spec_for(
     speculation: SpecConfig | None, config: GenerationConfig, draft: nn.Module | None, trees: bool = True,
-    head: bool = False, sampling: bool = False, user_set: frozenset[str] = frozenset(),
+    head: bool = False, sampling: bool = False, user_set: frozenset[str] = frozenset(), head_kind: str = "draft_head",
 ) -> SpecConfig:  # fmt: skip
     """The SpecConfig a generate call runs: `speculation` if given, else the default for its HF kwargs, its drafter
-    "auto" resolved (the call's draft model `draft`; else the model's draft head, `head`; `sampling`: the call
-    samples) and its `tree` None resolved to `trees` (whether the model verifies trees on this call: chains where its
-    probe found trees inexact). `user_set`: the GenerationConfig fields the call sets (hf.generation.Plan.user_set).
+    "auto" resolved (the call's draft model `draft`; else the model's draft head where `head` says "auto" drafts
+    with it, as `head_kind` ("draft_head" or "mtp": an MTP layer); `sampling`: the call samples) and its `tree` None
+    resolved to `trees` (whether the model verifies trees on this call: chains where its probe found trees inexact).
+    `user_set`: the GenerationConfig fields the call sets (hf.generation.Plan.user_set).
     """
-    spec = speculation if speculation is not None else _default(config, draft, head, sampling, user_set)
+    mtp = head_kind == "mtp"
+    spec = speculation if speculation is not None else _default(config, draft, head, sampling, user_set, mtp)
     if spec.drafter == "auto":  # the call's draft model, else the model's draft head, else n-gram lookup
         if draft is not None:
             spec = replace(spec, drafter="draft_model")
         else:  # (recycling and drafting ahead: lookup's)
-            spec = replace(
-                spec, drafter="draft_head" if head and not spec.recycle and not spec.ahead else "prompt_lookup"
-            )
-    spec = sized(spec, sampling)
+            spec = replace(spec, drafter=head_kind if head and not spec.recycle and not spec.ahead else "prompt_lookup")
+    spec = sized(spec, sampling, mtp)
     return spec if spec.tree is not None else replace(spec, tree=trees)
 
 
 def _default(
     config: GenerationConfig, draft: nn.Module | None, head: bool = False, sampling: bool = False,
-    user_set: frozenset[str] = frozenset(),
+    user_set: frozenset[str] = frozenset(), mtp: bool = False,
 ) -> SpecConfig:  # fmt: skip
     ngram = int(config.max_matching_ngram_size or SpecConfig.max_matching_ngram_size)
     if draft is not None:
@@ -97,7 +108,10 @@ def _default(
                               tree=False, adaptive=False)  # fmt: skip
         return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
                           tree_budget=min(MAX_DRAFT_NODES, DRAFT_MODEL_NODES_PER_LEVEL * depth))  # fmt: skip
-    default = HEAD_SAMPLING if head and sampling else HEAD_GREEDY if head else NGRAM
+    if head:
+        default = (MTP_SAMPLING if sampling else MTP_GREEDY) if mtp else HEAD_SAMPLING if sampling else HEAD_GREEDY
+    else:
+        default = NGRAM
     if config.prompt_lookup_num_tokens is None:
         return replace(default, max_matching_ngram_size=ngram)
     lookup = hf_depth(config, "prompt_lookup_num_tokens")
@@ -127,7 +141,8 @@ def build_drafter(
     "draft_head"); `agreement`: the target's (tensor parallelism: a draft model's timed choices are every process's)."""
     if spec.tree is None:  # (spec_for resolves it per model; a spec built by hand: a tree)
         spec = replace(spec, tree=True)
-    spec = sized(spec)  # (spec_for sizes it for the call; a spec built by hand: its drafter's greedy sizes)
+    # (spec_for sizes it for the call; a spec built by hand: its drafter's greedy sizes)
+    spec = sized(spec, mtp=isinstance(head, MTPModule))
     if spec.drafter == "none":
         return NoDrafter()
     if spec.drafter in ("draft_head", "mtp"):

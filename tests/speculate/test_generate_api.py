@@ -240,11 +240,21 @@ def test_the_defaults_for_each_kind_of_call():
     # sizes left None: the ones measured for the drafter the call runs, also where the drafter is named
     assert spec_for(SpecConfig(tree=False), GenerationConfig(), None) == replace(given, num_draft_tokens=8,
                                                                                    tree_budget=16)  # fmt: skip
-    for drafter in ("draft_head", "mtp"):
-        named = spec_for(SpecConfig(drafter=drafter), GenerationConfig(), None)
-        assert (named.num_draft_tokens, named.tree_budget) == (8, 24)
-        named = spec_for(SpecConfig(drafter=drafter, num_draft_tokens=5), GenerationConfig(), None, sampling=True)
-        assert (named.num_draft_tokens, named.tree_budget) == (5, 12)
+    named = spec_for(SpecConfig(drafter="draft_head"), GenerationConfig(), None)
+    assert (named.num_draft_tokens, named.tree_budget) == (8, 24)
+    named = spec_for(SpecConfig(drafter="draft_head", num_draft_tokens=5), GenerationConfig(), None, sampling=True)
+    assert (named.num_draft_tokens, named.tree_budget) == (5, 12)
+    # an MTP layer (named, or a head that is one): greedy the head's tree; sampling 3 deep, 3 branches
+    for kw in ({"speculation": SpecConfig(drafter="mtp")}, {"speculation": SpecConfig(drafter="draft_head"),
+                                                            "head_kind": "mtp"}):  # fmt: skip
+        kw = {"config": GenerationConfig(), "draft": None, **kw}
+        assert (spec_for(**kw).num_draft_tokens, spec_for(**kw).tree_budget) == (8, 24)
+        assert (spec_for(**kw, sampling=True).num_draft_tokens, spec_for(**kw, sampling=True).tree_budget) == (3, 9)
+    mtp = spec_for(None, GenerationConfig(), None, head=True, sampling=True, head_kind="mtp")
+    assert (mtp.drafter, mtp.num_draft_tokens, mtp.tree_budget, mtp.adaptive) == ("mtp", 3, 9, True)
+    assert spec_for(None, GenerationConfig(), None, head=True, head_kind="mtp").drafter == "mtp"
+    # a model whose MTP layer "auto" does not draft with (too large) drafts n-grams
+    assert spec_for(None, GenerationConfig(), None, head=False, head_kind="mtp").drafter == "prompt_lookup"
     named = spec_for(SpecConfig(drafter="draft_model"), GenerationConfig(), object())
     assert (named.num_draft_tokens, named.tree_budget) == (4, 12)
     # `tree` left unset follows the model (chains where its trees were found inexact); set, it is kept
@@ -260,3 +270,29 @@ def test_the_defaults_for_each_kind_of_call():
     assert spec_for(None, GenerationConfig(prompt_lookup_num_tokens=4), None, head=True).tree_budget == 12
     assert spec_for(SpecConfig(recycle=4), GenerationConfig(), None, head=True).drafter == "prompt_lookup"
     assert spec_for(None, GenerationConfig(), object(), head=True).drafter == "draft_model"
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_an_eager_call_returns_ordinary_tensors_and_leaves_the_model_as_hf_uses_it(do_sample):
+    """An eager call runs under inference mode: what it returns is ordinary tensors (updated in place without error,
+    as HF's outputs), and nothing of the model is left an inference tensor, so HF's own generate and training run on
+    it afterwards."""
+    ref, model = _pair("bamba")
+    ids, mask = _batch()
+    kw = {"do_sample": do_sample, "max_new_tokens": 8, "return_dict_in_generate": True, "output_scores": True,
+          "output_logits": True, "pad_token_id": 0}  # fmt: skip
+    out = model.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(0), **kw)
+    assert out.spec_stats["verify_steps"] > 0
+    tensors = [out.sequences, *out.scores, *out.logits]
+    assert not any(t.is_inference() for t in tensors)
+    out.sequences[:, -1] = 0
+    out.scores[0].add_(1.0)
+    if not do_sample:
+        assert torch.equal(model.generate(ids, attention_mask=mask, **kw).sequences,
+                           ref.generate(ids, attention_mask=mask, **kw).sequences)  # fmt: skip
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    hf = model.generate(ids, attention_mask=mask, speculation=False, **kw)  # HF's own generate on the same model
+    assert not hf.sequences.is_inference()
+    loss = model(ids, attention_mask=mask).logits.float().pow(2).mean()
+    loss.backward()  # (autograd works on it as before)
+    assert next(p for p in model.parameters() if p.grad is not None) is not None

@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from ssmspec.errors import UnsupportedSettingError
 from ssmspec.speculate.drafters.base import Drafter, accepted_path
 from ssmspec.speculate.drafters.draft_model import DraftModelDrafter
@@ -71,7 +73,8 @@ class _Background(Drafter):
         """Run this step's background job."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
-        self._job = self._pool.submit(fn, *args)
+        # the job runs in the caller's inference mode (thread-local: the tensors it updates were made under it)
+        self._job = self._pool.submit(_in_mode(fn, torch.is_inference_mode_enabled()), *args)
 
     def _join(self) -> None:
         """Wait for the step's job (counted as `waited_s`); with `thread_per_step`, let its thread end."""
@@ -434,3 +437,13 @@ def _path_weights(
     w_tokens, w_parents, weights = weighted
     same = w_tokens == tokens and w_parents == parents
     return dict(zip(paths if same else _paths(w_tokens, w_parents), weights))
+
+
+def _in_mode(fn, inference: bool):
+    """`fn` run under inference mode where `inference`, else under no_grad."""
+
+    def run(*args):
+        with torch.inference_mode() if inference else torch.no_grad():
+            return fn(*args)
+
+    return run

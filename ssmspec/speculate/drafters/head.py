@@ -132,6 +132,7 @@ class HeadDrafter(Drafter):
     """
 
     target_features = True
+    rounds = ROUNDS  # a greedy tree's rounds of head calls, at most
 
     def __init__(
         self, head: DraftHead, target: nn.Module, tree: bool = True, branches: int = 1,
@@ -235,8 +236,8 @@ class HeadDrafter(Drafter):
                 if level < depth - 1:
                     at = logits_at([(c, list(range(-1, len(c) - 1))) for c in chains], [[level + 1]] * len(chains))
             return [(c, list(range(-1, len(c) - 1))) for c in chains]
-        # a round is one head call whatever its nodes: a few rounds of many nodes (at most ROUNDS)
-        per_round = max(1, -(-max_nodes // depth), -(-max_nodes // ROUNDS))
+        # a round is one head call whatever its nodes: a few rounds of many nodes (at most `rounds`)
+        per_round = max(1, -(-max_nodes // depth), -(-max_nodes // self.rounds))
         trees, fallbacks = best_first_tree(contexts, root_logits, logits_at, max_nodes, depth, per_round,
                                            self.min_path_prob)  # fmt: skip
         self.chain_fallbacks += fallbacks
