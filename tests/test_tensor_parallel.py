@@ -16,10 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ssmspec.testing.configs import build_tiny_model
+from ssmspec.testing.mtp import write_checkpoint
 
 # linear attention whose projections are gathered, attention heads sharded and MoE experts sharded (Qwen3-Next);
 # Mamba mixers whole beside sharded experts (Jamba); a row-sharded embedding and Mamba2 (Nemotron-H)
 FAMILIES = ["qwen3_next", "jamba", "nemotron_h"]
+# the MTP layer a checkpoint ships, drafting for a sharded target: Qwen3-Next's (a full-attention MoE decoder layer)
+# and Nemotron-H's (attention and MoE blocks)
+MTP_FAMILIES = ["qwen3_next", "nemotron_h"]
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -39,6 +43,8 @@ def report(tmp_path_factory) -> dict:
     for family in FAMILIES:
         build_tiny_model(family, dtype=torch.float32).save_pretrained(root / family)
         paths.append(str(root / family))
+    for family in MTP_FAMILIES:  # checkpoints that ship MTP tensors (random, in the family's layout)
+        paths.append(str(write_checkpoint(family, root / f"mtp_{family}", dtype=torch.float32)))
     out = root / "report.json"
     worker = Path(__file__).with_name("tp_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -70,6 +76,15 @@ def test_every_process_samples_alike_and_what_would_split_them_is_refused(report
     assert "random state" in row["different_seeds"]
     assert row["ahead"] == "refused: ahead"
     assert row["compile"].startswith("refused") and "tensor-parallel" in row["compile"]
+
+
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_a_checkpoints_mtp_layer_drafts_exactly_for_a_sharded_target(report, family):
+    row = report[f"mtp_{family}"]
+    assert row["tp_size"] == 2 and row["mtp"].endswith("MTP"), row
+    for name in ("mtp_tree", "mtp_chain"):
+        assert row[name]["equal"] and row[name]["calls"] > 0, (name, row)
+    assert row["mtp_sampled_same_on_every_process"]
 
 
 def test_the_group_is_the_meshs_tp_dimension_whatever_transformers_recorded():

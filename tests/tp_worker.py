@@ -44,6 +44,9 @@ def main() -> None:
                         [0, 0, 0, 0, 11, 12, 13, 11, 12, 13, 11, 12, 13, 14, 11, 12]])  # fmt: skip
     kwargs = dict(attention_mask=(ids != 0).long(), max_new_tokens=40, do_sample=False, pad_token_id=0)
     for path in map(Path, sys.argv[2:]):
+        if path.name.startswith("mtp_"):  # a checkpoint with MTP tensors: the layer drafts beside the sharded target
+            report[path.name] = mtp_row(path, ids, kwargs)
+            continue
         sharded, whole = load(path, tp_plan="auto"), load(path)
         row: dict = {"tp_size": sharded.tp_size, "sharded_params": any(type(p).__name__ == "DTensor"
                                                                         for p in sharded.parameters())}  # fmt: skip
@@ -97,6 +100,25 @@ def main() -> None:
     if rank == 0:
         out.write_text(json.dumps(report))
     dist.barrier()
+
+
+def mtp_row(path: Path, ids: torch.Tensor, kwargs: dict) -> dict:
+    """The MTP layer of a sharded model's checkpoint (replicated on every process, fed the target's gathered
+    features, through its sharded embedding and LM head): chains and trees against HF's generate on the same sharded
+    model, and sampling alike on every process."""
+    sharded = load(path, tp_plan="auto")
+    hf = sharded.generate(ids, **kwargs)
+    target = ssmspec.transform(sharded)
+    row: dict = {"tp_size": sharded.tp_size, "mtp": type(target.__dict__.get("ssmspec_draft_head")).__name__}
+    for name, tree in (("mtp_tree", True), ("mtp_chain", False)):
+        spec = ssmspec.SpecConfig(drafter="mtp", tree=tree, adaptive=False, tree_budget=6, num_draft_tokens=3)
+        got = target.generate(ids, **kwargs, speculation=spec, return_dict_in_generate=True)
+        row[name] = {"equal": bool(torch.equal(got.sequences, hf)), "calls": got.spec_stats["drafter"]["head_calls"]}
+    spec = ssmspec.SpecConfig(drafter="mtp", adaptive=False, tree_budget=6, num_draft_tokens=3)
+    sampled = target.generate(ids, **{**kwargs, "do_sample": True}, speculation=spec,
+                              generator=torch.Generator().manual_seed(0))  # fmt: skip
+    row["mtp_sampled_same_on_every_process"] = same_on_every_process(sampled)
+    return row
 
 
 if __name__ == "__main__":
