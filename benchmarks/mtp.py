@@ -3,10 +3,11 @@ held-out standard-library files, eager, batch 1: how often a sampled MTP draft o
 speculation against HF's own greedy decoding and sampling, side by side in one process (calls alternated, every
 greedy output checked identical to HF's), for the default call (drafter "auto": the MTP layer fused with n-gram
 lookup where the layer is small against the model, as here) and for `SpecConfig(drafter="mtp")` (its own defaults);
-HF is also timed inside torch.inference_mode() (the stronger baseline: HF's generate runs under no_grad).
+HF is also timed inside torch.inference_mode() (the stronger baseline: HF's generate runs under no_grad), and
+ssmspec's own plain decoding (`SpecConfig(drafter="none")`, the best plain decoder on this CPU) beside them.
 Writes docs/data/mtp.json.
 
-    python benchmarks/mtp.py                  # about 5 minutes on 2 CPU cores
+    python benchmarks/mtp.py                  # about 9 minutes on 2 CPU cores
     python benchmarks/mtp.py --prompts 2 --tokens 32 --out /tmp/mtp.json   # a smoke run
 """
 
@@ -54,11 +55,14 @@ def main() -> None:
     sample = {"do_sample": True, "temperature": args.temperature, "top_k": 0}
     one_level = ssmspec.SpecConfig(drafter="mtp", tree=False, num_draft_tokens=1, adaptive=False)
     mtp = ssmspec.SpecConfig(drafter="mtp")
+    plain = ssmspec.SpecConfig(drafter="none")  # ssmspec's own plain decoding: the best baseline on this CPU
     calls = {  # name -> (HF's or ssmspec's, generate kwargs); "_inference": HF's call inside torch.inference_mode()
         "hf_greedy": (ref, {"do_sample": False}), "hf_greedy_inference": (ref, {"do_sample": False}),
         "default_greedy": (model, {}), "mtp_greedy": (model, {"speculation": mtp}),
         "hf_sampling": (ref, sample), "hf_sampling_inference": (ref, sample),
         "default_sampling": (model, sample), "mtp_sampling": (model, {"speculation": mtp, **sample}),
+        "plain_greedy": (model, {"do_sample": False, "speculation": plain}),
+        "plain_sampling": (model, {"speculation": plain, **sample}),
     }  # fmt: skip
 
     def call(name, who, ids, kw):
@@ -88,7 +92,7 @@ def main() -> None:
                     default_mtp = "mtp" in out.spec_stats["drafter"]
                 steps[name][0] += out.spec_stats["emitted_tokens"]
                 steps[name][1] += out.spec_stats["verify_steps"]
-                if not name.endswith("sampling"):
+                if name.endswith("greedy"):
                     identical += int(torch.equal(out.sequences, want))
         print(f"prompt {i}: { ({name: round(v, 2) for name, v in times.items()}) }", flush=True)
         if k >= len(prompts):  # (the one-level acceptance: once per prompt, its draws fixed by the seed)
@@ -113,11 +117,15 @@ def main() -> None:
         "mtp_share": size_share(head, model),
         "default_drafts_with_mtp": default_mtp,
         "acceptance_one_level_sampled": accepted / max(drafted, 1),
-        "greedy_identical": f"{identical}/{2 * len(passes)}",
+        "greedy_identical": f"{identical}/{3 * len(passes)}",
         "default_greedy": summary("default_greedy", "hf_greedy"),
         "mtp_greedy": summary("mtp_greedy", "hf_greedy"),
         "default_sampling": summary("default_sampling", "hf_sampling"),
         "mtp_sampling": summary("mtp_sampling", "hf_sampling"),
+        "plain_greedy": summary("plain_greedy", "hf_greedy"),
+        "plain_sampling": summary("plain_sampling", "hf_sampling"),
+        "default_greedy_vs_plain": times["plain_greedy"] / times["default_greedy"],
+        "default_sampling_vs_plain": times["plain_sampling"] / times["default_sampling"],
         "seconds": times,
     }  # fmt: skip
     print(json.dumps(result, indent=2))
