@@ -43,8 +43,8 @@ class SpecConfig:
             verifies trees exactly (its transform-time probe), else a chain. True on a model whose trees were found
             inexact is refused before anything runs.
         tree_budget: maximum drafted nodes per row in tree mode, 1 to MAX_DRAFT_NODES. None (default): the
-            drafter's measured size (n-gram lookup 16; a draft head 24 greedy, 12 sampling; an MTP layer 24 greedy, 9
-            sampling; a draft model 12).
+            drafter's measured size (n-gram lookup 16; a draft head 24 greedy, 4 sampling (a chain); an MTP layer 24
+            greedy, 9 sampling; a draft model 12).
         max_matching_ngram_size: longest n-gram prompt lookup tries to match (falls back to shorter ones).
         commit: "replay" (re-run the recurrence along the accepted path; small memory) or "materialize"
             (keep every node's state; commit is a gather).

@@ -243,7 +243,7 @@ def test_the_defaults_for_each_kind_of_call():
     named = spec_for(SpecConfig(drafter="draft_head"), GenerationConfig(), None)
     assert (named.num_draft_tokens, named.tree_budget) == (8, 24)
     named = spec_for(SpecConfig(drafter="draft_head", num_draft_tokens=5), GenerationConfig(), None, sampling=True)
-    assert (named.num_draft_tokens, named.tree_budget) == (5, 12)
+    assert (named.num_draft_tokens, named.tree_budget) == (5, 4)  # (a head's sampling default: a chain 4 deep)
     # an MTP layer (named, or a head that is one): greedy the head's tree; sampling 3 deep, 3 branches
     for kw in ({"speculation": SpecConfig(drafter="mtp")}, {"speculation": SpecConfig(drafter="draft_head"),
                                                             "head_kind": "mtp"}):  # fmt: skip
@@ -266,7 +266,7 @@ def test_the_defaults_for_each_kind_of_call():
     head = spec_for(None, GenerationConfig(), None, head=True)
     assert (head.drafter, head.tree_budget, head.num_draft_tokens, head.adaptive) == ("draft_head", 24, 8, True)
     sampled = spec_for(None, GenerationConfig(), None, head=True, sampling=True)
-    assert (sampled.drafter, sampled.tree_budget, sampled.num_draft_tokens) == ("draft_head", 12, 4)
+    assert (sampled.drafter, sampled.tree_budget, sampled.num_draft_tokens) == ("draft_head", 4, 4)
     assert spec_for(None, GenerationConfig(prompt_lookup_num_tokens=4), None, head=True).tree_budget == 12
     assert spec_for(SpecConfig(recycle=4), GenerationConfig(), None, head=True).drafter == "prompt_lookup"
     assert spec_for(None, GenerationConfig(), object(), head=True).drafter == "draft_model"
