@@ -56,6 +56,14 @@ MTP_SAMPLING = SpecConfig(tree_budget=9, num_draft_tokens=3)
 NGRAM = SpecConfig(tree_budget=16, num_draft_tokens=8)  # n-gram lookup (and the corpus): SpecConfig's documented sizes
 
 
+def head_sizes(sampling: bool, mtp: bool) -> SpecConfig:
+    """The sizes measured fastest for a draft head (HEAD_GREEDY / HEAD_SAMPLING) or an MTP layer (`mtp`: MTP_GREEDY /
+    MTP_SAMPLING), greedy or `sampling`."""
+    if mtp:
+        return MTP_SAMPLING if sampling else MTP_GREEDY
+    return HEAD_SAMPLING if sampling else HEAD_GREEDY
+
+
 def sized(spec: SpecConfig, sampling: bool = False, mtp: bool = False) -> SpecConfig:
     """`spec` with the sizes it leaves None (num_draft_tokens, tree_budget) set to the ones measured fastest for its
     drafter (a draft head: HEAD_GREEDY / HEAD_SAMPLING as `sampling`; an MTP layer, drafter "mtp" or a head that is
@@ -64,10 +72,7 @@ def sized(spec: SpecConfig, sampling: bool = False, mtp: bool = False) -> SpecCo
     if spec.num_draft_tokens is not None and spec.tree_budget is not None:
         return spec
     if spec.drafter in ("draft_head", "mtp"):
-        if spec.drafter == "mtp" or mtp:
-            base = MTP_SAMPLING if sampling else MTP_GREEDY
-        else:
-            base = HEAD_SAMPLING if sampling else HEAD_GREEDY
+        base = head_sizes(sampling, mtp=spec.drafter == "mtp" or mtp)
         depth, budget = base.num_draft_tokens, base.tree_budget
     elif spec.drafter == "draft_model":
         depth, budget = DRAFT_MODEL_DEPTH, min(MAX_DRAFT_NODES, DRAFT_MODEL_NODES_PER_LEVEL * DRAFT_MODEL_DEPTH)
@@ -111,10 +116,7 @@ def _default(
                               tree=False, adaptive=False)  # fmt: skip
         return SpecConfig(drafter="draft_model", num_draft_tokens=depth, max_matching_ngram_size=ngram,
                           tree_budget=min(MAX_DRAFT_NODES, DRAFT_MODEL_NODES_PER_LEVEL * depth))  # fmt: skip
-    if head:
-        default = (MTP_SAMPLING if sampling else MTP_GREEDY) if mtp else HEAD_SAMPLING if sampling else HEAD_GREEDY
-    else:
-        default = NGRAM
+    default = head_sizes(sampling, mtp) if head else NGRAM
     if config.prompt_lookup_num_tokens is None:
         return replace(default, max_matching_ngram_size=ngram)
     lookup = hf_depth(config, "prompt_lookup_num_tokens")

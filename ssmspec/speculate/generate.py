@@ -200,7 +200,7 @@ def generate(
     # which an overhead-bound step pays for on every op (the embedded Nemotron-H's 4-node verify step: 7.1 ms against
     # 8.1 under no_grad). A compiled model or a captured step keeps no_grad, as its graphs were made and are guarded
     # under it; what the call returns is copied out as ordinary tensors (`_ordinary`)
-    inference = not graphs and not any(getattr(m, "ssmspec_compile_call", None) is not None for m in (model, draft))
+    inference = not graphs and not compiled and getattr(draft, "ssmspec_compile_call", None) is None
     with torch.inference_mode() if inference else torch.no_grad():
         sequences, stats, _ = speculative_generate(
             model,
@@ -227,16 +227,14 @@ def generate(
             verify_memory=spec.verify_memory,
             graphs=graphs,
         )
+    scores, logits = decoding.scores, decoding.logits
     if inference:
-        sequences = _ordinary(sequences)
+        sequences, scores, logits = _ordinary(sequences), _ordinary(scores), _ordinary(logits)
     if not plan.return_dict:
         return sequences
     summary = asdict(stats)
     summary["mean_accepted_per_step"] = stats.mean_accepted_per_step
     summary["path"] = "generic" if generic else "seams"
-    scores, logits = (
-        (_ordinary(decoding.scores), _ordinary(decoding.logits)) if inference else (decoding.scores, decoding.logits)
-    )
     return SpecGenerateOutput(sequences=sequences, scores=scores, logits=logits, spec_stats=summary)
 
 
