@@ -28,6 +28,7 @@ from transformers.utils import ModelOutput
 
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode, mode_and_options, region_options
+from ssmspec.compile.lower import StepCompiler
 from ssmspec.errors import UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features as hf_features
@@ -512,24 +513,32 @@ def compile_fast(
     calibration (measured then, never read from disk for a compiled model), the verify step of every tree-size
     bucket. A failure (compile or warm-up) leaves the model eager, with one warning naming it."""
     device = hf_instance.input_device(model)
+    steps = device.type != "cuda" and not compile_kwargs  # a CPU's default: captured steps, compiled whole
     kwargs = {**compile_options(device), **compile_kwargs}
     options = {**compile_options(device).get("options", {}), **(compile_kwargs.get("options") or {})}
     if options:
         kwargs["options"] = options
     try:
-        model.compile(**kwargs)
+        if steps:
+            model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=progress)
+            model.ssmspec_graphs = True
+        else:
+            model.compile(**kwargs)
         if device.type == "cuda" and compile_mode(kwargs) not in CUDA_GRAPH_MODES:
             model.ssmspec_graphs = True  # its verify steps captured by ssmspec (SpecConfig.graphs)
         vocab = int(model.config.get_text_config().vocab_size)
         # two prompt lengths within one scan chunk and two over it, per batch size: after the second of each,
-        # Dynamo compiles the prefill for any length on that side of the chunk size (a guard of HF's chunking)
+        # Dynamo compiles the prefill for any length on that side of the chunk size (a guard of HF's chunking); a
+        # captured step's prefill runs eagerly: one prompt per batch size compiles its steps
         chunk = int(getattr(model.config.get_text_config(), "chunk_size", None) or 256)
-        runs = [(batch, length) for batch in warmup for length in (8, 12, 2 * chunk + 5, 3 * chunk + 3)]
+        lengths = (8,) if steps else (8, 12, 2 * chunk + 5, 3 * chunk + 3)
+        runs = [(batch, length) for batch in warmup for length in lengths]
         for batch, length in tqdm(runs, desc="ssmspec: compiling and warming up", disable=not progress):
             ids = (torch.arange(batch * length, device=device).view(batch, length) * 7 + 3) % vocab
             # (its calibration completed now: every tree-size bucket compiled here, not on a user's call)
-            calibrate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, speculation=True,
-                      pad_token_id=0)  # fmt: skip
+            spec = getattr(model, "ssmspec_config", None) or True  # (the default call's sizes)
+            calibrate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, pad_token_id=0,
+                      speculation=spec)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - any compiler failure: eager is exact, so say it and go on
         _uncompile(model)
         warnings.warn(f"ssmspec: compiling {type(model).__name__} failed, running eager ({type(e).__name__}: {e})",
@@ -556,7 +565,8 @@ def _uncompile(model: nn.Module) -> None:
     """Undo `model.compile` (nn.Module internals, named here): the eager forward and no static shapes."""
     model._compiled_call_impl = None
     for name in ("ssmspec_static_shapes", "ssmspec_compile_call", "ssmspec_compile_options", "_ssmspec_calibration",
-                 "_ssmspec_compiled_commit", "_ssmspec_single_node_path", "ssmspec_graphs"):  # fmt: skip
+                 "_ssmspec_compiled_commit", "_ssmspec_single_node_path", "ssmspec_graphs", "_ssmspec_step_compiler",
+                 "_ssmspec_workspaces"):  # fmt: skip
         model.__dict__.pop(name, None)
 
 

@@ -205,6 +205,10 @@ class TokenTree:
         out.origin = self.origin
         return out
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tree's tensors (what a step captured over it reads)."""
+        return [self.tokens, self.parents, self.acceptable, self.depth, self.ancestor_mask]
+
     def copy_from(self, other: TokenTree) -> None:
         """Become `other` (a tree of the same batch size and node count) in place: every tensor keeps its address
         (a captured step reads them), the host-side structure is `other`'s."""
@@ -377,6 +381,8 @@ class TokenTree:
         """`paths` of a fixed width on the device, without reading `last` on the host (a CUDA-graph step):
         a node's ancestors in index order are its root-to-node path (parents precede their children)."""
         n = self.num_nodes
+        if n == 1:  # roots only (fresh tensors: a captured step's outputs, not views of its input)
+            return torch.zeros_like(last)[:, None], torch.ones_like(last)
         on_path = torch.gather(self.ancestor_mask, 1, last.view(-1, 1, 1).expand(-1, 1, n)).squeeze(1)  # [B, N]
         index = torch.arange(n, device=last.device)
         order = torch.where(on_path, index, index + n).argsort(dim=-1)[:, :m]

@@ -17,12 +17,15 @@ replay: a tensor the step returns is overwritten by the next replay of the same 
 
 from __future__ import annotations
 
+import operator
 import os
 import traceback
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
@@ -61,6 +64,84 @@ class _Tape(TorchDispatchMode):
         return out
 
 
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's shape, strides and dtype, on the meta device (holding no reference to it)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+class _Recorder(_Tape):
+    """Records a step as an FX graph of the ops it runs (a CPU capture to be compiled whole): each tensor an op produced
+    is a node; a tensor read that no recorded op produced is the graph's input (a model parameter or buffer: a
+    constant of the graph, read where it lives), a view of another tensor an `as_strided` of its base. Tensors are
+    held weakly, so that the ones still alive when the step has returned are exactly those its caller keeps (its
+    outputs, the records it left on Python objects): the graph's outputs."""
+
+    def __init__(self, constants: dict[int, tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self.constants = constants  # id(tensor) -> (name, tensor): the model's parameters and buffers
+        self.used_constants: dict[str, torch.Tensor] = {}
+        self.inputs: list[torch.Tensor] = []  # the graph's placeholders, in order (held: they outlive the step)
+        self._nodes: dict[int, tuple[weakref.ref, fx.Node, bool]] = {}  # id -> (tensor, node, produced by the step)
+
+    def _known(self, t: torch.Tensor) -> fx.Node | None:
+        entry = self._nodes.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _node(self, t: torch.Tensor) -> fx.Node:
+        node = self._known(t)
+        if node is not None:
+            return node
+        if id(t) in self.constants:
+            name, _ = self.constants[id(t)]
+            self.used_constants[name] = t
+            node = self.graph.get_attr(name)
+        elif t._base is not None:  # a view made before the step (a layer's slice of a stacked state): of its base
+            node = self.graph.call_function(
+                torch.ops.aten.as_strided.default,
+                (self._node(t._base), list(t.shape), list(t.stride()), t.storage_offset()),  # fmt: skip
+            )
+        else:
+            node = self.graph.placeholder(f"input_{len(self.inputs)}")
+            self.inputs.append(t)
+        node.meta["val"] = _meta(t)
+        self._nodes[id(t)] = (weakref.ref(t), node, False)
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READS:
+            raise CaptureError(
+                f"{func} reads a device value on the host while a step is captured (a CUDA graph cannot replay it), "
+                f"at {_caller()}"
+            )
+        node_args = pytree.tree_map_only(torch.Tensor, self._node, (args, kwargs))
+        out = func(*args, **kwargs)
+        node = self.graph.call_function(func, *node_args)
+        node.meta["val"] = pytree.tree_map_only(torch.Tensor, _meta, out)  # (shapes for the compiler's passes)
+        if isinstance(out, torch.Tensor):  # (an in-place op's result: the tensor it updated, an input or not)
+            entry = self._nodes.get(id(out))
+            self._nodes[id(out)] = (weakref.ref(out), node, entry is None or entry[0]() is not out or entry[2])
+        elif isinstance(out, (tuple, list)):
+            for i, t in enumerate(out):
+                if isinstance(t, torch.Tensor):
+                    item = self.graph.call_function(operator.getitem, (node, i))
+                    item.meta["val"] = node.meta["val"][i]
+                    self._nodes[id(t)] = (weakref.ref(t), item, True)
+        return out
+
+    def finish(self) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+        """The recorded graph, returning every tensor the step produced that is still alive, and those tensors."""
+        order = {node: i for i, node in enumerate(self.graph.nodes)}  # (deterministic: the graph's own order)
+        kept = [(t, node) for ref, node, produced in self._nodes.values() if produced and (t := ref()) is not None]
+        kept.sort(key=lambda item: order[item[1]])
+        self.graph.output(tuple(node for _, node in kept))
+        root = torch.nn.Module()
+        for name, t in self.used_constants.items():
+            root.register_buffer(name, t, persistent=False)
+        return fx.GraphModule(root, self.graph), [t for t, _ in kept]
+
+
 def _caller() -> str:
     """Where the running op was called from, outside torch: the innermost frames of the model's and ssmspec's code."""
     torch_dir = os.path.dirname(torch.__file__)
@@ -92,6 +173,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+class StepCompiler(Protocol):
+    """Compiles a recorded step (CPU): `constants` the tensors that are the graph's constants (the model's parameters
+    and buffers, by id, with the names the graph gives them); a call returns a function of the graph's inputs that
+    returns its outputs."""
+
+    constants: dict[int, tuple[str, torch.Tensor]]
+
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]: ...
+
+
 class StepGraph:
     """One step captured over static tensors: `capture(fn)` once, then `replay()` per step.
 
@@ -100,24 +191,34 @@ class StepGraph:
     it returns (records of what it computed, holding tensors) are the capture's, and their tensors too hold each
     replay's values.
 
+    On a CPU with a `compiler`, the step is compiled instead: its ops, recorded once as an FX graph, become one
+    compiled function (Inductor's C++, ssmspec.compile.lower) that a replay calls on the step's tensors; the tensors
+    the step produced and its caller kept are the graph's outputs, copied into the capture's by each replay.
+
     Args:
-        device: where the step runs: CUDA captures a `torch.cuda.CUDAGraph`, anything else the op tape.
+        device: where the step runs: CUDA captures a `torch.cuda.CUDAGraph`, anything else the op tape, or with
+            `compiler` a compiled graph.
         pool: a CUDA memory pool shared with other graphs of the same caller (`torch.cuda.graph_pool_handle()`);
             graphs that share one must replay one at a time, in any order.
+        compiler: (CPU) compiles the recorded step.
     """
 
-    def __init__(self, device: torch.device, pool: Any = None) -> None:
+    def __init__(self, device: torch.device, pool: Any = None, compiler: StepCompiler | None = None) -> None:
         self.device = torch.device(device)
         self.pool = pool
+        self.compiler = compiler if self.device.type != "cuda" else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tape: list[tuple[Any, tuple, dict, Any]] | None = None
+        self.compiled: Callable[..., Any] | None = None  # the compiled step, called on `inputs`
+        self.inputs: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []  # what the compiled step's outputs are copied into
         self.outputs: Any = None
         self.replays = 0
 
     @property
     def captured(self) -> bool:
         """Whether `capture` has run."""
-        return self.graph is not None or self.tape is not None
+        return self.graph is not None or self.tape is not None or self.compiled is not None
 
     def capture(self, fn: Callable[[], Any], warmup: bool = True) -> Any:
         """Capture `fn` and return its outputs for the inputs as they are now (the step this call stands for). On
@@ -144,6 +245,13 @@ class StepGraph:
                     self.outputs = fn()
                 self.graph = graph
                 graph.replay()
+            elif self.compiler is not None:
+                recorder = _Recorder(self.compiler.constants)
+                with recorder:
+                    self.outputs = fn()
+                gm, self.kept = recorder.finish()
+                self.inputs = recorder.inputs
+                self.compiled = self.compiler(gm, self.inputs)
             else:
                 tape = _Tape()
                 with tape:
@@ -159,6 +267,10 @@ class StepGraph:
         """Run the captured step again on what its inputs hold now; returns the capture's outputs (refreshed)."""
         if self.graph is not None:
             self.graph.replay()
+        elif self.compiled is not None:
+            for kept, new in zip(self.kept, self.compiled(*self.inputs)):
+                if new is not kept:
+                    kept.copy_(new)
         elif self.tape is not None:
             for func, args, kwargs, out in self.tape:
                 result = func(*args, **kwargs)

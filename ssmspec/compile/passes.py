@@ -135,6 +135,50 @@ def prepack_linears(gm: fx.GraphModule) -> int:
     return count
 
 
+def unroll_depthwise_convs(gm: fx.GraphModule) -> int:
+    """Rewrite each 1-D depthwise convolution of an ATen graph (`aten.convolution`, one input channel per group,
+    stride and dilation 1: the short convs of Mamba, Mamba2, GDN and LFM2 mixers, HF's decode path included) as
+    the sum of its K shifted, per-channel scaled input slices; returns how many. Inductor then fuses it with the
+    elementwise work around it, where it would call oneDNN's convolution (on a small model's decode step a tenth
+    of a millisecond a layer, more than the rest of the layer's elementwise work). Nodes need their value's
+    shape in `meta["val"]` (a real, fake or meta tensor)."""
+    aten = torch.ops.aten
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.convolution.default or len(node.args) != 9:
+            continue
+        x, w, b, stride, padding, dilation, transposed, _, groups = node.args
+        xv, wv = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, w))
+        if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or xv.dim() != 3 or wv.dim() != 3:
+            continue
+        channels, k = wv.shape[0], wv.shape[2]
+        if transposed or wv.shape[1] != 1 or groups != channels or xv.shape[1] != channels:
+            continue
+        if list(stride) != [1] or list(dilation) != [1] or len(padding) != 1 or k > 16:
+            continue
+        length = xv.shape[2] + 2 * padding[0] - k + 1
+        graph = gm.graph
+        with graph.inserting_before(node):
+            xp = graph.call_function(aten.constant_pad_nd.default, (x, [padding[0]] * 2, 0.0)) if padding[0] else x
+            out = None
+            for i in range(k):  # w[:, :, i] is [C, 1]: each channel's tap, broadcast over the positions
+                window = graph.call_function(aten.slice.Tensor, (xp, 2, i, i + length))
+                term = graph.call_function(aten.mul.Tensor, (window, graph.call_function(aten.select.int, (w, 2, i))))
+                out = term if out is None else graph.call_function(aten.add.Tensor, (out, term))
+            if b is not None:
+                out = graph.call_function(
+                    aten.add.Tensor, (out, graph.call_function(aten.view.default, (b, [channels, 1])))
+                )
+        out.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def _input_tensors(node: fx.Node) -> list[torch.Tensor]:
     """The example (or fake) tensors a call takes, as Dynamo recorded them."""
     vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]

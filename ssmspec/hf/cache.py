@@ -552,6 +552,38 @@ class SpecCache(DynamicCache):
         self._seen = None
         self._bound = int(self.block.max())
 
+    # ---------------------------------------------------------------- workspaces kept between calls
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this cache holds (states, K/V, slot layout): what a step captured over it may read."""
+        out = [t for t in (self.valid, self.block, self.n_real) if t is not None]
+        for layer in self.layers:
+            for states in hf_layers.state_dicts(layer).values():
+                out.extend(t for t in states.values() if t is not None)
+            out.extend(t for t in (hf_layers.kv(layer) if hasattr(layer, "keys") else ()) if t is not None)
+        return out
+
+    def layout(self) -> tuple:
+        """The shapes and dtypes of every tensor this cache holds, and how its K/V are laid out: two caches with the
+        same layout can take each other's state (`adopt`)."""
+        return (self.static_kv, self.in_place_layout, self.commit_strategy, self.views,
+                tuple((tuple(t.shape), t.dtype, str(t.device)) for t in self.tensors()))  # fmt: skip
+
+    def adopt(self, other: SpecCache) -> None:
+        """Take the state of `other` (a cache of the same `layout`, just prefilled) into this cache's own tensors, in
+        place: steps captured over this cache then continue `other`'s call."""
+        if other.layout() != self.layout():
+            raise ValueError("SpecCache.adopt: the caches' layouts differ")
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.copy_(theirs)
+        for name in ("_seen", "_bound", "_limit", "reads_slot_positions"):
+            setattr(self, name, getattr(other, name))
+        self.held = None
+        self.verification = None
+        self._step_start = (self.block, self.n_real)
+        for a in self.attention:  # (a sliding layer counts the slots seen)
+            keys, values = hf_layers.kv(self.layers[a.index])
+            hf_layers.set_kv(self.layers[a.index], keys, values, self.seen)
+
     # ---------------------------------------------------------------- snapshots (draft models)
     def snapshot(self) -> dict:
         """Everything needed to roll the cache back: conv/recurrent states (copied, they change in place),

@@ -253,7 +253,8 @@ class Calibration:
 
 def _time(runner, item: tuple) -> float:
     """Seconds of one measurement (see `Calibration.items`), rolled back: a one-node step's forward and commit from
-    a snapshot, an n-node chain's forward then discarded."""
+    a snapshot, an n-node chain's forward then discarded; with captured steps, every size's forward and commit (a
+    commit is a step of its own there, compiled, captured and timed with its verify step)."""
     kind, key, way = item
     batch, device = runner.cache.n_real.shape[0], runner.cache.n_real.device
     if way is not None:
@@ -262,10 +263,11 @@ def _time(runner, item: tuple) -> float:
         runner.decode_single_nodes = key
     n = 1 if kind == "node" else key
     tree = runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device)))
-    snap = runner.snapshot() if n == 1 else None  # one node: always accepted, so rolled back from a snapshot
+    commits = n == 1 or bool(getattr(runner, "graphs", False))
+    snap = runner.snapshot() if commits else None  # (a commit is rolled back from a snapshot)
     t0 = time.perf_counter()
     runner.verify(tree)
-    if n == 1:
+    if commits:
         runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize()

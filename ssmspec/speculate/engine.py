@@ -136,7 +136,9 @@ def speculative_generate(
     finally:  # the drafter's thread and counters, also when a step fails
         drafter.finish(stats)
     policy.finish(stats)
-    return rows.result(runner), stats, runner
+    sequences = rows.result(runner)
+    runner.release()  # (its buffers and captured steps, for the model's next call)
+    return sequences, stats, runner
 
 
 def open_runner(

@@ -314,6 +314,9 @@ class GenericRunner:
             row.flush(self._forward)
         self._sync()
 
+    def release(self) -> None:
+        """After a call: nothing is kept for the next (HF's cache is the call's own)."""
+
     def snapshot(self) -> list[tuple[Snapshot, torch.Tensor]]:
         return [(row.state.snapshot(), row.carry) for row in self.rows]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch import nn
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode
 from ssmspec.compile.graphs import StepGraph
+from ssmspec.compile.lower import StepCompiler
 from ssmspec.errors import CaptureError, UnsupportedModelError
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features
@@ -56,6 +58,12 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
+def step_compiler(model: nn.Module) -> StepCompiler | None:
+    """The compiler of a model whose captured steps are compiled on a CPU (`transform(compile=True)` sets it), or None:
+    their steps are recorded on the op tape."""
+    return model.__dict__.get("_ssmspec_step_compiler")
+
+
 def compiled_fold(model: nn.Module):
     """A compiled model's commit: `fold_states` compiled with the model's own backend, mode and options, once
     per model (kept on it), so that committing all layers is one compiled graph (one CUDA graph) without a
@@ -82,6 +90,26 @@ class Captured:
     last: torch.Tensor  # [B] each row's last accepted node, the captured commit's input
     commit: StepGraph | None = None  # the bucket's commit, captured at its second commit (its first runs eagerly)
     committed: bool = False
+    fused: bool = False  # a one-node step verified in place and committed inside the same graph
+
+
+@dataclass
+class Workspace:
+    """A call's static buffers and the steps captured over them, kept on the model between calls (`ModelRunner.release`)
+    so that a later call with the same layout replays them instead of capturing (and, on a CPU, compiling) them again:
+    its prefill's states are copied into these buffers (`SpecCache.adopt`)."""
+
+    cache: SpecCache
+    captured: dict[tuple[int, int], Captured]
+    pool: object = None  # the CUDA graphs' memory pool
+
+
+def _workspaces(model: nn.Module) -> tuple[threading.Lock, dict[tuple, list[Workspace]]]:
+    """The model's idle workspaces by layout, and the lock that guards them (made once per model)."""
+    store = model.__dict__.get("_ssmspec_workspaces")
+    if store is None:
+        store = model.__dict__.setdefault("_ssmspec_workspaces", (threading.Lock(), {}))
+    return store
 
 
 class ModelRunner:
@@ -142,7 +170,7 @@ class ModelRunner:
         # the forwards of this runner run the model's prepacked linears (ssmspec.linear), where it has them: every
         # forward until `packed_sizes` says per tree size which of them and F.linear measured faster on this CPU
         # (measured with the cost curve, ssmspec.speculate.calibration.measure_cost)
-        self.prepack = packed_linear.is_packed(model)
+        self.prepack = packed_linear.is_packed(model) and step_compiler(model) is None  # (compiled: Inductor's)
         self.packed_sizes: dict[int, bool] | None = None
         # whether packed linears or F.linear may be chosen per tree size (the calibration measures which): eager, on
         # a CPU model with packed linears big enough to pack
@@ -162,12 +190,19 @@ class ModelRunner:
         # state, which a captured step, run twice when captured on CUDA, must only read)
         self.graphs = graphs
         self.captured: dict[tuple[int, int], Captured] = {}
-        self.captures = 0  # steps captured (all calls)
+        self.captures = 0  # steps captured by this runner
+        # on a CPU, the steps of a model compiled for them (`transform(compile=True)`) are compiled (one Inductor graph
+        # each, ssmspec.compile.lower); otherwise the op tape records them
+        self.compiler = step_compiler(model) if graphs and self.device.type != "cuda" else None
+        # a one-node step's verify and commit as one captured step (its tree is always accepted: verified in place),
+        # where a capture runs the step once (a CUDA capture runs it twice: a warm-up and the capture)
+        self.fuse_single_nodes = self.compiler is not None
+        self.workspace: Workspace | None = None
         if graphs:
             self._refuse_graphs(static_shapes)
             self.decode_single_nodes, self.chooses_single_node_path = False, False
             self.in_place_single_nodes = False
-        self._pool = torch.cuda.graph_pool_handle() if graphs and self.device.type == "cuda" else None
+        self._pool = None
 
     def _refuse_graphs(self, static_shapes: bool) -> None:
         """Captured steps need a layout whose every tensor keeps its address: refused, naming why, elsewhere."""
@@ -211,14 +246,67 @@ class ModelRunner:
                 "speculative decoding of a batch is not exact for this model, only one prompt at a time (found at "
                 f"transform: {self.info.limits['batches']})",
             )
+        self.release()
         self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype,
                                capacity=self.capacity, views=not self.static_shapes)  # fmt: skip
         self.cache.in_place_layout = self.graphs
-        self.captured.clear()  # (they read the previous call's cache)
+        self.captured = {}  # (they read the previous call's cache)
         mask = attention_mask.to(torch.long)
         logits = self._call(input_ids, mask, positions_from_mask(mask), eager=self.eager_prefill)
         self.cache.start(mask)
+        if self.graphs:
+            self._take_workspace()
         return logits if all_positions else logits[:, -1]
+
+    def _layout(self) -> tuple | None:
+        """What a workspace must share with this call for its captured steps to serve it: the cache's tensors' shapes
+        and dtypes and the runner's step sizes; None where this call's steps read something of its own (a trimmed
+        vocabulary's mask)."""
+        if self.dropped_ids is not None:
+            return None
+        return (self.cache.layout(), self.dtype, str(self.device), self.commit_strategy, self.max_depth,
+                self.max_nodes, self.capture_features, self.compiler is not None)  # fmt: skip
+
+    def _take_workspace(self) -> None:
+        """Verify on an idle workspace of the model with this call's layout, its buffers loaded with the prefill's
+        states (its captured steps replay for this call), else on this call's cache (kept as a workspace after)."""
+        layout = self._layout()
+        if layout is None:
+            return
+        lock, idle = _workspaces(self.model)
+        with lock:
+            free = idle.get(layout)
+            workspace = free.pop() if free else None
+        if workspace is None:
+            pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+            workspace = Workspace(self.cache, {}, pool)
+        else:
+            workspace.cache.adopt(self.cache)
+        self.workspace, self.cache, self.captured = workspace, workspace.cache, workspace.captured
+        self._pool = workspace.pool
+
+    def release(self) -> None:
+        """Hand this call's workspace back to the model (its buffers and captured steps serve a later call); the runner
+        keeps reading it until another call takes it. No-op without one."""
+        workspace, self.workspace = self.workspace, None
+        if workspace is None or self._pending is not None:
+            return
+        if any(entry.graph.inputs and not self._owned(workspace, entry) for entry in workspace.captured.values()):
+            return  # a step read a tensor of this call's own: not replayable for another call
+        lock, idle = _workspaces(self.model)
+        with lock:
+            idle.setdefault(self._layout(), []).append(workspace)
+
+    @staticmethod
+    def _owned(workspace: Workspace, entry: Captured) -> bool:
+        """Whether every tensor the entry's compiled steps read is the workspace's: its cache's, a captured tree's, or
+        what a captured step of it produced."""
+        owned = {t.untyped_storage().data_ptr() for t in workspace.cache.tensors()}
+        for other in workspace.captured.values():  # (a commit reads its verify step's records: that graph's outputs)
+            kept = [t for g in (other.graph, other.commit) if g is not None for t in g.kept]
+            owned.update(t.untyped_storage().data_ptr() for t in (*other.tree.tensors(), other.last, *kept))
+        graphs = [entry.graph] + ([entry.commit] if entry.commit is not None else [])
+        return all(t.untyped_storage().data_ptr() in owned for g in graphs for t in g.inputs)
 
     @property
     def n_real(self) -> torch.Tensor:
@@ -355,43 +443,51 @@ class ModelRunner:
             entry = None
         if entry is None:
             static = tree.owned()
-            graph = StepGraph(self.device, self._pool)
+            last = tree.tokens.new_zeros(tree.batch_size)
+            graph = StepGraph(self.device, self._pool, self.compiler)
             eager = self.device.type != "cuda"  # (on a CPU the op tape records the eager forward)
+            fused = tree.num_nodes == 1 and self.fuse_single_nodes
 
             def step():
-                with self.cache.verifying(static) as verification:
+                with self.cache.verifying(static, in_place=fused) as verification:
                     positions = self.cache.n_real[:, None] + static.depth
                     logits = self._call(static.tokens, self.masks(static), positions, eager=eager)
-                return logits, self.features, verification
+                done = verification.commit_static(last, 1, self.fold) if fused else None  # (always accepted)
+                return logits, self.features, verification, done
 
             try:
-                logits, feats, verification = graph.capture(step)
+                logits, feats, verification, done = graph.capture(step)
             except CaptureError as e:
                 raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
-            entry = Captured(static, graph, self.cache.kv_generation, tree.tokens.new_zeros(tree.batch_size))
+            entry = Captured(static, graph, self.cache.kv_generation, last, fused=fused)
             self.captured[key] = entry
             self.captures += 1
         else:
             entry.tree.copy_from(tree)
-            logits, feats, verification = entry.graph.replay()
+            logits, feats, verification, done = entry.graph.replay()
             verification.reopen()
         self.features = feats.clone() if feats is not None else None
-        self._pending = (tree, verification)
-        self._pending_capture = entry
+        if entry.fused:  # verified and committed: the host's bookkeeping of a one-node path
+            verification.settle(1)
+            self._pending = (tree, None)
+        else:
+            self._pending = (tree, verification)
+            self._pending_capture = entry
         return logits.clone()
 
     def _commit_captured(self, entry: Captured, verification: Verification, last: torch.Tensor):
-        """`commit` of a captured step: the bucket's first commit runs eagerly (on CUDA it warms the commit up), its
-        second is captured, the later ones replay it; `last` is copied into the capture's input, the paths come back
-        copied out of its outputs, and the host keeps only its bound of the slots in use."""
+        """`commit` of a captured step: the bucket's first commit runs eagerly (on CUDA it warms the commit up; a
+        compiled CPU step, recorded as it runs, is captured at once), its second is captured, the later ones replay
+        it; `last` is copied into the capture's input, the paths come back copied out of its outputs, and the host
+        keeps only its bound of the slots in use."""
         width = self.max_depth + 1
-        if not entry.committed:
+        if not entry.committed and self.compiler is None:
             entry.committed = True
             return verification.commit(last, width, self.fold)
         longest = entry.tree.longest_path(last.tolist())  # (the tree's host copy: no device read)
         entry.last.copy_(last, non_blocking=True)
         if entry.commit is None:
-            entry.commit = StepGraph(self.device, self._pool)
+            entry.commit = StepGraph(self.device, self._pool, self.compiler)
             path, lengths = entry.commit.capture(
                 lambda: verification.commit_static(entry.last, width, self.fold), warmup=False
             )

@@ -1,0 +1,102 @@
+"""Captured steps compiled whole on a CPU: the compiler a `StepGraph` hands the ATen graph it recorded.
+
+On a GPU a captured step is a CUDA graph; on a CPU the same step (the same static tensors, the same contract) is
+recorded once as an FX graph of its ATen ops (ssmspec.compile.graphs) and compiled here by Inductor with its C++
+wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them). A replay is then one
+call into the compiled code: no Python between the ops, no op dispatch, no guards. The model's parameters and buffers
+are the graph's constants, read where they live on every call (a weight changed in place is seen).
+
+Compiled graphs are kept per model, keyed by the graph's code and its inputs' layouts, so a step recorded again over
+another call's buffers reuses its compilation; Inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`) serves the same
+graphs to a new process in seconds instead of a compilation's tens of seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+from tqdm.auto import tqdm
+
+from ssmspec.compile.passes import unroll_depthwise_convs
+
+# Inductor settings of a compiled step: the C++ wrapper (no Python wrapper's per-call cost), and one-row matrix
+# products (a decode step's linears, up to 2048 wide) as Inductor's own fused loops instead of calls into MKL: on the
+# embedded 3M target a plain step took 0.33-0.51 ms that way against 1.1-1.9 ms with MKL's sgemv and its OpenMP
+# synchronisation per call (2-core CPU, tight loop)
+OPTIONS = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+
+
+class StepCompiler:
+    """Compiles the steps `StepGraph` records for one model (ssmspec.compile.graphs.StepCompiler).
+
+    Args:
+        model: the model whose steps are compiled (its parameters and buffers become the graphs' constants).
+        options: Inductor config settings on top of OPTIONS.
+        progress: show a progress line while a step compiles (a first use of a batch size or tree size that the
+            warm-up did not cover takes seconds, tens of seconds where Inductor's cache does not have it).
+        inductor: False runs each recorded graph as it is, op by op from Python (the same graphs, inputs and
+            outputs without Inductor's code generation: tests of the recording on every family, in seconds).
+    """
+
+    def __init__(
+        self, model: nn.Module, options: dict[str, Any] | None = None, progress: bool = True, inductor: bool = True
+    ) -> None:
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        self.constants = {id(t): ("c_" + name.replace(".", "__"), t) for name, t in reversed(named)}
+        self.options = {**OPTIONS, **(options or {})}
+        self.progress = progress
+        self.inductor = inductor
+        self._compiled: dict[tuple, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+        self.compilations = 0  # graphs compiled (not found among the model's)
+        self.compile_seconds = 0.0
+        self.fallbacks = 0  # graphs Inductor failed on, run op by op from Python instead
+
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        """The compiled function of a recorded step (compiled once per graph and input layout)."""
+        unroll_depthwise_convs(gm)
+        for node in gm.graph.nodes:  # (the recorder's shapes, for the passes above; Inductor traces its own)
+            node.meta.pop("val", None)
+        key = (gm.code, tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in inputs))
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compiled[key] = self._compile(gm, inputs)
+        return compiled
+
+    def _compile(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        if not self.inductor:
+            self.compilations += 1
+            return gm
+        from torch._guards import TracingContext, tracing
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        start = time.perf_counter()
+        bar = tqdm(total=1, desc=f"ssmspec: compiling a step ({len(gm.graph.nodes)} ops)", disable=not self.progress,
+                   leave=False)  # fmt: skip
+        try:
+            # a tracing context with a shape environment, as Dynamo gives Inductor: its FX graph cache keys on it
+            with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad():
+                compiled = compile_fx(gm, inputs, config_patches=dict(self.options))
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the graph still runs, op by op
+            warnings.warn(
+                f"ssmspec: Inductor failed on a captured step ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                "running it op by op",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.fallbacks += 1
+            compiled = gm
+        finally:
+            bar.close()
+        self.compilations += 1
+        self.compile_seconds += time.perf_counter() - start
+        return compiled

@@ -1,0 +1,189 @@
+"""Captured steps compiled whole on a CPU (ssmspec.compile.lower, `transform(compile=True)`): each step recorded once as
+an FX graph of its ATen ops, compiled into one function, replayed over the same static buffers, kept with those
+buffers for the model's later calls. Every family runs the recorded graphs as they are (the same recording, inputs,
+outputs and replays, without Inductor's code generation, in seconds); a few run Inductor's compilation end to end."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ssmspec
+from ssmspec import SpecConfig
+from ssmspec.compile.graphs import StepGraph
+from ssmspec.compile.lower import StepCompiler
+from ssmspec.speculate.engine import speculative_generate
+from ssmspec.speculate.runner import bucket
+from ssmspec.testing.configs import _MOE_FAMILIES, SUPPORTED_FAMILIES
+from ssmspec.testing.drafters import OracleDrafter
+from ssmspec.testing.strategies import cached_tiny_model
+
+CAPTURED = [f for f in SUPPORTED_FAMILIES if f not in ("inkling", "inkling2")]  # (positions from cache slots)
+IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+
+
+class Varying(OracleDrafter):
+    """The reference continuation, right for a random number of tokens, with a random number of nodes: every step a
+    different tree (and one-node steps among them), so replays see trees their capture did not."""
+
+    def propose(self, contexts, max_nodes, max_depth):
+        self.right_prefix = self.rng.randint(0, max_depth)
+        self.distractors = self.rng.randint(0, 1)
+        return super().propose(contexts, self.rng.randint(0, max_nodes), max_depth)
+
+
+def _model(family: str, dtype=torch.float64):
+    ref = cached_tiny_model(family, dtype=dtype)
+    if family in _MOE_FAMILIES:  # HF's eager experts read the host (which experts a batch routes to)
+        ref = copy.deepcopy(ref)
+        ref.set_experts_implementation("batched_mm")
+    return ref
+
+
+def _recorded(ref):
+    """A transformed copy whose captured steps are recorded graphs run without Inductor."""
+    model = ssmspec.transform(copy.deepcopy(ref))
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    return model
+
+
+def _speculate(model, ids, want, tokens, seed=0):
+    return speculative_generate(
+        model, ids, torch.ones_like(ids), max_new_tokens=tokens, eos_token_ids=[], pad_token_id=0,
+        drafter=Varying([w.tolist() for w in want], vocab_size=96, seed=seed), tree_budget=7, num_draft_tokens=4,
+        static_shapes=True, graphs=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", CAPTURED)
+def test_recorded_steps_equal_hf_greedy(family):
+    """Every family (float64, a batch of two, a different tree every step): each bucket's verify step and commit, and
+    the one-node step (verified and committed in one graph), recorded once and replayed for every later step of it,
+    output identical to HF greedy; a second call replays the first call's steps over its buffers, recording none."""
+    ref = _model(family)
+    want = ref.generate(IDS, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    model = _recorded(ref)
+    out, stats, runner = _speculate(model, IDS, want, 32)
+    assert torch.equal(out, want)
+    buckets = {bucket(n, 8) for n in stats.tree_nodes_per_step}
+    assert len(runner.captured) == len(buckets) and 1 in buckets
+    graphs = [g for e in runner.captured.values() for g in (e.graph, e.commit) if g is not None]
+    assert all(g.compiled is not None and g.tape is None for g in graphs)
+    assert runner.captured[(2, 1)].fused and runner.captured[(2, 1)].commit is None  # one graph a plain step
+    assert max(e.graph.replays for e in runner.captured.values()) >= 3
+    out, _, again = _speculate(model, IDS, want, 32, seed=1)  # other trees, the same buckets
+    assert torch.equal(out, want)
+    assert again.captured is runner.captured and again.captures == 0 or set(again.captured) > set(runner.captured)
+
+
+def test_a_step_that_reads_a_tensor_of_its_call_is_not_kept_for_the_next():
+    """A workspace is handed to a later call only if every tensor its steps read belongs to it (its cache, its captured
+    trees, what its steps produced): a step reading anything else would read a stale tensor in the next call."""
+    ref = _model("mamba2")
+    want = ref.generate(IDS[:1], max_new_tokens=12, do_sample=False, eos_token_id=None)
+    model = _recorded(ref)
+    _, _, runner = _speculate(model, IDS[:1], want, 12)
+    idle = model.__dict__["_ssmspec_workspaces"][1]
+    assert [runner.captured is w.captured for ws in idle.values() for w in ws] == [True]
+    runner.prefill(IDS[:1], torch.ones_like(IDS[:1]))  # takes the workspace again
+    assert not any(idle.values())
+    entry = next(iter(runner.captured.values()))
+    entry.graph.inputs.append(torch.zeros(3))  # as if the step had read a tensor of this call's own
+    runner.release()
+    assert not any(idle.values())
+
+
+def test_two_models_record_and_replay_in_two_threads():
+    refs = [_model("mamba2"), _model("bamba")]
+    wants = [r.generate(IDS[:1], max_new_tokens=16, do_sample=False, eos_token_id=None) for r in refs]
+    models = [_recorded(r) for r in refs]
+    outs: dict[int, torch.Tensor] = {}
+
+    def run(i):
+        with torch.no_grad():
+            for _ in range(2):
+                outs[i] = _speculate(models[i], IDS[:1], wants[i], 16)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(outs[i], wants[i]) for i in range(2))
+
+
+def test_step_graph_compiles_a_recorded_step_into_one_function():
+    """The recorder's graph: tensors read that no op produced are its inputs (a view of one made before the step reads
+    its base), the model's parameters its constants; the tensors the step produced and its caller kept are its outputs,
+    copied into the capture's by each replay; an in-place update of an input happens in the graph."""
+    lin = torch.nn.Linear(4, 4, bias=False).double()
+    base = torch.zeros(2, 4, dtype=torch.float64)
+    state, x = base[1], torch.arange(4.0, dtype=torch.float64)
+    seen: list[int] = []
+
+    def step():
+        seen.append(1)
+        state.add_(lin(x))
+        scratch = x * 3  # noqa: F841 - produced and dropped: not an output
+        return state.sum() + 0
+
+    compiler = StepCompiler(lin, progress=False, inductor=False)
+    graph = StepGraph(torch.device("cpu"), compiler=compiler)
+    with torch.no_grad():
+        out = graph.capture(step)
+    assert [id(t) for t in graph.inputs] == [id(x), id(base)] and len(graph.kept) == 1
+    first = float(out)
+    x.copy_(torch.ones(4))
+    assert graph.replay() is out
+    assert seen == [1] and compiler.compilations == 1
+    with torch.no_grad():
+        assert float(out) == pytest.approx(first + float(lin(torch.ones(4, dtype=torch.float64)).sum()))
+    assert base[0].abs().sum() == 0  # only the view's rows were written
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_transform_compile_true_compiles_whole_steps(family):
+    """`transform(model, compile=True)` on a CPU: no Dynamo, the warm-up compiles the default call's steps with Inductor
+    (each one function), the first request compiles nothing more, output identical to HF greedy (float64); the plain
+    step of a model whose every op fuses runs without dispatching a single ATen op from Python."""
+    ref = _model(family)
+    ids = IDS[:1]
+    want = ref.generate(ids, max_new_tokens=20, do_sample=False)
+    spec = SpecConfig(tree_budget=3, num_draft_tokens=2)  # (few buckets: each is an Inductor compilation)
+    model = ssmspec.transform(copy.deepcopy(ref), spec, compile={"progress": False})
+    compiler = model.__dict__["_ssmspec_step_compiler"]
+    assert model._compiled_call_impl is None and model.ssmspec_graphs
+    warm = compiler.compilations
+    assert warm >= 3 and compiler.fallbacks == 0
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, max_new_tokens=20), want)
+    plain = model.generate(ids, max_new_tokens=20, speculation=SpecConfig(drafter="none"))
+    assert torch.equal(plain, want)
+    assert compiler.compilations <= warm + 1  # (the plain call's one-node step keeps no draft features)
+    n = compiler.compilations
+    model.generate(ids, max_new_tokens=20, speculation=SpecConfig(drafter="none"))
+    assert compiler.compilations == n  # no recompilation
+    if family == "mamba2":
+        workspace = next(w for ws in model.__dict__["_ssmspec_workspaces"][1].values() for w in ws
+                         if (1, 1) in w.captured and w.cache.n_real is not None)  # fmt: skip
+        graph = workspace.captured[(1, 1)].graph
+        ops = _Ops()
+        with ops, torch.no_grad():
+            graph.compiled(*graph.inputs)
+        assert ops.count == 0, ops.ops
