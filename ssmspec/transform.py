@@ -539,6 +539,8 @@ def compile_fast(
             spec = getattr(model, "ssmspec_config", None) or True  # (the default call's sizes)
             calibrate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, pad_token_id=0,
                       speculation=spec)  # fmt: skip
+            if steps:  # and plain decoding's step (without a drafter's features)
+                model.generate(ids, max_new_tokens=2, pad_token_id=0, speculation=SpecConfig(drafter="none"))
     except Exception as e:  # noqa: BLE001 - any compiler failure: eager is exact, so say it and go on
         _uncompile(model)
         warnings.warn(f"ssmspec: compiling {type(model).__name__} failed, running eager ({type(e).__name__}: {e})",

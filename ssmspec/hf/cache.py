@@ -42,6 +42,9 @@ from ssmspec.verification import COMMIT_STRATEGIES, Verification
 # static K/V in eager mode: the whole call's slots are allocated at its start where they take at most this much (all
 # attention layers, K and V, every row); beyond it the buffers start at what this holds and grow by half when full
 PREALLOCATE_BYTES = 256 << 20
+# static K/V of captured steps: at least this many slots per row, so that the calls of usual lengths (prompt and new
+# tokens within it) share one layout, and with it every step captured (and on a CPU compiled) for it
+STATIC_KV_SLOTS = 1024
 
 
 class SpecCache(DynamicCache):
@@ -161,8 +164,10 @@ class SpecCache(DynamicCache):
                 width = self._limit
                 if width * self._slot_bytes() > PREALLOCATE_BYTES:
                     width = mask.shape[1] + max(256, PREALLOCATE_BYTES // self._slot_bytes())
-            else:  # a power of two: prompts of similar lengths share the buffers' shape (and their compiled graphs)
-                width = 1 << max(6, (self._limit - 1).bit_length())
+            else:  # a power of two: prompts of similar lengths share the buffers' shape (and their compiled graphs);
+                # captured steps (compiled or CUDA graphs, kept for later calls) at least STATIC_KV_SLOTS
+                least = STATIC_KV_SLOTS if self.in_place_layout else 64
+                width = 1 << max(least - 1, self._limit - 1).bit_length()
             self.valid = torch.cat([mask, mask.new_zeros(mask.shape[0], width - mask.shape[1])], dim=1)
             self._place_kv(self.valid.shape[1], mask.shape[1])
 

@@ -146,7 +146,9 @@ def generate(
     # batch 4, 1.08x against 0.96x; docs: Benchmarks). A checkpoint's MTP layer counts as a head where it is small
     # against the model (MTP_MAX_SHARE): on the embedded Nemotron-H, whose MTP layer holds 31% of its parameters,
     # n-grams measured faster (docs/data/mtp.json)
-    compiled = getattr(model, "ssmspec_compile_call", None) is not None
+    # (compiled: by Dynamo, `model.compile`, or its steps captured and compiled whole, `transform(compile=True)` on a
+    # CPU, where the head's trees measured slower than n-grams too: 587 against 656 tok/s on held-out code, 707 plain)
+    compiled = getattr(model, "ssmspec_compile_call", None) is not None or "_ssmspec_step_compiler" in model.__dict__
     drafts = isinstance(head, DraftHead) or (isinstance(head, MTPModule) and size_share(head, model) <= MTP_MAX_SHARE)
     spec = spec_for(speculation, config, draft, trees=(info is None or bool(info.trees)) and not chains,
                     head=drafts and not compiled, sampling=decoding.do_sample, user_set=plan.user_set,
@@ -210,8 +212,9 @@ def generate(
             eos_token_ids=plan.eos_token_ids,
             pad_token_id=plan.pad_token_id,
             drafter=drafter,
-            tree_budget=spec.tree_budget if spec.tree else spec.num_draft_tokens,
-            num_draft_tokens=spec.num_draft_tokens,
+            # (plain decoding drafts nothing: its runner is sized for one-node steps, and nothing larger is measured)
+            tree_budget=0 if spec.drafter == "none" else spec.tree_budget if spec.tree else spec.num_draft_tokens,
+            num_draft_tokens=0 if spec.drafter == "none" else spec.num_draft_tokens,
             commit=spec.commit,
             schedule=config.num_assistant_tokens_schedule if spec.drafter == "draft_model" else "constant",
             decoding=decoding,

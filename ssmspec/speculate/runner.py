@@ -13,7 +13,7 @@ import inspect
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -102,6 +102,7 @@ class Workspace:
     cache: SpecCache
     captured: dict[tuple[int, int], Captured]
     pool: object = None  # the CUDA graphs' memory pool
+    checked: set[int] = field(default_factory=set)  # the compiled steps whose every input was found its own (ids)
 
 
 def _workspaces(model: nn.Module) -> tuple[threading.Lock, dict[tuple, list[Workspace]]]:
@@ -291,22 +292,28 @@ class ModelRunner:
         workspace, self.workspace = self.workspace, None
         if workspace is None or self._pending is not None:
             return
-        if any(entry.graph.inputs and not self._owned(workspace, entry) for entry in workspace.captured.values()):
+        if not self._owned(workspace):
             return  # a step read a tensor of this call's own: not replayable for another call
         lock, idle = _workspaces(self.model)
         with lock:
             idle.setdefault(self._layout(), []).append(workspace)
 
     @staticmethod
-    def _owned(workspace: Workspace, entry: Captured) -> bool:
-        """Whether every tensor the entry's compiled steps read is the workspace's: its cache's, a captured tree's, or
-        what a captured step of it produced."""
+    def _owned(workspace: Workspace) -> bool:
+        """Whether every tensor the workspace's compiled steps read is its own: its cache's, a captured tree's, or what
+        a captured step of it produced (each step checked once)."""
+        graphs = [g for e in workspace.captured.values() for g in (e.graph, e.commit) if g is not None and g.inputs]
+        new = [g for g in graphs if id(g) not in workspace.checked]
+        if not new:
+            return True
         owned = {t.untyped_storage().data_ptr() for t in workspace.cache.tensors()}
         for other in workspace.captured.values():  # (a commit reads its verify step's records: that graph's outputs)
             kept = [t for g in (other.graph, other.commit) if g is not None for t in g.kept]
             owned.update(t.untyped_storage().data_ptr() for t in (*other.tree.tensors(), other.last, *kept))
-        graphs = [entry.graph] + ([entry.commit] if entry.commit is not None else [])
-        return all(t.untyped_storage().data_ptr() in owned for g in graphs for t in g.inputs)
+        if not all(t.untyped_storage().data_ptr() in owned for g in new for t in g.inputs):
+            return False
+        workspace.checked.update(id(g) for g in new)
+        return True
 
     @property
     def n_real(self) -> torch.Tensor:
@@ -452,11 +459,12 @@ class ModelRunner:
                 with self.cache.verifying(static, in_place=fused) as verification:
                     positions = self.cache.n_real[:, None] + static.depth
                     logits = self._call(static.tokens, self.masks(static), positions, eager=eager)
-                done = verification.commit_static(last, 1, self.fold) if fused else None  # (always accepted)
-                return logits, self.features, verification, done
+                if fused:  # (always accepted)
+                    verification.commit_static(last, 1, self.fold)
+                return logits, self.features, verification
 
             try:
-                logits, feats, verification, done = graph.capture(step)
+                logits, feats, verification = graph.capture(step)
             except CaptureError as e:
                 raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
             entry = Captured(static, graph, self.cache.kv_generation, last, fused=fused)
@@ -464,7 +472,7 @@ class ModelRunner:
             self.captures += 1
         else:
             entry.tree.copy_from(tree)
-            logits, feats, verification, done = entry.graph.replay()
+            logits, feats, verification = entry.graph.replay()
             verification.reopen()
         self.features = feats.clone() if feats is not None else None
         if entry.fused:  # verified and committed: the host's bookkeeping of a one-node path

@@ -1,0 +1,288 @@
+"""The comparison a CPU user makes: llama.cpp beside HF and ssmspec on the embedded models, side by side in one run.
+
+llama.cpp is built from the llama-cpp-python source distribution (its vendored llama.cpp, GGML_NATIVE; about ten
+minutes on 2 cores, once: kept under --work), the embedded models are converted to GGUF with its
+`convert_hf_to_gguf.py` (two fixes applied to the converter first: the project's byte-level BPE pre-tokenizer mapped
+to gpt-2's, and Bamba's partial rotary embedding permuted over the rotated part of each head only; without them
+llama.cpp tokenizes differently, or leaves HF's output at the second token), and its greedy tokens are checked
+against HF's on every prompt before anything is timed. Then, per model, on held-out prompts: HF's generate, ssmspec's
+plain decoding and default call eager, and after `ssmspec.transform(model, compile=True)` (its warm-up timed) the
+same two compiled; llama.cpp's decoding through its Python bindings on the same prompts, and llama-bench's tg128.
+Every output is compared with HF greedy. Also the compiled model's warm-up in a fresh process, with an empty
+Inductor cache and again with the cache that run left (`--cold-start`).
+
+    python benchmarks/llamacpp.py [--models mamba2-target bamba-hybrid] [--json docs/data/llamacpp.json]
+
+Optional, not in CI. Needs cmake, a C++ compiler and network access for the source distribution (or --work holding a
+build made before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _timing import provenance
+
+import ssmspec
+from ssmspec import models
+from ssmspec.bench import held_out_prompts
+
+LLAMA_CPP_PYTHON = "0.3.36"
+# the embedded tokenizer's pre-tokenizer (HF tokenizers' ByteLevel with its regex) as llama.cpp's converter hashes it
+TOKENIZER_HASH = "b17747d19b24b4a31dcf3f74bff96a2d817c4599234882744e9b76f2c1f9a483"
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """A command, its output captured; a failure raises with its last lines."""
+    done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done
+
+
+def build(work: Path, jobs: int) -> Path:
+    """llama-cpp-python's source distribution under `work`, its vendored llama.cpp built (llama-bench and the shared
+    library its Python bindings load) and its converter fixed (`fix_converter`); returns the distribution's folder."""
+    src = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    llama = src / "vendor" / "llama.cpp"
+    if not (llama / "build" / "bin" / "llama-bench").exists():
+        work.mkdir(parents=True, exist_ok=True)
+        if not src.exists():
+            run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "--no-binary",
+                 ":all:", "--no-deps", "-d", str(work)])  # fmt: skip
+            with tarfile.open(work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as archive:
+                archive.extractall(work, filter="data")
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]  # fmt: skip
+        print("building llama.cpp (about ten minutes on 2 cores) ...", flush=True)
+        run(["cmake", "-S", str(llama), "-B", str(llama / "build"), *flags])
+        run(["cmake", "--build", str(llama / "build"), "--target", "llama-bench", "llama", "-j", str(jobs)])
+    fix_converter(llama)
+    # the Python bindings' own dependencies (llama-cpp-python's pyproject), for loading them from the source folder
+    run([sys.executable, "-m", "pip", "install", "--quiet", "diskcache>=5.6.1", "jinja2>=2.11.3", "numpy>=1.20"])
+    return src
+
+
+def fix_converter(llama: Path) -> None:
+    """The two fixes llama.cpp's converter needs for the embedded models (idempotent)."""
+    base = llama / "conversion" / "base.py"
+    text = base.read_text()
+    if TOKENIZER_HASH not in text:
+        anchor = "        if res is None:\n            logger.warning"
+        if anchor not in text:
+            raise RuntimeError(f"{base}: the pre-tokenizer table's end was not found (another llama.cpp version?)")
+        text = text.replace(anchor, f'        if chkhsh == "{TOKENIZER_HASH}":\n'
+                                    '            res = "gpt-2"  # ssmspec\'s byte-level BPE: the gpt-2 regex\n\n'
+                                    + anchor, 1)  # fmt: skip
+        base.write_text(text)
+    module = llama / "conversion" / "llama.py"
+    text = module.read_text()
+    if "attn_rotary_emb" not in text:
+        anchor = "        if self.undo_permute:\n"
+        if anchor not in text:
+            raise RuntimeError(f"{module}: LlamaModel's q/k permutation was not found (another llama.cpp version?)")
+        partial = (
+            '        _rot = self.hparams.get("attn_rotary_emb")  # ssmspec: permute only the rotated part of a head\n'
+            '        if self.undo_permute and _rot and name.endswith(("q_proj.weight", "k_proj.weight")):\n'
+            '            _nh = n_head if "q_proj" in name else n_kv_head\n'
+            "            _hd = data_torch.shape[0] // _nh\n"
+            "            if _rot < _hd:\n"
+            "                _w = data_torch.reshape(_nh, _hd, *data_torch.shape[1:]).clone()\n"
+            "                _w[:, :_rot] = _w[:, :_rot].reshape(_nh, 2, _rot // 2, *data_torch.shape[1:])"
+            ".swapaxes(1, 2).reshape(_nh, _rot, *data_torch.shape[1:])\n"
+            "                data_torch = _w.reshape(data_torch.shape)\n"
+            "                _rot = -1\n"
+            "        if self.undo_permute and _rot != -1:\n"
+        )
+        module.write_text(text.replace(anchor, partial, 1))
+
+
+def convert(src: Path, name: str, out: Path) -> Path:
+    """The embedded model `name` as an f32 GGUF file (a partial rotary embedding's rotated width in its config)."""
+    gguf = out / f"{name}-f32.gguf"
+    if gguf.exists():
+        return gguf
+    folder = Path(models.__file__).parent / name
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / name
+        shutil.copytree(folder, copy)
+        config = json.loads((copy / "config.json").read_text())
+        factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+        if factor and factor < 1:
+            head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            config["attn_rotary_emb"] = int(head * factor)
+            (copy / "config.json").write_text(json.dumps(config))
+        llama = src / "vendor" / "llama.cpp"
+        env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
+        run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(copy), "--outtype", "f32", "--outfile",
+             str(gguf)], env=env)  # fmt: skip
+    return gguf
+
+
+def llama_bench(src: Path, gguf: Path, threads: int, tokens: int) -> float:
+    """llama-bench's tokens/s generating `tokens` tokens (tg), 5 repetitions."""
+    bin_dir = src / "vendor" / "llama.cpp" / "build" / "bin"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+    done = run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens),
+                "-r", "5", "-o", "json"], env=env)  # fmt: skip
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+class LlamaCpp:
+    """llama.cpp through its Python bindings (llama-cpp-python's pure-Python package over the built library)."""
+
+    def __init__(self, src: Path, gguf: Path, threads: int) -> None:
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(src / "vendor" / "llama.cpp" / "build" / "bin")
+        sys.path.insert(0, str(src))
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf), n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)  # fmt: skip
+
+    def greedy(self, ids: list[int], tokens: int) -> list[int]:
+        """`tokens` greedy tokens after the prompt `ids` (token ids, HF's)."""
+        out = []
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(token))
+            if len(out) == tokens:
+                break
+        return out
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """The best of `repeats` calls of fn (seconds), and its last result."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
+    """One model's rows: tokens/s of every method over the same prompts, each call alternated with the others."""
+    ref, tok = models.load(name)
+    ref.eval()
+    prompts = held_out_prompts(tok, args.prompts, args.prompt_tokens)
+    new = args.max_new_tokens
+    with torch.no_grad():
+        wants = [ref.generate(p, max_new_tokens=new, do_sample=False) for p in prompts]
+    tokens = sum(w.shape[1] - p.shape[1] for w, p in zip(wants, prompts))
+    eager = ssmspec.transform(models.load(name)[0].eval())
+    t0 = time.perf_counter()
+    compiled = ssmspec.transform(models.load(name)[0].eval(), compile={"progress": False})
+    warmup = time.perf_counter() - t0
+    plain = ssmspec.SpecConfig(drafter="none")
+    methods = {
+        "HF generate": lambda p: ref.generate(p, max_new_tokens=new, do_sample=False),
+        "ssmspec plain, eager": lambda p: eager.generate(p, max_new_tokens=new, speculation=plain),
+        "ssmspec default, eager": lambda p: eager.generate(p, max_new_tokens=new),
+        "ssmspec plain, compiled": lambda p: compiled.generate(p, max_new_tokens=new, speculation=plain),
+        "ssmspec default, compiled": lambda p: compiled.generate(p, max_new_tokens=new),
+    }
+    llama = None
+    if src is not None:
+        gguf = convert(src, name, out_dir)
+        llama = LlamaCpp(src, gguf, args.threads)
+        got = [llama.greedy(p[0].tolist(), w.shape[1] - p.shape[1]) for p, w in zip(prompts, wants)]
+        same = sum(g == w[0, p.shape[1] :].tolist() for g, w, p in zip(got, wants, prompts))
+        if same != len(prompts):
+            raise RuntimeError(f"{name}: llama.cpp's greedy tokens differ from HF's on {len(prompts) - same} prompts")
+        methods["llama.cpp (Python bindings)"] = lambda p: llama.greedy(p[0].tolist(), new)
+    seconds = dict.fromkeys(methods, 0.0)
+    identical = dict.fromkeys(methods, 0)
+    for p, want in zip(prompts, wants):
+        for _ in range(args.rounds):  # (every method once per round: a slower spell of the machine hits all alike)
+            for method, fn in methods.items():
+                best, out = timed(lambda fn=fn, p=p: fn(p), 1)
+                seconds[method] += best / args.rounds
+                if isinstance(out, list):
+                    out = torch.cat([p, torch.tensor([out])], 1)
+                identical[method] += int(torch.equal(out, want)) if _ == 0 else 0
+    rows = [{"method": m, "tokens_per_s": tokens / seconds[m], "identical": f"{identical[m]}/{len(prompts)}"}
+            for m in methods]  # fmt: skip
+    if src is not None:
+        rows.append({"method": "llama.cpp llama-bench tg", "tokens_per_s": llama_bench(src, gguf, args.threads, new),
+                     "identical": "checked above"})  # fmt: skip
+    hf = rows[0]["tokens_per_s"]
+    best_plain = max(r["tokens_per_s"] for r in rows if "plain" in r["method"] or r["method"] == "HF generate")
+    for r in rows:
+        r["x_hf"] = r["tokens_per_s"] / hf
+        r["x_best_ssmspec_plain"] = r["tokens_per_s"] / best_plain
+    llama_rate = next((r["tokens_per_s"] for r in rows if r["method"] == "llama.cpp llama-bench tg"), None)
+    if llama_rate:
+        for r in rows:
+            r["x_llamacpp"] = r["tokens_per_s"] / llama_rate
+    return {"model": name, "prompts": len(prompts), "tokens": tokens, "warmup_s": warmup, "rows": rows}
+
+
+def cold_start(name: str) -> dict:
+    """`transform(model, compile=True)` in a fresh process with an empty Inductor cache, then again with its cache."""
+    code = (f"import time, ssmspec; from ssmspec import models; m = models.load({name!r})[0].eval(); "
+            "t = time.perf_counter(); ssmspec.transform(m, compile={'progress': False}); "
+            "print(time.perf_counter() - t)")  # fmt: skip
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for label in ("cold_s", "cached_s"):
+            out[label] = float(run([sys.executable, "-c", code], env=env).stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["mamba2-target", "bamba-hybrid"])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="timed calls of each method per prompt (the mean is kept)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--work", default=str(Path.home() / ".cache" / "ssmspec" / "llamacpp"),
+                   help="where llama.cpp is built and the GGUF files are kept")  # fmt: skip
+    p.add_argument("--skip-llamacpp", action="store_true", help="HF and ssmspec only (no build)")
+    p.add_argument("--cold-start", action="store_true", help="also time the compiled warm-up in fresh processes")
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(args.work).expanduser()
+    src = None if args.skip_llamacpp else build(work, args.threads)
+    result = {
+        "setup": f"CPU, {args.threads} threads, float32, batch 1, {args.prompts} held-out prompts x "
+        f"{args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, greedy; tokens/s over all prompts, each call "
+        f"timed {args.rounds} "
+        "times alternating with the other methods; llama.cpp f32 GGUF from llama-cpp-python "
+        f"{LLAMA_CPP_PYTHON}'s vendored source (GGML_NATIVE)",
+        **provenance("python benchmarks/llamacpp.py " + " ".join(sys.argv[1:])),
+        "models": [],
+    }
+    for name in args.models:
+        row = measure(name, args, src, work)
+        if args.cold_start:
+            row["cold_start"] = cold_start(name)
+        result["models"].append(row)
+        print(f"\n{name} (compiled warm-up {row['warmup_s']:.1f} s{_cold(row)})")
+        print(f"{'method':34} {'tok/s':>8} {'x HF':>6} {'x llama.cpp':>12}  identical")
+        for r in row["rows"]:
+            lc = f"{r['x_llamacpp']:.2f}" if "x_llamacpp" in r else "-"
+            print(f"{r['method']:34} {r['tokens_per_s']:8.0f} {r['x_hf']:6.2f} {lc:>12}  {r['identical']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _cold(row: dict) -> str:
+    cold = row.get("cold_start")
+    return f"; fresh process: {cold['cold_s']:.1f} s cold, {cold['cached_s']:.1f} s cached" if cold else ""
+
+
+if __name__ == "__main__":
+    main()
