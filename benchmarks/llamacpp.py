@@ -8,8 +8,10 @@ llama.cpp tokenizes differently, or leaves HF's output at the second token), and
 against HF's on every prompt before anything is timed. Then, per model, on held-out prompts: HF's generate, ssmspec's
 plain decoding and default call eager, and after `ssmspec.transform(model, compile=True)` (its warm-up timed) the
 same two compiled; llama.cpp's decoding through its Python bindings on the same prompts, and llama-bench's tg128.
-Every output is compared with HF greedy. Also the compiled model's warm-up in a fresh process, with an empty
-Inductor cache and again with the cache that run left (`--cold-start`).
+Every output is compared with HF greedy. Reported per method: tokens/s of whole calls (the prompt processed, the
+new tokens generated), and the decoding rate after the prompt (a call of one new token subtracted), the rate
+llama-bench's generation test measures. Also the compiled model's warm-up in a fresh process, with an empty Inductor
+cache and again with the cache that run left (`--cold-start`).
 
     python benchmarks/llamacpp.py [--models mamba2-target bamba-hybrid] [--json docs/data/llamacpp.json]
 
@@ -183,12 +185,12 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
     compiled = ssmspec.transform(models.load(name)[0].eval(), compile={"progress": False})
     warmup = time.perf_counter() - t0
     plain = ssmspec.SpecConfig(drafter="none")
-    methods = {
-        "HF generate": lambda p: ref.generate(p, max_new_tokens=new, do_sample=False),
-        "ssmspec plain, eager": lambda p: eager.generate(p, max_new_tokens=new, speculation=plain),
-        "ssmspec default, eager": lambda p: eager.generate(p, max_new_tokens=new),
-        "ssmspec plain, compiled": lambda p: compiled.generate(p, max_new_tokens=new, speculation=plain),
-        "ssmspec default, compiled": lambda p: compiled.generate(p, max_new_tokens=new),
+    methods = {  # (a prompt, the tokens to generate)
+        "HF generate": lambda p, n: ref.generate(p, max_new_tokens=n, do_sample=False),
+        "ssmspec plain (eager)": lambda p, n: eager.generate(p, max_new_tokens=n, speculation=plain),
+        "ssmspec default (eager)": lambda p, n: eager.generate(p, max_new_tokens=n),
+        "ssmspec plain (compiled)": lambda p, n: compiled.generate(p, max_new_tokens=n, speculation=plain),
+        "ssmspec default (compiled)": lambda p, n: compiled.generate(p, max_new_tokens=n),
     }
     llama = None
     if src is not None:
@@ -198,31 +200,35 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
         same = sum(g == w[0, p.shape[1] :].tolist() for g, w, p in zip(got, wants, prompts))
         if same != len(prompts):
             raise RuntimeError(f"{name}: llama.cpp's greedy tokens differ from HF's on {len(prompts) - same} prompts")
-        methods["llama.cpp (Python bindings)"] = lambda p: llama.greedy(p[0].tolist(), new)
+        methods["llama.cpp (Python bindings)"] = lambda p, n: llama.greedy(p[0].tolist(), n)
     seconds = dict.fromkeys(methods, 0.0)
+    first = dict.fromkeys(methods, 0.0)  # a call of one new token: the prompt's processing and the call's own cost
     identical = dict.fromkeys(methods, 0)
     for p, want in zip(prompts, wants):
-        for _ in range(args.rounds):  # (every method once per round: a slower spell of the machine hits all alike)
+        for r in range(args.rounds):  # (every method once per round: a slower spell of the machine hits all alike)
             for method, fn in methods.items():
-                best, out = timed(lambda fn=fn, p=p: fn(p), 1)
+                best, out = timed(lambda fn=fn, p=p: fn(p, new), 1)
                 seconds[method] += best / args.rounds
+                first[method] += timed(lambda fn=fn, p=p: fn(p, 1), 1)[0] / args.rounds
                 if isinstance(out, list):
                     out = torch.cat([p, torch.tensor([out])], 1)
-                identical[method] += int(torch.equal(out, want)) if _ == 0 else 0
-    rows = [{"method": m, "tokens_per_s": tokens / seconds[m], "identical": f"{identical[m]}/{len(prompts)}"}
-            for m in methods]  # fmt: skip
+                identical[method] += int(torch.equal(out, want)) if r == 0 else 0
+    rows = [{"method": m, "tokens_per_s": tokens / seconds[m],
+             "decode_tokens_per_s": (tokens - len(prompts)) / (seconds[m] - first[m]),
+             "identical": f"{identical[m]}/{len(prompts)}"} for m in methods]  # fmt: skip
     if src is not None:
-        rows.append({"method": "llama.cpp llama-bench tg", "tokens_per_s": llama_bench(src, gguf, args.threads, new),
+        rate = llama_bench(src, gguf, args.threads, new)  # (generation alone: no prompt)
+        rows.append({"method": "llama.cpp (llama-bench)", "tokens_per_s": rate, "decode_tokens_per_s": rate,
                      "identical": "checked above"})  # fmt: skip
     hf = rows[0]["tokens_per_s"]
     best_plain = max(r["tokens_per_s"] for r in rows if "plain" in r["method"] or r["method"] == "HF generate")
     for r in rows:
         r["x_hf"] = r["tokens_per_s"] / hf
         r["x_best_ssmspec_plain"] = r["tokens_per_s"] / best_plain
-    llama_rate = next((r["tokens_per_s"] for r in rows if r["method"] == "llama.cpp llama-bench tg"), None)
-    if llama_rate:
+    llama_rate = next((r["tokens_per_s"] for r in rows if r["method"] == "llama.cpp (llama-bench)"), None)
+    if llama_rate:  # (decoding rates against llama-bench's, which times generation alone)
         for r in rows:
-            r["x_llamacpp"] = r["tokens_per_s"] / llama_rate
+            r["x_llamacpp"] = r["decode_tokens_per_s"] / llama_rate
     return {"model": name, "prompts": len(prompts), "tokens": tokens, "warmup_s": warmup, "rows": rows}
 
 
@@ -271,10 +277,13 @@ def main() -> None:
             row["cold_start"] = cold_start(name)
         result["models"].append(row)
         print(f"\n{name} (compiled warm-up {row['warmup_s']:.1f} s{_cold(row)})")
-        print(f"{'method':34} {'tok/s':>8} {'x HF':>6} {'x llama.cpp':>12}  identical")
+        print(f"{'method':30} {'tok/s':>7} {'decode tok/s':>13} {'x HF':>6} {'decode x llama-bench':>21}  identical")
         for r in row["rows"]:
             lc = f"{r['x_llamacpp']:.2f}" if "x_llamacpp" in r else "-"
-            print(f"{r['method']:34} {r['tokens_per_s']:8.0f} {r['x_hf']:6.2f} {lc:>12}  {r['identical']}")
+            print(
+                f"{r['method']:30} {r['tokens_per_s']:7.0f} {r['decode_tokens_per_s']:13.0f} {r['x_hf']:6.2f} "
+                f"{lc:>21}  {r['identical']}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

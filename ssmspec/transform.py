@@ -376,13 +376,13 @@ def transform(
             tokens then reads each weight once, as a decode step does. It holds as much memory again as the
             linear weights; False keeps `F.linear` (no copy). Plain forwards are HF's either way. None: True, or
             on a model transformed before, as it was.
-        compile: True compiles the model for speed as measured fastest (`compile_options`: the ssmspec backend;
-            Inductor's C++ wrapper on a CPU, CUDA graphs on a GPU; its own recompilation budget) and warms up
-            its graphs once (decode, every tree-size bucket and, on a GPU, the prefill; on a CPU the prompt runs
-            eagerly, as fast there and minutes cheaper to warm up), with a progress bar, so that the first request
-            does not pay for compilation; a dict: those `model.compile` keyword arguments instead
-            of the chosen ones where given, plus `warmup` (batch sizes to warm up, default (1,); () for none)
-            and `progress`. If compiling fails, the model stays eager, with one warning.
+        compile: True compiles the model for speed as measured fastest and warms it up once, with a progress bar,
+            so that the first request does not pay for compilation (`compile_fast`): on a CPU each step (the plain
+            step, every tree-size bucket's verify step and commit) captured and compiled whole by Inductor, the
+            prompt run eagerly; on a GPU the forward compiled (`compile_options`: the ssmspec backend) and each
+            verify step captured as a CUDA graph. A dict: `warmup` (batch sizes to warm up, default (1,); () for
+            none) and `progress`, and any `model.compile` keyword arguments, which compile the forward with them
+            instead (on a CPU too). If compiling fails, the model stays eager, with one warning.
         draft_head: the draft head (EAGLE style, trained for this model: ssmspec.speculate.head_training) that
             `SpecConfig(drafter="draft_head")` drafts with, and the defaults where it measured faster: a
             DraftHead, a directory holding one (`DraftHead.save`), "auto" (default: on a model transformed before,
@@ -507,45 +507,65 @@ def compile_options(device: torch.device) -> dict[str, Any]:
 def compile_fast(
     model: nn.Module, *, warmup: Sequence[int] = (1,), progress: bool = True, **compile_kwargs: Any
 ) -> nn.Module:
-    """Compile a transformed `model` with `compile_options` (overridden by `compile_kwargs`) and warm it up:
-    speculative generates per batch size in `warmup` on dummy prompts of four lengths compile the prefill (for
-    any length; on a GPU: a CPU runs it eagerly, ssmspec.speculate.runner), the decode step and, through the
-    calibration (measured then, never read from disk for a compiled model), the verify step of every tree-size
-    bucket. A failure (compile or warm-up) leaves the model eager, with one warning naming it."""
+    """Compile a transformed `model` for speed and warm it up, so that no request pays for compilation.
+
+    On a CPU, with no `compile_kwargs`, each step the default call and plain decoding take is captured and compiled
+    whole (`SpecConfig.graphs` with ssmspec.compile.lower's compiler): a speculative generate per batch size in
+    `warmup` on a dummy prompt compiles the plain step and, through the calibration (measured then, never read from
+    disk for a compiled model), the verify step and commit of every tree-size bucket; the prompt runs eagerly. Where
+    the steps cannot be captured (the generic path, positions read from cache slots, a host read in the model's
+    forward) and with `compile_kwargs`, the forward is compiled with `model.compile` (`compile_options`, overridden by
+    `compile_kwargs`) and warmed up on prompts of four lengths. A failure leaves the model eager, with one warning
+    naming it."""
     device = hf_instance.input_device(model)
-    steps = device.type != "cuda" and not compile_kwargs  # a CPU's default: captured steps, compiled whole
+    info = getattr(model, "ssmspec_info", None)
+    steps = (device.type != "cuda" and not compile_kwargs and getattr(info, "path", "seams") == "seams"
+             and not getattr(info, "slot_positions", False))  # fmt: skip
+    if steps:
+        try:
+            model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=progress)
+            model.ssmspec_graphs = True
+            _warm_up(model, device, warmup, (8,), progress, plain=True)
+            return model
+        except Exception as e:  # noqa: BLE001 - any failure to capture or compile: Dynamo's forward, as below
+            _uncompile(model)
+            warnings.warn(f"ssmspec: capturing {type(model).__name__}'s steps failed, compiling its forward instead "
+                          f"({type(e).__name__}: {e})", stacklevel=2)  # fmt: skip
     kwargs = {**compile_options(device), **compile_kwargs}
     options = {**compile_options(device).get("options", {}), **(compile_kwargs.get("options") or {})}
     if options:
         kwargs["options"] = options
     try:
-        if steps:
-            model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=progress)
-            model.ssmspec_graphs = True
-        else:
-            model.compile(**kwargs)
+        model.compile(**kwargs)
         if device.type == "cuda" and compile_mode(kwargs) not in CUDA_GRAPH_MODES:
             model.ssmspec_graphs = True  # its verify steps captured by ssmspec (SpecConfig.graphs)
-        vocab = int(model.config.get_text_config().vocab_size)
         # two prompt lengths within one scan chunk and two over it, per batch size: after the second of each,
-        # Dynamo compiles the prefill for any length on that side of the chunk size (a guard of HF's chunking); a
-        # captured step's prefill runs eagerly: one prompt per batch size compiles its steps
+        # Dynamo compiles the prefill for any length on that side of the chunk size (a guard of HF's chunking)
         chunk = int(getattr(model.config.get_text_config(), "chunk_size", None) or 256)
-        lengths = (8,) if steps else (8, 12, 2 * chunk + 5, 3 * chunk + 3)
-        runs = [(batch, length) for batch in warmup for length in lengths]
-        for batch, length in tqdm(runs, desc="ssmspec: compiling and warming up", disable=not progress):
-            ids = (torch.arange(batch * length, device=device).view(batch, length) * 7 + 3) % vocab
-            # (its calibration completed now: every tree-size bucket compiled here, not on a user's call)
-            spec = getattr(model, "ssmspec_config", None) or True  # (the default call's sizes)
-            calibrate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, pad_token_id=0,
-                      speculation=spec)  # fmt: skip
-            if steps:  # and plain decoding's step (without a drafter's features)
-                model.generate(ids, max_new_tokens=2, pad_token_id=0, speculation=SpecConfig(drafter="none"))
+        _warm_up(model, device, warmup, (8, 12, 2 * chunk + 5, 3 * chunk + 3), progress)
     except Exception as e:  # noqa: BLE001 - any compiler failure: eager is exact, so say it and go on
         _uncompile(model)
         warnings.warn(f"ssmspec: compiling {type(model).__name__} failed, running eager ({type(e).__name__}: {e})",
                       stacklevel=2)  # fmt: skip
     return model
+
+
+def _warm_up(
+    model: nn.Module, device: torch.device, batches: Sequence[int], lengths: Sequence[int], progress: bool,
+    plain: bool = False,
+) -> None:  # fmt: skip
+    """Speculative generates on dummy prompts of each batch size and length, completing the calibration of the model's
+    default call (every tree-size bucket verified, so compiled, now rather than on a user's call); with `plain`, a
+    plain-decoding call too (its steps keep no drafter's features)."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    spec = getattr(model, "ssmspec_config", None) or True  # (the default call's sizes)
+    runs = [(batch, length) for batch in batches for length in lengths]
+    for batch, length in tqdm(runs, desc="ssmspec: compiling and warming up", disable=not progress):
+        ids = (torch.arange(batch * length, device=device).view(batch, length) * 7 + 3) % vocab
+        calibrate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, pad_token_id=0,
+                  speculation=spec)  # fmt: skip
+        if plain:
+            model.generate(ids, max_new_tokens=2, pad_token_id=0, speculation=SpecConfig(drafter="none"))
 
 
 def calibrate(model: nn.Module, input_ids: torch.Tensor, **generate_kwargs: Any) -> torch.Tensor | ModelOutput:
