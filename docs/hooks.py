@@ -84,7 +84,7 @@ def lookup(data, path: str, where: str = ""):
     return _walk(data, [s.strip() for s in path.strip("/").split("/")], where or path)
 
 
-def _walk(node, segments: list[str], where: str, many: bool = False):
+def _walk(node, segments: list[str], where: str):
     if not segments:
         return node
     seg, rest = segments[0], segments[1:]
@@ -100,20 +100,21 @@ def _walk(node, segments: list[str], where: str, many: bool = False):
                 items = [i for i in items if isinstance(i, dict) and str(i.get(key)) == value]
         if not items:
             raise ValueError(f"{where}: `{seg}` selects nothing")
+        nested = any(s == "*" or (s.startswith("[") and s.endswith("]")) for s in rest)
         out = []
         for item in items:
-            got = _walk(item, rest, where, True)
-            out += got if isinstance(got, list) and many else [got]
+            got = _walk(item, rest, where)
+            out += got if nested and isinstance(got, list) else [got]  # one flat list however many selectors
         return out
     if isinstance(node, list) and re.fullmatch(r"-?\d+", seg):
         try:
-            return _walk(node[int(seg)], rest, where, many)
+            return _walk(node[int(seg)], rest, where)
         except IndexError:
             raise ValueError(f"{where}: no element {seg}") from None
     if not isinstance(node, dict) or seg not in node:
         keys = ", ".join(map(str, node)) if isinstance(node, dict) else type(node).__name__
         raise ValueError(f"{where}: no `{seg}` (there: {keys[:300]})")
-    return _walk(node[seg], rest, where, many)
+    return _walk(node[seg], rest, where)
 
 
 _SUFFIXED = {"x": (".2f", "x", 1.0), "x1": (".1f", "x", 1.0), "pct": (".0f", " %", 100.0), "int": (",.0f", "", 1.0)}

@@ -69,6 +69,7 @@ class Calibration:
         self.earned = 0.0  # SHARE of the steps' seconds of the calls on this model and key (this process)
         self.between = 0.0  # what measuring between steps took of it
         self.fixed: tuple[dict[int, float], float | None] | None = None  # `fix`'s curve and seconds: nothing measured
+        self.out_of_memory: int | None = None  # the smallest size whose measurement ran out of memory (this process)
 
     # ------------------------------------------------------------------ what is known
     def want(self, sizes: Sequence[int]) -> None:
@@ -192,19 +193,29 @@ class Calibration:
                 if self.runs.get(item, 0) <= want:
                     yield item
 
-    def measure(self, runner, budget: float | None = None, estimate: float = 0.0) -> float:
+    def measure(self, runner, budget: float | None = None, estimate: float = 0.0, cap: int | None = None) -> float:
         """Run pending measurements on the runner (each rolled back) until `budget` seconds would be exceeded (None:
         until complete; under tensor parallelism, every process's timings agreed in one collective at the end, as the
         slowest process measured them). `estimate`: what a measurement of unknown cost is expected to take at least (a
-        step's seconds). Returns the
-        seconds spent; the runner's choices are set as measured (`apply`)."""
+        step's seconds). `cap`: the largest size the call's memory is known to hold (larger ones wait). A size whose
+        measurement runs out of memory (torch.OutOfMemoryError) is rolled back and dropped with every larger one
+        (`out_of_memory` keeps it). Returns the seconds spent; the runner's choices are set as measured (`apply`)."""
         spent, timed = 0.0, []
         for item in self.pending():
+            if item[0] == "size" and (item[1] not in self.sizes or (cap is not None and item[1] > cap)):
+                continue
             expected = self.best.get(item) or max([*self.best.values(), estimate])
             if budget is not None and spent + expected > budget:
                 break
             t0 = time.perf_counter()
-            seconds = _time(runner, item)
+            try:
+                seconds = _time(runner, item)
+            except torch.OutOfMemoryError:
+                if item[0] != "size":  # a one-node step that does not fit: nothing smaller to verify
+                    raise
+                spent += time.perf_counter() - t0
+                self._drop_from(item[1])
+                continue
             spent += time.perf_counter() - t0
             if self.runs.get(item, 0) > 0:  # (the first run warms up)
                 timed.append((item, seconds))
@@ -220,15 +231,23 @@ class Calibration:
         self.apply(runner)
         return spent
 
-    def measure_between_steps(self, runner, step_seconds: float) -> float:
+    def _drop_from(self, n: int) -> None:
+        """Size `n` ran out of memory: it and every larger size are no longer measured (nor priced as measured)."""
+        self.out_of_memory = n if self.out_of_memory is None else min(self.out_of_memory, n)
+        self.sizes = {s for s in self.sizes if s < n}
+        for table in (self.best, self.runs):
+            for key in [k for k in table if k[0] == "size" and k[1] >= n]:
+                del table[key]
+
+    def measure_between_steps(self, runner, step_seconds: float, cap: int | None = None) -> float:
         """After a step of `step_seconds`: measure within what the steps so far earned (SHARE of their time, every
         call on this model and key together, so that short calls add up; the first call spends at most SHARE of its
-        own). Returns the seconds spent."""
+        own). `cap`: as `measure`'s. Returns the seconds spent."""
         self.earned += SHARE * step_seconds
         budget = self.earned - self.between
         if budget <= 0 or self.complete:
             return 0.0
-        spent = self.measure(runner, budget, estimate=step_seconds)
+        spent = self.measure(runner, budget, estimate=step_seconds, cap=cap)
         self.between += spent
         return spent
 
@@ -266,17 +285,18 @@ def _time(runner, item: tuple) -> float:
     commits = n == 1 or bool(getattr(runner, "graphs", False))
     snap = runner.snapshot() if commits else None  # (a commit is rolled back from a snapshot)
     t0 = time.perf_counter()
-    runner.verify(tree)
-    if commits:
-        runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    if snap is None:
-        runner.discard()
-    else:
-        runner.restore(snap)
-    return seconds
+    try:
+        runner.verify(tree)
+        if commits:
+            runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    finally:  # rolled back whether it finished or raised (out of memory)
+        if snap is None:
+            runner.discard()
+        else:
+            runner.restore(snap)
 
 
 def chooses_packing(runner) -> bool:

@@ -109,6 +109,8 @@ class StepPolicy:
                      static_shapes=static_shapes, verify_memory=verify_memory, batch=int(runner.n_real.shape[0]),
                      adaptive=depth, calibration=calibration, runner=runner)  # fmt: skip
         policy.calibration_seconds = spent
+        if calibration is not None and calibration.out_of_memory is not None:  # a size measured did not fit
+            policy.cap = max(1, calibration.out_of_memory // 2)
         return policy
 
     def plan(self, rows: Rows) -> StepPlan:
@@ -146,8 +148,11 @@ class StepPolicy:
         what it measured from the next step on."""
         if self.calibration is None:
             return
-        spent = self.calibration.measure_between_steps(self.runner, last_step)
+        spent = self.calibration.measure_between_steps(self.runner, last_step, cap=self.cap)
         self.calibration_seconds += spent
+        if self.calibration.out_of_memory is not None:  # a size it measured did not fit: the steps stay below it
+            fits = max(1, self.calibration.out_of_memory // 2)
+            self.cap = fits if self.cap is None else min(self.cap, fits)
         if spent and self.adaptive is not None:
             self.adaptive.recalibrate(self.calibration)
 
