@@ -80,6 +80,61 @@ def test_recorded_steps_equal_hf_greedy(family):
     assert again.captured is runner.captured and again.captures == 0 or set(again.captured) > set(runner.captured)
 
 
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_plain_greedy_steps_are_replays_of_the_one_node_step(family, monkeypatch):
+    """Plain greedy decoding of a compiled model: after the step that captures it, every step is one replay of the
+    fused one-node step and one read of its argmax (ModelRunner.decode), nothing else per token; rows that stop at
+    different lengths (an EOS one row reaches first), a stopping criterion, a streamer and HF's counters as the
+    general steps keep them; the output HF's."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from ssmspec.speculate.runner import ModelRunner
+
+    class AtToken(StoppingCriteria):  # stops a row once it has generated `token` (HF's criteria contract)
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids[:, IDS.shape[1] :] == self.token).any(-1)
+
+    ref = _model(family)
+    free = ref.generate(IDS, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    eos = int(free[0, IDS.shape[1] + 6])  # row 0 stops by its 7th token at the latest (row 1 may generate it too)
+    stop = int(free[1, IDS.shape[1] + 15])
+    kwargs = {"max_new_tokens": 24, "eos_token_id": eos, "pad_token_id": 0}
+    want = ref.generate(IDS, do_sample=False, stopping_criteria=StoppingCriteriaList([AtToken(stop)]), **kwargs)
+    model = _recorded(ref)
+    model.ssmspec_graphs = True  # (its calls capture their steps, as transform(compile=True) sets)
+    decodes = []
+    decode = ModelRunner.decode
+
+    def counted(self, tokens):
+        picks = decode(self, tokens)
+        decodes.append(picks is not None)
+        return picks
+
+    monkeypatch.setattr(ModelRunner, "decode", counted)
+    streamed = []
+
+    class Streamer:
+        def put(self, value):
+            streamed.append(value.clone())
+
+        def end(self):
+            pass
+
+    out = model.generate(IDS, speculation=SpecConfig(drafter="none"), return_dict_in_generate=True, streamer=Streamer(),
+                         stopping_criteria=StoppingCriteriaList([AtToken(stop)]), **kwargs)  # fmt: skip
+    assert torch.equal(out.sequences, want)
+    stats = out.spec_stats
+    new = want.shape[1] - IDS.shape[1]
+    assert decodes[0] is False and all(decodes[1:]) and len(decodes) == new - 1  # the capture, then replays only
+    assert stats["verify_steps"] == new - 1 and stats["accepted_tokens"] == 0  # (the prefill chose the first token)
+    lengths = [next((i + 1 for i, t in enumerate(row) if t in (eos, stop)), len(row)) for row in want[:, 12:].tolist()]
+    assert stats["emitted_tokens"] == sum(lengths) and min(lengths) < max(lengths)  # (one row stopped first)
+    assert torch.equal(torch.stack(streamed[1:], dim=1), want[:, IDS.shape[1] :])  # (the prompt, then column by column)
+
+
 def test_a_step_that_reads_a_tensor_of_its_call_is_not_kept_for_the_next():
     """A workspace is handed to a later call only if every tensor its steps read belongs to it (its cache, its captured
     trees, what its steps produced): a step reading anything else would read a stale tensor in the next call."""

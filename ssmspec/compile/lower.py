@@ -2,9 +2,10 @@
 
 On a GPU a captured step is a CUDA graph; on a CPU the same step (the same static tensors, the same contract) is
 recorded once as an FX graph of its ATen ops (ssmspec.compile.graphs) and compiled here by Inductor with its C++
-wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them). A replay is then one
-call into the compiled code: no Python between the ops, no op dispatch, no guards. The model's parameters and buffers
-are the graph's constants, read where they live on every call (a weight changed in place is seen).
+wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them), with matrix products
+of a few rows as Inductor's loops (`OPTIONS`). A replay is then one call into the compiled code: no Python between
+the ops, no op dispatch, no guards. The model's parameters and buffers are the graph's constants, read where they
+live on every call (a weight changed in place is seen).
 
 Compiled graphs are kept per model, keyed by the graph's code and its inputs' layouts, so a step recorded again over
 another call's buffers reuses its compilation; Inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`) serves the same
@@ -13,10 +14,11 @@ graphs to a new process in seconds instead of a compilation's tens of seconds.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,11 +27,36 @@ from tqdm.auto import tqdm
 
 from ssmspec.compile.passes import unroll_depthwise_convs
 
-# Inductor settings of a compiled step: the C++ wrapper (no Python wrapper's per-call cost), and one-row matrix
-# products (a decode step's linears, up to 2048 wide) as Inductor's own fused loops instead of calls into MKL: on the
-# embedded 3M target a plain step took 0.33-0.51 ms that way against 1.1-1.9 ms with MKL's sgemv and its OpenMP
-# synchronisation per call (2-core CPU, tight loop)
-OPTIONS = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+# Inductor settings of a compiled step: the C++ wrapper (no Python wrapper's per-call cost), and matrix products of up
+# to 32 rows (a step's linears over its few tokens, weights up to 2048 wide) as Inductor's own fused loops instead of
+# calls into MKL. On the embedded 3M target (2-core CPU, tight loop) a plain step took 0.33-0.51 ms that way against
+# 1.1-1.9 ms with MKL's sgemv and its OpenMP synchronisation per call; a 4-node verify step 0.73 ms against 2.57 ms
+# (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73
+SMALL_MATMUL_ROWS = 32
+OPTIONS = {
+    "cpp_wrapper": True,
+    "post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_first_dimension_decomposition": SMALL_MATMUL_ROWS}},
+}
+# Inductor reads the decomposition's thresholds from its config once, when it imports the pass: they are set on the
+# pass's module for the length of a compilation (`_decomposition`), one compilation at a time in this process
+_DECOMPOSING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _decomposition(options: dict[str, Any]) -> Iterator[None]:
+    """The decompose_mm_pass thresholds of `options` in force while Inductor compiles (torch internals: named here)."""
+    from torch._inductor.fx_passes import decompose_mem_bound_mm as module
+
+    settings = options.get("post_grad_fusion_options", {}).get("decompose_mm_pass") or {}
+    with _DECOMPOSING:
+        saved = {name: getattr(module, name) for name in settings if hasattr(module, name)}
+        for name in saved:
+            setattr(module, name, settings[name])
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
 
 
 class StepCompiler:
@@ -84,7 +111,8 @@ class StepCompiler:
                    leave=False)  # fmt: skip
         try:
             # a tracing context with a shape environment, as Dynamo gives Inductor: its FX graph cache keys on it
-            with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad():
+            with (tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad(),
+                  _decomposition(self.options)):  # fmt: skip
                 compiled = compile_fx(gm, inputs, config_patches=dict(self.options))
         except Exception as e:  # noqa: BLE001 - any compiler failure: the graph still runs, op by op
             warnings.warn(

@@ -17,10 +17,11 @@ from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.policy import StepPolicy
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.speculate.step import StepReport
-from ssmspec.speculate.step.accept import accept, near_tie_tolerance, near_ties
+from ssmspec.speculate.step.accept import accept
 from ssmspec.speculate.step.emit import Rows
 from ssmspec.speculate.step.propose import Proposer
 from ssmspec.speculate.step.verify import Verifier
+from ssmspec.speculate.ties import near_tie_tolerance, near_ties
 
 
 @dataclass
@@ -122,9 +123,25 @@ def speculative_generate(
         adaptive=adaptive, schedule=schedule, static_shapes=static_shapes, verify_memory=verify_memory,
     )  # fmt: skip
     verifier = Verifier(runner, stats)
+    # greedy plain steps on a model whose steps are compiled (the fused one-node step): one replay and one read of the
+    # argmax each, nothing built per token (`plain_step`), for a drafter that a plain step does not involve; a call
+    # that drafts nothing takes them back to back (the first step captures it the general way)
+    lean = (not decoding.do_sample and not decoding.processes and not decoding.keeps_scores
+            and isinstance(runner, ModelRunner) and runner.fuse_single_nodes and not proposer.wants_features
+            and not proposer.topk and not proposer.calls_every_step)  # fmt: skip
+    chosen = None
     try:
         while not rows.finished:
+            if lean and num_draft_tokens == 0:
+                chosen = plain_step(runner, rows, chosen)
+                if chosen is not None:
+                    continue
             plan = policy.plan(rows)
+            if lean and num_draft_tokens and plan.depth == 0 and not plan.shadow:  # (drafting none: tried above)
+                active = [r for r in range(rows.batch) if not rows.done[r]]
+                if plain_step(runner, rows) is not None:
+                    policy.observe(StepReport.plain(active))
+                    continue
             proposal = proposer.propose(plan, rows)
             verified = verifier.verify(proposal, rows)
             accepted = accept(verified, decoding, stats.near_tie_tolerance, proposer.topk)
@@ -139,6 +156,20 @@ def speculative_generate(
     sequences = rows.result(runner)
     runner.release()  # (its buffers and captured steps, for the model's next call)
     return sequences, stats, runner
+
+
+def plain_step(runner: ModelRunner, rows: Rows, tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One greedy plain step as one replay of the runner's fused one-node step (`ModelRunner.decode`) and one read of
+    its argmax and near-tie per row, emitted (`Rows.emit_greedy`). `tokens` [B]: the rows' inputs where known on the
+    device (the last step's choice), else read from the rows. Returns the tokens chosen (on the device, valid until the
+    next replay: the next step's input; a row that has stopped decodes on, unread, as in a batch's general step), or
+    None where that step is not captured yet (nothing done)."""
+    picks = runner.decode(tokens if tokens is not None else torch.tensor([g[-1] for g in rows.generated]))
+    if picks is None:
+        return None
+    chosen, ties = picks.tolist()
+    rows.emit_greedy(chosen, ties)
+    return picks[0]
 
 
 def open_runner(

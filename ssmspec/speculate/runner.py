@@ -28,6 +28,7 @@ from ssmspec.hf import features
 from ssmspec.hf import instance as hf_instance
 from ssmspec.hf import masks as hf_masks
 from ssmspec.hf.cache import SpecCache
+from ssmspec.speculate.ties import near_tie_tolerance, near_ties
 from ssmspec.tree import TokenTree
 from ssmspec.verification import Verification, fold_states
 
@@ -459,12 +460,16 @@ class ModelRunner:
                 with self.cache.verifying(static, in_place=fused) as verification:
                     positions = self.cache.n_real[:, None] + static.depth
                     logits = self._call(static.tokens, self.masks(static), positions, eager=eager)
+                picks = None
                 if fused:  # (always accepted)
                     verification.commit_static(last, 1, self.fold)
-                return logits, self.features, verification
+                    # the greedy choice and its near-tie, in the step: a plain greedy loop reads only these (`decode`)
+                    ties = near_ties(logits[:, 0], near_tie_tolerance(self.dtype))
+                    picks = torch.stack([logits[:, 0].argmax(-1), ties.long()])
+                return logits, self.features, verification, picks
 
             try:
-                logits, feats, verification = graph.capture(step)
+                logits, feats, verification, _ = graph.capture(step)
             except CaptureError as e:
                 raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
             entry = Captured(static, graph, self.cache.kv_generation, last, fused=fused)
@@ -472,7 +477,7 @@ class ModelRunner:
             self.captures += 1
         else:
             entry.tree.copy_from(tree)
-            logits, feats, verification = entry.graph.replay()
+            logits, feats, verification, _ = entry.graph.replay()
             verification.reopen()
         self.features = feats.clone() if feats is not None else None
         if entry.fused:  # verified and committed: the host's bookkeeping of a one-node path
@@ -482,6 +487,28 @@ class ModelRunner:
             self._pending = (tree, verification)
             self._pending_capture = entry
         return logits.clone()
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """A plain greedy step as one replay of the batch's fused one-node step (a model whose steps are compiled on a
+        CPU): `tokens` [B] each row's next input (any device tensor: copied into the step's input); returns [2, B]
+        the target's argmax after it and whether its top two nearly tie (`near_ties`), read by the caller at once
+        (the next replay overwrites it). The state is committed as the step runs. None where that step is not
+        captured yet (`verify` and `commit` of a one-node tree capture it)."""
+        if not self.fuse_single_nodes or self._pending is not None:
+            return None
+        entry = self.captured.get((int(self.cache.n_real.shape[0]), 1))
+        if entry is None or entry.generation != self.cache.kv_generation:
+            return None
+        self.cache.reserve(1)
+        if entry.generation != self.cache.kv_generation:  # the K/V buffers grew: `verify` captures it again
+            return None
+        entry.tree.tokens.copy_(tokens.view_as(entry.tree.tokens))
+        _, feats, verification, picks = entry.graph.replay()
+        verification.reopen()
+        verification.settle(1)
+        self.features = feats.clone() if feats is not None else None
+        return picks
 
     def _commit_captured(self, entry: Captured, verification: Verification, last: torch.Tensor):
         """`commit` of a captured step: the bucket's first commit runs eagerly (on CUDA it warms the commit up; a

@@ -21,7 +21,7 @@ from ssmspec.speculate.drafters import Drafter, NoDrafter
 from ssmspec.speculate.engine import eos_and_pad, speculative_generate
 from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.runner import ModelRunner
-from ssmspec.speculate.step.accept import near_tie_tolerance
+from ssmspec.speculate.ties import near_tie_tolerance
 from ssmspec.testing.report import computes_in_float32
 from ssmspec.transform import transform
 

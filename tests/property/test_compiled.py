@@ -1,4 +1,5 @@
-"""Property suite, compiled: the default call (`model.generate` with no speculation argument) of a model whose steps are
+"""Property suite, compiled: the default call (`model.generate` with no speculation argument), and plain decoding, of a
+model whose steps are
 captured and compiled whole (`transform(model, compile=True)` on a CPU) equals HF generate(do_sample=False), for every
 family whose steps can be captured (float64, random prompts, batches where the probe found them exact, EOS from the
 reference). Every model's compiled steps are kept between examples, so later examples replay steps that earlier ones
@@ -52,7 +53,10 @@ def test_compiled_default_call_equals_hf_greedy(family, data):
         free = ref.generate(ids, do_sample=False, eos_token_id=None, **kwargs)
         new = free[:, ids.shape[1] :].flatten().tolist()
         kwargs["eos_token_id"] = new[data.draw(st.integers(0, len(new) - 1), label="eos index")]
-    want = ref.generate(ids, do_sample=False, **kwargs)
+    if data.draw(st.booleans(), label="plain decoding"):  # (its steps: back-to-back replays of the one-node step)
+        kwargs["speculation"] = ssmspec.SpecConfig(drafter="none")
     out = model.generate(ids, **kwargs)
+    kwargs.pop("speculation", None)
+    want = ref.generate(ids, do_sample=False, **kwargs)
     assert torch.equal(out, want)
     assert model.__dict__.get("_ssmspec_workspaces")  # (its captured steps were kept for the next example)

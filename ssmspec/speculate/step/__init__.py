@@ -175,6 +175,12 @@ class StepReport:
     cap: int | None = None
 
     @classmethod
+    def plain(cls, active: list[int]) -> StepReport:
+        """The report of a plain step (one node per row, always accepted) the rows `active` took part in."""
+        return cls(nodes=1, drafted=dict.fromkeys(active, 0), sizes=dict.fromkeys(active, 0),
+                   accepted=dict.fromkeys(active, 0))  # fmt: skip
+
+    @classmethod
     def of(cls, verified: Verified, accepted: Accepted, kept: CommitPlan) -> StepReport:
         """The report of a step from what its parts handed over."""
         proposal = verified.proposal

@@ -10,6 +10,7 @@ import torch
 
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.step import Accepted, Verified
+from ssmspec.speculate.ties import near_ties
 from ssmspec.tree import TokenTree
 
 Walk = Callable[[int, dict[int, list[int]], list[int]], tuple[int, list[int]]]
@@ -160,14 +161,3 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
     return ids, (values - logits.logsumexp(-1, keepdim=True)).exp()
-
-
-def near_tie_tolerance(dtype: torch.dtype) -> float:
-    """Relative top-2 gap below which a greedy token could flip under other rounding: 8 ulps of the dtype."""
-    return 8 * torch.finfo(dtype).eps
-
-
-def near_ties(logits: torch.Tensor, tolerance: float) -> torch.Tensor:
-    """Per position, whether the top-2 logit gap is below tolerance * max(1, |top logit|)."""
-    top = logits.float().topk(2, dim=-1).values
-    return (top[..., 0] - top[..., 1]) < tolerance * top[..., 0].abs().clamp(min=1.0)

@@ -137,6 +137,21 @@ class Rows:
                                     for node in kept.paths[r])  # fmt: skip
         self.stream.release(self.generated, self.done)
 
+    def emit_greedy(self, tokens: Sequence[int], ties: Sequence[int]) -> None:
+        """A plain greedy step's tokens, one per row (the target's argmax; `ties`: whether its top two nearly tied),
+        emitted and counted as `keep` and `emit` do a one-node tree's: a row that has stopped takes none."""
+        stats = self.stats
+        stats.verify_steps += 1
+        stats.tree_nodes_per_step.append(1)
+        for r, token in enumerate(tokens):
+            if self.done[r]:
+                continue
+            stats.row_steps += 1
+            stats.near_ties += int(ties[r])
+            self.done[r] = self._cut(r, (token,))[1]
+            self._append(r, (token,))
+        self.stream.release(self.generated, self.done)
+
     def _append(self, row: int, tokens: Sequence[int]) -> None:
         self.generated[row].extend(tokens)
         self.contexts[row].extend(tokens)
