@@ -271,9 +271,10 @@ class Calibration:
 
 
 def _time(runner, item: tuple) -> float:
-    """Seconds of one measurement (see `Calibration.items`), rolled back: a one-node step's forward and commit from
-    a snapshot, an n-node chain's forward then discarded; with captured steps, every size's forward and commit (a
-    commit is a step of its own there, compiled, captured and timed with its verify step)."""
+    """Seconds of one measurement (see `Calibration.items`), rolled back: a one-node step's forward and commit from a
+    snapshot (a compiled model's: its replay and the read of its argmax, as its greedy plain steps run), an n-node
+    chain's forward then discarded; with captured steps, every size's forward and commit (a commit is a step of its
+    own there, compiled, captured and timed with its verify step)."""
     kind, key, way = item
     batch, device = runner.cache.n_real.shape[0], runner.cache.n_real.device
     if way is not None:
@@ -286,6 +287,11 @@ def _time(runner, item: tuple) -> float:
     snap = runner.snapshot() if commits else None  # (a commit is rolled back from a snapshot)
     t0 = time.perf_counter()
     try:
+        # a greedy plain step of compiled steps is one replay and one read (ModelRunner.decode), once captured
+        picks = runner.decode(tree.tokens[:, 0]) if n == 1 and getattr(runner, "fuse_single_nodes", False) else None
+        if picks is not None:
+            picks.tolist()
+            return time.perf_counter() - t0
         runner.verify(tree)
         if commits:
             runner.commit(torch.zeros(batch, dtype=torch.long, device=device))
@@ -312,10 +318,11 @@ def chooses_path(runner) -> bool:
 
 
 def call_sizes(runner) -> list[int]:
-    """The sizes a call can verify: powers of two up to its largest padded tree, and that one (a compiled model
-    compiles a graph per size measured, so sizes no tree of this call reaches are left to a call that needs them)."""
+    """The sizes a call can verify: powers of two up to its largest padded tree, and that one, each as the call pads it
+    (a compiled model compiles a graph per size measured, so sizes no tree of this call reaches are left to a call
+    that needs them)."""
     largest = min(runner.padded_size(runner.max_nodes) if runner.max_nodes else COST_SIZES[-1], LARGEST_MEASURED)
-    return [n for n in COST_SIZES if n < largest] + [largest]
+    return sorted({min(runner.padded_size(n), largest) for n in COST_SIZES if n < largest} | {largest})
 
 
 def for_runner(model: nn.Module, runner) -> Calibration:

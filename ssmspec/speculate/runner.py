@@ -48,10 +48,12 @@ def takes_position_ids(model: nn.Module) -> bool:
 
 
 def bucket(n: int, largest: int | None = None) -> int:
-    """The static node count a tree of n nodes is padded to: the next power of two, or `largest` (the
-    biggest tree the drafter can make) where that is smaller: a full tree is never padded."""
+    """The static node count a tree of n nodes is padded to: the next power of two, or `largest` (the biggest tree
+    the drafter can make) where that power of two is more than half of it: a full tree is never padded, and no bucket
+    sits just below the largest (a 16-node bucket beside a 17-node one was one more graph to compile and capture for
+    trees one node smaller)."""
     up = 1 << max(0, n - 1).bit_length()
-    return min(up, largest) if largest is not None and n <= largest else up
+    return largest if largest is not None and n <= largest and 2 * up > largest else up
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
