@@ -135,6 +135,40 @@ def test_plain_greedy_steps_are_replays_of_the_one_node_step(family, monkeypatch
     assert torch.equal(torch.stack(streamed[1:], dim=1), want[:, IDS.shape[1] :])  # (the prompt, then column by column)
 
 
+def test_an_adaptive_calls_plain_steps_and_shadow_drafts_replay_the_one_node_step(monkeypatch):
+    """Where the adaptive depth decodes plainly, a compiled model's plain steps are replays of the fused one-node step,
+    a shadow draft's too (the drafter drafts one level, the step replays, the shadow's hit is reported from the token
+    the step chose); a step that drafts takes the general path; the output stays HF's."""
+    from ssmspec.speculate import policy
+    from ssmspec.speculate.runner import ModelRunner
+    from ssmspec.speculate.step import StepReport
+
+    ref = _model("mamba2")
+    want = ref.generate(IDS[:1], max_new_tokens=30, do_sample=False, eos_token_id=None)
+    model = _recorded(ref)
+    model.ssmspec_graphs = True
+    steps = iter(range(1000))
+
+    def choose(self, rows, depth, budget):  # a plain step, a shadow every third, a drafted step every seventh
+        i = next(steps)
+        return (max(depth, 1), budget, 0) if i % 7 == 6 else (0, budget, 1 if i % 3 == 2 else 0)
+
+    monkeypatch.setattr(policy.AdaptiveDepth, "choose", choose)
+    reports, decodes = [], []
+    plain, decode = StepReport.plain.__func__, ModelRunner.decode
+    monkeypatch.setattr(StepReport, "plain", classmethod(lambda cls, *a: reports.append(plain(cls, *a)) or reports[-1]))
+    monkeypatch.setattr(ModelRunner, "decode", lambda self, t: decodes.append(1) or decode(self, t))
+    oracle = OracleDrafter([w.tolist() for w in want], vocab_size=96)
+    monkeypatch.setattr("ssmspec.speculate.generate.build_drafter", lambda *a, **k: oracle)
+    spec = SpecConfig(drafter="prompt_lookup", adaptive=True)
+    out = model.generate(IDS[:1], max_new_tokens=30, eos_token_id=None, pad_token_id=0, speculation=spec,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, want)
+    shadows = [r for r in reports if r.shadow]
+    assert len(reports) >= 10 and shadows and all(r.shadow_hits == {0: True} for r in shadows)  # (the oracle is right)
+    assert max(out.spec_stats["tree_nodes_per_step"]) > 1 and len(decodes) >= len(reports)
+
+
 def test_a_step_that_reads_a_tensor_of_its_call_is_not_kept_for_the_next():
     """A workspace is handed to a later call only if every tensor its steps read belongs to it (its cache, its captured
     trees, what its steps produced): a step reading anything else would read a stale tensor in the next call."""

@@ -348,9 +348,8 @@ class Goodput:
         self.plain_steps = 0
         self.since_plain = 0  # speculative steps since the last plain one
         self._plain: collections.deque = collections.deque(maxlen=self.PLAIN_SAMPLES)  # (seconds, rate)
-        self.plain_seconds: float | None = None  # seconds a plain step takes, all in
+        self._plain_medians: tuple[float, float] | None = None  # of `_plain`, computed where read (None: stale)
         self.spec_rate: float | None = None  # tokens per row and second of speculative steps, long memory
-        self.plain_rate: float | None = None  # ... and of plain steps (the median of the recent ones)
         self.forced = 0  # plain steps still to take before speculating again
         self.winning = False  # the last judgement found speculation beating plain decoding
         self.retry_due = False  # a back-off ended and no speculative step has run since
@@ -367,6 +366,24 @@ class Goodput:
             self.overhead.prior = (self.PRIOR_FIXED * decode_seconds, self.PRIOR_SLOPE)
             self.overhead._fit = None
         self.decode_seconds = decode_seconds or 0.0
+
+    def _medians(self) -> tuple[float, float] | None:
+        if self._plain_medians is None and self._plain:
+            self._plain_medians = (statistics.median(t for t, _ in self._plain),
+                                   statistics.median(r for _, r in self._plain))  # fmt: skip
+        return self._plain_medians
+
+    @property
+    def plain_seconds(self) -> float | None:
+        """Seconds a plain step takes, all in (the median of the recent ones; None before any counted)."""
+        medians = self._medians()
+        return medians[0] if medians else None
+
+    @property
+    def plain_rate(self) -> float | None:
+        """Tokens per row and second of plain steps (the median of the recent ones; None before any counted)."""
+        medians = self._medians()
+        return medians[1] if medians else None
 
     @property
     def seconds(self) -> float:
@@ -405,8 +422,7 @@ class Goodput:
             # plain decoding run for a whole call)
             if self.plain_steps > 1:
                 self._plain.append((seconds, rate))
-                self.plain_seconds = statistics.median(t for t, _ in self._plain)
-                self.plain_rate = statistics.median(r for _, r in self._plain)
+                self._plain_medians = None  # (computed where read: pricing reads them far less often)
             return
         self.spec_steps += 1
         self.retry_due = False

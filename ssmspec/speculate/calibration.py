@@ -70,11 +70,15 @@ class Calibration:
         self.between = 0.0  # what measuring between steps took of it
         self.fixed: tuple[dict[int, float], float | None] | None = None  # `fix`'s curve and seconds: nothing measured
         self.out_of_memory: int | None = None  # the smallest size whose measurement ran out of memory (this process)
+        self._complete = False  # `complete`, once found
 
     # ------------------------------------------------------------------ what is known
     def want(self, sizes: Sequence[int]) -> None:
         """Sizes a call may verify (a later call with larger trees adds its own)."""
-        self.sizes.update(int(n) for n in sizes)
+        new = {int(n) for n in sizes} - self.sizes
+        if new:
+            self.sizes.update(new)
+            self._complete = False
 
     def items(self) -> list[tuple]:
         """Every measurement: ("node", path, way) for a one-node step, ("size", n, way) for an n-node chain."""
@@ -83,8 +87,11 @@ class Calibration:
 
     @property
     def complete(self) -> bool:
-        """Whether every size the calls asked for is measured in every way, REPEATS times."""
-        return self.fixed is not None or all(self.runs.get(item, 0) > REPEATS for item in self.items())
+        """Whether every size the calls asked for is measured in every way, REPEATS times (once true, kept until a
+        call asks for another size: read after every step)."""
+        if not self._complete:
+            self._complete = self.fixed is not None or all(self.runs.get(i, 0) > REPEATS for i in self.items())
+        return self._complete
 
     def _best(self, kind: str, key) -> tuple[float, object] | None:
         """(seconds, way) of the fastest measured way of a one-node path (`key`: the path) or a size."""

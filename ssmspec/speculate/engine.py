@@ -137,12 +137,16 @@ def speculative_generate(
                 if chosen is not None:
                     continue
             plan = policy.plan(rows)
-            if lean and num_draft_tokens and plan.depth == 0 and not plan.shadow:  # (drafting none: tried above)
+            proposal = None
+            if lean and num_draft_tokens and plan.depth == 0:  # (drafting none: tried above)
                 active = [r for r in range(rows.batch) if not rows.done[r]]
-                if plain_step(runner, rows) is not None:
-                    policy.observe(StepReport.plain(active))
+                proposal = proposer.propose(plan, rows) if plan.shadow else None  # (the shadow's draft)
+                chosen = plain_step(runner, rows, chosen)
+                if chosen is not None:
+                    policy.observe(StepReport.plain({r: rows.generated[r][-1] for r in active}, proposal))
                     continue
-            proposal = proposer.propose(plan, rows)
+            chosen = None  # (a general step: the next plain step reads its input from the rows)
+            proposal = proposal or proposer.propose(plan, rows)
             verified = verifier.verify(proposal, rows)
             accepted = accept(verified, decoding, stats.near_tie_tolerance, proposer.topk)
             proposer.observe(verified, accepted, rows)  # the drafter learns from the target's verdict
@@ -161,15 +165,15 @@ def speculative_generate(
 def plain_step(runner: ModelRunner, rows: Rows, tokens: torch.Tensor | None = None) -> torch.Tensor | None:
     """One greedy plain step as one replay of the runner's fused one-node step (`ModelRunner.decode`) and one read of
     its argmax and near-tie per row, emitted (`Rows.emit_greedy`). `tokens` [B]: the rows' inputs where known on the
-    device (the last step's choice), else read from the rows. Returns the tokens chosen (on the device, valid until the
-    next replay: the next step's input; a row that has stopped decodes on, unread, as in a batch's general step), or
-    None where that step is not captured yet (nothing done)."""
+    device (the last step's choice), else read from the rows. Returns the tokens chosen (on the device: the next step's
+    input; a row that has stopped decodes on, unread, as in a batch's general step), or None where that step is not
+    captured yet (nothing done)."""
     picks = runner.decode(tokens if tokens is not None else torch.tensor([g[-1] for g in rows.generated]))
     if picks is None:
         return None
     chosen, ties = picks.tolist()
     rows.emit_greedy(chosen, ties)
-    return picks[0]
+    return picks[0].clone()  # (a measurement between steps may replay the step before the next one reads it)
 
 
 def open_runner(

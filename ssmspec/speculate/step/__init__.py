@@ -175,10 +175,18 @@ class StepReport:
     cap: int | None = None
 
     @classmethod
-    def plain(cls, active: list[int]) -> StepReport:
-        """The report of a plain step (one node per row, always accepted) the rows `active` took part in."""
-        return cls(nodes=1, drafted=dict.fromkeys(active, 0), sizes=dict.fromkeys(active, 0),
-                   accepted=dict.fromkeys(active, 0))  # fmt: skip
+    def plain(cls, chosen: dict[int, int], proposal: Proposal | None = None) -> StepReport:
+        """The report of a plain step (one node per row, always accepted): `chosen`, per row that took part, the token
+        the target chose; `proposal`, the step's own where it drafted a shadow (whose hits are reported)."""
+        report = cls(nodes=1, drafted=dict.fromkeys(chosen, 0), sizes=dict.fromkeys(chosen, 0),
+                     accepted=dict.fromkeys(chosen, 0))  # fmt: skip
+        if proposal is not None and proposal.shadow is not None:
+            report.shadow, report.shadow_seconds = True, proposal.shadow_seconds
+            for r, token in chosen.items():
+                shadow = proposal.shadow[r]
+                if shadow is not None and len(shadow[0]) > 1:
+                    report.shadow_hits[r] = token in shadow[0][1:]
+        return report
 
     @classmethod
     def of(cls, verified: Verified, accepted: Accepted, kept: CommitPlan) -> StepReport:
