@@ -184,6 +184,8 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     compiled = ssmspec.transform(models.load(name)[0].eval(), compile={"progress": False})
     warmup = time.perf_counter() - t0
+    compiler = compiled.__dict__.get("_ssmspec_step_compiler")
+    compiled_before = compiler.compilations if compiler is not None else 0
     plain = ssmspec.SpecConfig(drafter="none")
     methods = {  # (a prompt, the tokens to generate)
         "HF generate": lambda p, n: ref.generate(p, max_new_tokens=n, do_sample=False),
@@ -229,7 +231,10 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
     if llama_rate:  # (decoding rates against llama-bench's, which times generation alone)
         for r in rows:
             r["x_llamacpp"] = r["decode_tokens_per_s"] / llama_rate
-    return {"model": name, "prompts": len(prompts), "tokens": tokens, "warmup_s": warmup, "rows": rows}
+    # steps compiled during the timed calls (0: the warm-up compiled every step they took)
+    timed_compilations = (compiler.compilations if compiler is not None else 0) - compiled_before
+    return {"model": name, "prompts": len(prompts), "tokens": tokens, "warmup_s": warmup,
+            "compiled_while_timed": timed_compilations, "rows": rows}  # fmt: skip
 
 
 def cold_start(name: str) -> dict:
