@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 from _plot import write_outputs
+from _timing import best_time
 from verify_cost import rwkv, xlstm
 
 import ssmspec
@@ -28,13 +28,7 @@ BUILDERS = {"rwkv": rwkv, "xlstm": xlstm}
 
 
 def _best(fn, repeats: int, warm=None) -> tuple[float, object]:
-    (warm or fn)()  # warm-up
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+    return best_time(fn, repeats, warm or fn)  # (a warm-up first: fn itself where not given)
 
 
 @torch.no_grad()

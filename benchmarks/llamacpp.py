@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from _timing import provenance
+from _timing import best_time, provenance
 
 import ssmspec
 from ssmspec import models
@@ -161,16 +161,6 @@ class LlamaCpp:
         return out
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """The best of `repeats` calls of fn (seconds), and its last result."""
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
 def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
     """One model's rows: tokens/s of every method over the same prompts, each call alternated with the others."""
     ref, tok = models.load(name)
@@ -209,9 +199,9 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
     for p, want in zip(prompts, wants):
         for r in range(args.rounds):  # (every method once per round: a slower spell of the machine hits all alike)
             for method, fn in methods.items():
-                best, out = timed(lambda fn=fn, p=p: fn(p, new), 1)
+                best, out = best_time(lambda fn=fn, p=p: fn(p, new), 1)
                 seconds[method] += best / args.rounds
-                first[method] += timed(lambda fn=fn, p=p: fn(p, 1), 1)[0] / args.rounds
+                first[method] += best_time(lambda fn=fn, p=p: fn(p, 1), 1)[0] / args.rounds
                 if isinstance(out, list):
                     out = torch.cat([p, torch.tensor([out])], 1)
                 identical[method] += int(torch.equal(out, want)) if r == 0 else 0

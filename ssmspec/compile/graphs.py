@@ -45,6 +45,15 @@ HOST_READS = frozenset(
 )
 
 
+def _refuse_host_read(func) -> None:
+    """A captured step may not read a device value on the host: refused, naming the op and the model code."""
+    if func in HOST_READS:
+        raise CaptureError(
+            f"{func} reads a device value on the host while a step is captured (a CUDA graph cannot replay it), "
+            f"at {_caller()}"
+        )
+
+
 class _Tape(TorchDispatchMode):
     """Records every op a step runs (CPU capture)."""
 
@@ -54,11 +63,7 @@ class _Tape(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in HOST_READS:
-            raise CaptureError(
-                f"{func} reads a device value on the host while a step is captured (a CUDA graph cannot replay it), "
-                f"at {_caller()}"
-            )
+        _refuse_host_read(func)
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
         return out
@@ -110,11 +115,7 @@ class _Recorder(_Tape):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in HOST_READS:
-            raise CaptureError(
-                f"{func} reads a device value on the host while a step is captured (a CUDA graph cannot replay it), "
-                f"at {_caller()}"
-            )
+        _refuse_host_read(func)
         node_args = pytree.tree_map_only(torch.Tensor, self._node, (args, kwargs))
         out = func(*args, **kwargs)
         node = self.graph.call_function(func, *node_args)
@@ -145,7 +146,7 @@ class _Recorder(_Tape):
 def _caller() -> str:
     """Where the running op was called from, outside torch: the innermost frames of the model's and ssmspec's code."""
     torch_dir = os.path.dirname(torch.__file__)
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(torch_dir)][:-2]
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(torch_dir)][:-3]  # (the refusal's own)
     return " <- ".join(f"{f.filename}:{f.lineno} ({f.name})" for f in reversed(frames[-3:]))
 
 

@@ -34,6 +34,20 @@ def _run(family, monkeypatch, verify=None, **spec):
     return want, out
 
 
+def _room_for(nodes: int, calls: list[int]):
+    """ModelRunner.verify where a tree of more than `nodes` nodes per row runs out of memory; each tree's node count
+    is appended to `calls`."""
+    verify = ModelRunner.verify
+
+    def tight(self, tree):
+        calls.append(tree.num_nodes)
+        if tree.num_nodes > nodes:
+            raise torch.OutOfMemoryError("simulated: no room for the tree's buffers")
+        return verify(self, tree)
+
+    return tight
+
+
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_verify_memory_budget_cuts_trees_and_keeps_outputs(family, monkeypatch):
     want, free = _run(family, monkeypatch)
@@ -50,14 +64,8 @@ def test_verify_memory_budget_cuts_trees_and_keeps_outputs(family, monkeypatch):
 
 
 def test_out_of_memory_on_a_verify_step_retries_with_a_smaller_tree(monkeypatch):
-    verify = ModelRunner.verify
     calls = []
-
-    def tight(self, tree):
-        calls.append(tree.num_nodes)
-        if tree.num_nodes > 4:
-            raise torch.OutOfMemoryError("simulated: no room for the tree's buffers")
-        return verify(self, tree)
+    tight = _room_for(4, calls)
 
     want, out = _run("bamba", monkeypatch, verify=tight)
     assert torch.equal(out.sequences, want)
@@ -72,14 +80,8 @@ def test_calibration_between_steps_stays_below_what_ran_out_of_memory(monkeypatc
     """Measuring between steps (here given all the time it wants) times sizes no step has verified yet: one that runs
     out of memory is rolled back and dropped with every larger one, the call's steps stay below it, a cap a step
     found keeps the calibration below it too, and the output stays HF's."""
-    verify = ModelRunner.verify
     calls = []
-
-    def tight(self, tree):
-        calls.append(tree.num_nodes)
-        if tree.num_nodes > 4:
-            raise torch.OutOfMemoryError("simulated: no room for the tree's buffers")
-        return verify(self, tree)
+    tight = _room_for(4, calls)
 
     monkeypatch.setattr(calibration, "SHARE", 1e9)  # every measurement runs between the first two steps
     monkeypatch.setenv(calibration.CALIBRATION_DIR, "off")
