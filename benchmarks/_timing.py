@@ -26,18 +26,6 @@ def median_time(fn: Callable[[], object], repeats: int, *, warmup: int = 0) -> f
     return statistics.median(times)
 
 
-def best_time(fn: Callable[[], object], repeats: int, warm: Callable[[], object] | None = None) -> tuple[float, object]:
-    """The fastest of `repeats` calls of fn (seconds) and its last result; `warm`: an untimed call made first."""
-    if warm is not None:
-        warm()
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
 def provenance(command: str) -> dict[str, str]:
     """How a data file was measured: the machine's CPU, today's date, the command and the code revision."""
     import subprocess

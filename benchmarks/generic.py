@@ -19,10 +19,10 @@ import copy
 
 import torch
 from _plot import write_outputs
-from _timing import best_time
 from verify_cost import rwkv, xlstm
 
 import ssmspec
+from ssmspec.bench import best_time
 
 BUILDERS = {"rwkv": rwkv, "xlstm": xlstm}
 

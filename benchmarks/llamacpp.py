@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 import torch
-from _timing import best_time, provenance
+from _timing import provenance
 
 import ssmspec
 from ssmspec import models
-from ssmspec.bench import held_out_prompts
+from ssmspec.bench import best_time, held_out_prompts
 
 LLAMA_CPP_PYTHON = "0.3.36"
 # the embedded tokenizer's pre-tokenizer (HF tokenizers' ByteLevel with its regex) as llama.cpp's converter hashes it

@@ -38,6 +38,18 @@ PROMPT_SETS = {
 }
 
 
+def best_time(fn, repeats: int, warm=None) -> tuple[float, object]:
+    """The fastest of `repeats` calls of fn (seconds) and its last result; `warm`: an untimed call made first."""
+    if warm is not None:
+        warm()
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
 def held_out_prompts(tok, count: int, prompt_tokens: int, prompt_set: str = "held-out") -> list[torch.Tensor]:
     """The first `prompt_tokens` tokens of each file of a prompt set (deterministic order): "held-out" (the
     standard-library files left out of training), "third-party" (installed packages' sources: code the model

@@ -126,18 +126,10 @@ def _load(model: str | None, family: str | None, dtype: torch.dtype):
     )
 
 
-def _time(fn, repeats: int = 3):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return out, best
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """Greedy vs speculative generation on one prompt: text, tokens/s of both, acceptance, identity."""
     import ssmspec
+    from ssmspec.bench import best_time
 
     dtype = DTYPES[args.dtype]
     ref, tok, what = _load(args.model, args.family, dtype)
@@ -152,10 +144,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     tree = not args.chain
     spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=tree, tree_budget=args.tree_budget)
     kwargs = {"max_new_tokens": args.max_new_tokens}
-    base, t_base = _time(lambda: ref.generate(ids, do_sample=False, **kwargs))
+    t_base, base = best_time(lambda: ref.generate(ids, do_sample=False, **kwargs), 3)
     plain = ssmspec.SpecConfig(drafter="none")
-    ar, t_ar = _time(lambda: model.generate(ids, speculation=plain, **kwargs))
-    out, t_spec = _time(lambda: model.generate(ids, speculation=spec, return_dict_in_generate=True, **kwargs))
+    t_ar, ar = best_time(lambda: model.generate(ids, speculation=plain, **kwargs), 3)
+    t_spec, out = best_time(lambda: model.generate(ids, speculation=spec, return_dict_in_generate=True, **kwargs), 3)
     new = base.shape[1] - ids.shape[1]
     same = torch.equal(base, out.sequences) and torch.equal(base, ar)
     print(f"model:        {what}")
