@@ -373,6 +373,26 @@ class TokenTree:
             node = pr[node]
         return out[::-1]
 
+    def greedy_last(self, target: torch.Tensor) -> torch.Tensor:
+        """The greedy walk of `ssmspec.speculate.step.accept.greedy_accept` as tensor ops (no host read: a compiled or
+        captured step accepts on the device): from the root, follow the first acceptable child, in node order, whose
+        token is the target's choice at its parent, while there is one. `target` [B, N]: the target's choice after
+        each node. Returns [B] the last node each row accepts."""
+        n = self.num_nodes
+        if n == 1:
+            return torch.zeros_like(target[:, 0])
+        parent = self.parents.clamp(min=0)
+        # a node matches where it is acceptable and holds its parent's choice (the root always "matches")
+        match = self.acceptable & (self.tokens == torch.gather(target, 1, parent))
+        index = torch.arange(n, device=target.device)
+        match = match | (index == 0)
+        # ... and is followed only where no earlier sibling matched first
+        earlier = (self.parents[:, :, None] == self.parents[:, None, :]) & (index[None, :] < index[:, None])
+        first = match & ~(earlier & match[:, None, :]).any(-1)
+        # accepted: every node on its root-to-node path followed (one path per row: at most one child each)
+        accepted = ~(self.ancestor_mask & ~first[:, None, :]).any(-1)
+        return torch.where(accepted, self.depth, -1).argmax(-1)
+
     def longest_path(self, last: Sequence[int]) -> int:
         """The longest root-to-`last[b]` path over the rows, in nodes (read on the host)."""
         return max(self._depth_list[r][node] for r, node in enumerate(last)) + 1

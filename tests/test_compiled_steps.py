@@ -51,33 +51,56 @@ def _recorded(ref):
     return model
 
 
-def _speculate(model, ids, want, tokens, seed=0):
+def _speculate(model, ids, want, tokens, seed=0, decoding=None):
     return speculative_generate(
         model, ids, torch.ones_like(ids), max_new_tokens=tokens, eos_token_ids=[], pad_token_id=0,
         drafter=Varying([w.tolist() for w in want], vocab_size=96, seed=seed), tree_budget=7, num_draft_tokens=4,
-        static_shapes=True, graphs=True,
+        static_shapes=True, graphs=True, decoding=decoding,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("family", CAPTURED)
 def test_recorded_steps_equal_hf_greedy(family):
-    """Every family (float64, a batch of two, a different tree every step): each bucket's verify step and commit, and
-    the one-node step (verified and committed in one graph), recorded once and replayed for every later step of it,
-    output identical to HF greedy; a second call replays the first call's steps over its buffers, recording none."""
+    """Every family (float64, a batch of two, a different tree every step): each bucket's greedy step (verified,
+    accepted and committed in one graph) and the one-node step (verified and committed in one graph), recorded once and
+    replayed for every later step of it, output identical to HF greedy; a second call replays the first call's steps
+    over its buffers, recording none."""
     ref = _model(family)
     want = ref.generate(IDS, max_new_tokens=32, do_sample=False, eos_token_id=None)
     model = _recorded(ref)
     out, stats, runner = _speculate(model, IDS, want, 32)
     assert torch.equal(out, want)
     buckets = {bucket(n, 8) for n in stats.tree_nodes_per_step}
-    assert len(runner.captured) == len(buckets) and 1 in buckets
+    assert set(runner.captured) == {(2, 1)} | {(2, n, "greedy") for n in buckets - {1}}
     graphs = [g for e in runner.captured.values() for g in (e.graph, e.commit) if g is not None]
-    assert all(g.compiled is not None and g.tape is None for g in graphs)
-    assert runner.captured[(2, 1)].fused and runner.captured[(2, 1)].commit is None  # one graph a plain step
+    assert all(g.compiled is not None and g.tape is None and e.commit is None for e in runner.captured.values()
+               for g in (e.graph,))  # fmt: skip
+    assert len(graphs) == len(buckets)  # one graph a step
+    assert runner.captured[(2, 1)].fused  # (the plain step's: verified in place)
     assert max(e.graph.replays for e in runner.captured.values()) >= 3
+    assert stats.accepted_tokens > 0 and stats.verify_steps < 31  # (the drafts were accepted: fewer steps than tokens)
     out, _, again = _speculate(model, IDS, want, 32, seed=1)  # other trees, the same buckets
     assert torch.equal(out, want)
     assert again.captured is runner.captured and again.captures == 0 or set(again.captured) > set(runner.captured)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_next", "lfm2", "zamba2"])
+def test_recorded_verify_steps_and_commits_equal_hf_greedy(family):
+    """A call that needs every node's scores (here HF's `output_scores`) verifies and commits in two graphs per bucket:
+    the verify step, then the commit of the path the host accepted; output and scores identical to HF greedy's."""
+    from ssmspec.speculate.decoding import Decoding
+
+    ref = _model(family)
+    want = ref.generate(IDS, max_new_tokens=24, do_sample=False, eos_token_id=None, output_scores=True,
+                        return_dict_in_generate=True)  # fmt: skip
+    model = _recorded(ref)
+    decoding = Decoding(output_scores=True)
+    out, stats, runner = _speculate(model, IDS, want.sequences, 24, decoding=decoding)
+    assert torch.equal(out, want.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(decoding.scores, want.scores, strict=True))
+    drafted = {bucket(n, 8) for n in stats.tree_nodes_per_step} - {1}
+    assert drafted and set(runner.captured) >= {(2, n) for n in drafted}
+    assert all(runner.captured[(2, n)].commit is not None for n in drafted if runner.captured[(2, n)].graph.replays)
 
 
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
@@ -167,6 +190,94 @@ def test_an_adaptive_calls_plain_steps_and_shadow_drafts_replay_the_one_node_ste
     shadows = [r for r in reports if r.shadow]
     assert len(reports) >= 10 and shadows and all(r.shadow_hits == {0: True} for r in shadows)  # (the oracle is right)
     assert max(out.spec_stats["tree_nodes_per_step"]) > 1 and len(decodes) >= len(reports)
+
+
+def test_a_draft_heads_features_come_out_of_the_compiled_greedy_steps(monkeypatch):
+    """A draft head drafts from the target's features at the last committed position: on a compiled model they come
+    out of the plain step's and the greedy step's graphs (the accepted path's, gathered in the graph). Before every
+    proposal the head gets the feature whose LM-head argmax is the proposal's root; the steps are replays of one graph
+    each; the output is HF's."""
+    from ssmspec.speculate.drafters.head import DraftHead, HeadDrafter
+    from ssmspec.speculate.runner import ModelRunner
+
+    ref = _model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref), draft_head=DraftHead.for_model(ref).double())
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    model.ssmspec_graphs = True
+    lm_head = model.get_output_embeddings()
+    seen, roots, greedy = [], [], []
+
+    class Recording(HeadDrafter):
+        def observe_features(self, row, feature):
+            seen.append(int(lm_head(feature).argmax()))
+            super().observe_features(row, feature)
+
+        def propose(self, contexts, max_nodes, max_depth):  # (the reference's tokens: long accepted paths)
+            roots.append(contexts[0][-1])
+            super().propose(contexts, max_nodes, max_depth)
+            return oracle.propose(contexts, max_nodes, max_depth)
+
+    verify_greedy = ModelRunner.verify_greedy
+    monkeypatch.setattr(ModelRunner, "verify_greedy", lambda self, t: greedy.append(1) or verify_greedy(self, t))
+    head = model.__dict__["ssmspec_draft_head"]
+    monkeypatch.setattr("ssmspec.speculate.generate.build_drafter", lambda *a, **k: Recording(head, model))
+    ids = IDS[:1]
+    want = ref.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    oracle = Varying([w.tolist() for w in want], vocab_size=96)
+    spec = SpecConfig(drafter="draft_head", tree_budget=6, num_draft_tokens=3, adaptive=False)
+    out = model.generate(ids, max_new_tokens=20, eos_token_id=None, pad_token_id=0, speculation=spec,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, want)
+    assert greedy and seen == roots and len(roots) >= len(greedy)
+    assert out.spec_stats["accepted_tokens"] >= 4  # (paths of several nodes: the feature is their last node's)
+
+
+def test_an_mtp_layer_drafts_from_the_compiled_greedy_steps_paths(monkeypatch):
+    """An MTP layer reads the target's features at every committed position: on a compiled model, those of each
+    greedy step's accepted path come out of its graph. Chains and trees over a padded batch: the layer is handed the
+    features an eager model hands it, position by position, and the output is HF's."""
+    import tempfile
+
+    import transformers
+
+    from ssmspec.speculate.drafters.mtp import MTPDrafter
+    from ssmspec.testing.mtp import MTP_FAMILIES, write_checkpoint
+
+    with tempfile.TemporaryDirectory() as where:
+        family = "nemotron_h" if "nemotron_h" in MTP_FAMILIES else MTP_FAMILIES[0]
+        path = write_checkpoint(family, where)
+        load = transformers.AutoModelForCausalLM.from_pretrained  # (batched experts: eager ones read the host)
+        ref = load(path, dtype=torch.float64, experts_implementation="batched_mm").eval()
+        eager = ssmspec.transform(load(path, dtype=torch.float64, experts_implementation="batched_mm").eval())
+        model = ssmspec.transform(load(path, dtype=torch.float64, experts_implementation="batched_mm").eval())
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    model.ssmspec_graphs = True
+    history = []
+    observe, propose = MTPDrafter.observe_history, MTPDrafter.propose
+
+    def oracle_propose(self, contexts, max_nodes, max_depth):  # (the reference's tokens: long accepted paths)
+        propose(self, contexts, max_nodes, max_depth)
+        return oracle.propose(contexts, max_nodes, max_depth)
+
+    monkeypatch.setattr(MTPDrafter, "propose", oracle_propose)
+    monkeypatch.setattr(MTPDrafter, "observe_history",
+                        lambda self, r, f: history[-1].extend((r, x) for x in f.clone()) or observe(self, r, f))
+    ids = torch.tensor([[5, 9, 17, 33, 9, 17, 33, 41, 7], [0, 0, 0, 12, 44, 12, 44, 61, 3]])
+    mask = (ids != 0).long()
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    oracle = Varying([w[int((1 - mask[r]).sum()) :].tolist() for r, w in enumerate(want)], vocab_size=96)  # (real tokens)
+    for tree in (False, True):
+        spec = SpecConfig(drafter="mtp", tree=tree, tree_budget=8, num_draft_tokens=4, adaptive=False)
+        seen = {}
+        for name, m in (("eager", eager), ("compiled", model)):
+            history.append([])
+            out = m.generate(ids, attention_mask=mask, max_new_tokens=16, speculation=spec,
+                             return_dict_in_generate=True)  # fmt: skip
+            assert torch.equal(out.sequences, want)
+            assert out.spec_stats["drafter"]["head_calls"] > 0 and out.spec_stats["accepted_tokens"] >= 4
+            seen[name] = sorted(history.pop(), key=lambda item: item[0])  # (per row, in order)
+        assert [r for r, _ in seen["compiled"]] == [r for r, _ in seen["eager"]]
+        assert all(torch.allclose(a, b, atol=1e-8) for (_, a), (_, b) in zip(seen["compiled"], seen["eager"]))
 
 
 def test_a_step_that_reads_a_tensor_of_its_call_is_not_kept_for_the_next():

@@ -186,3 +186,18 @@ def test_a_verify_step_derives_the_tree_ops_masks_once_for_all_layers():
         )
     runner.discard()
     assert torch.equal(fast, slow)
+
+
+@given(tree=trees(batch_size=3, max_nodes=12, vocab_size=3), data=st.data())
+def test_the_device_greedy_walk_accepts_what_the_host_walk_accepts(tree, data):
+    """`greedy_last` (tensor ops: a compiled step accepts on the device) against `greedy_accept`'s host walk, on trees
+    with repeated sibling tokens (a vocabulary of 3), padding nodes and targets that mostly follow some child."""
+    from ssmspec.speculate.step.accept import greedy_accept
+
+    tree = tree.padded(tree.num_nodes + data.draw(st.integers(0, 3)))
+    children = [[[c for c in range(tree.num_nodes) if p[c] == t] for t in range(tree.num_nodes)]
+                for p in tree._parents_list]  # fmt: skip
+    target = [[tree._tokens_list[b][data.draw(st.sampled_from(kids))] if kids and data.draw(st.booleans())
+               else data.draw(st.integers(0, 2)) for kids in children[b]] for b in range(tree.batch_size)]  # fmt: skip
+    want, _ = greedy_accept(tree, None, target=target)
+    assert tree.greedy_last(torch.tensor(target)).tolist() == want.tolist()

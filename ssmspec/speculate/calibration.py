@@ -279,9 +279,10 @@ class Calibration:
 
 def _time(runner, item: tuple) -> float:
     """Seconds of one measurement (see `Calibration.items`), rolled back: a one-node step's forward and commit from a
-    snapshot (a compiled model's: its replay and the read of its argmax, as its greedy plain steps run), an n-node
-    chain's forward then discarded; with captured steps, every size's forward and commit (a commit is a step of its
-    own there, compiled, captured and timed with its verify step)."""
+    snapshot, an n-node chain's forward then discarded; with captured steps, every size's forward and commit (a commit
+    is a step of its own there, captured and timed with its verify step); with steps compiled on a CPU, every size's
+    greedy step as greedy calls run it (one replay and one read: `ModelRunner.decode`, `.verify_greedy`; a sampled
+    step's separate verify and commit cost more, unmeasured)."""
     kind, key, way = item
     batch, device = runner.cache.n_real.shape[0], runner.cache.n_real.device
     if way is not None:
@@ -294,10 +295,15 @@ def _time(runner, item: tuple) -> float:
     snap = runner.snapshot() if commits else None  # (a commit is rolled back from a snapshot)
     t0 = time.perf_counter()
     try:
-        # a greedy plain step of compiled steps is one replay and one read (ModelRunner.decode), once captured
-        picks = runner.decode(tree.tokens[:, 0]) if n == 1 and getattr(runner, "fuse_single_nodes", False) else None
+        # a greedy step of compiled steps is one replay and one read: a plain step's (ModelRunner.decode), once
+        # captured, and a drafted tree's, verified, accepted and committed in one graph (ModelRunner.verify_greedy)
+        fused = getattr(runner, "fuse_single_nodes", False)
+        picks = runner.decode(tree.tokens[:, 0]) if n == 1 and fused else None
         if picks is not None:
             picks.tolist()
+            return time.perf_counter() - t0
+        if n > 1 and fused:
+            runner.verify_greedy(tree)
             return time.perf_counter() - t0
         runner.verify(tree)
         if commits:

@@ -16,7 +16,7 @@ from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.policy import StepPolicy
 from ssmspec.speculate.runner import ModelRunner
-from ssmspec.speculate.step import StepReport
+from ssmspec.speculate.step import Proposal, StepReport
 from ssmspec.speculate.step.accept import accept
 from ssmspec.speculate.step.emit import Rows
 from ssmspec.speculate.step.propose import Proposer
@@ -123,12 +123,13 @@ def speculative_generate(
         adaptive=adaptive, schedule=schedule, static_shapes=static_shapes, verify_memory=verify_memory,
     )  # fmt: skip
     verifier = Verifier(runner, stats)
-    # greedy plain steps on a model whose steps are compiled (the fused one-node step): one replay and one read of the
-    # argmax each, nothing built per token (`plain_step`), for a drafter that a plain step does not involve; a call
-    # that drafts nothing takes them back to back (the first step captures it the general way)
+    # greedy steps on a model whose steps are compiled, for a drafter that needs of the target no more than its tokens
+    # and features: a plain step is one replay and one read of the argmax (the fused one-node step, `plain_step`),
+    # nothing built per token, and a call that drafts nothing takes them back to back (the first step captures it the
+    # general way); a drafted tree is one replay and one read of the accepted tokens (`greedy_step`)
     lean = (not decoding.do_sample and not decoding.processes and not decoding.keeps_scores
-            and isinstance(runner, ModelRunner) and runner.fuse_single_nodes and not proposer.wants_features
-            and not proposer.topk and not proposer.calls_every_step)  # fmt: skip
+            and isinstance(runner, ModelRunner) and runner.fuse_single_nodes and not proposer.topk
+            and not proposer.calls_every_step)  # fmt: skip
     chosen = None
     try:
         while not rows.finished:
@@ -141,12 +142,15 @@ def speculative_generate(
             if lean and num_draft_tokens and plan.depth == 0:  # (drafting none: tried above)
                 active = [r for r in range(rows.batch) if not rows.done[r]]
                 proposal = proposer.propose(plan, rows) if plan.shadow else None  # (the shadow's draft)
-                chosen = plain_step(runner, rows, chosen)
+                chosen = plain_step(runner, rows, chosen, proposer)
                 if chosen is not None:
                     policy.observe(StepReport.plain({r: rows.generated[r][-1] for r in active}, proposal))
                     continue
             chosen = None  # (a general step: the next plain step reads its input from the rows)
             proposal = proposal or proposer.propose(plan, rows)
+            if lean and verify_memory is None and not proposal.pads and proposal.nodes > 1:
+                policy.observe(greedy_step(runner, rows, proposal, proposer))  # (accepted, committed in its graph)
+                continue
             verified = verifier.verify(proposal, rows)
             accepted = accept(verified, decoding, stats.near_tie_tolerance, proposer.topk)
             proposer.observe(verified, accepted, rows)  # the drafter learns from the target's verdict
@@ -162,18 +166,36 @@ def speculative_generate(
     return sequences, stats, runner
 
 
-def plain_step(runner: ModelRunner, rows: Rows, tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+def plain_step(
+    runner: ModelRunner, rows: Rows, tokens: torch.Tensor | None = None, proposer: Proposer | None = None
+) -> torch.Tensor | None:
     """One greedy plain step as one replay of the runner's fused one-node step (`ModelRunner.decode`) and one read of
-    its argmax and near-tie per row, emitted (`Rows.emit_greedy`). `tokens` [B]: the rows' inputs where known on the
-    device (the last step's choice), else read from the rows. Returns the tokens chosen (on the device: the next step's
-    input; a row that has stopped decodes on, unread, as in a batch's general step), or None where that step is not
-    captured yet (nothing done)."""
+    its argmax and near-tie per row, emitted (`Rows.emit_greedy`); `proposer`'s drafter, where it drafts from the
+    target's features, is told them. `tokens` [B]: the rows' inputs where known on the device (the last step's choice),
+    else read from the rows. Returns the tokens chosen (on the device: the next step's input; a row that has stopped
+    decodes on, unread, as in a batch's general step), or None where that step is not captured yet (nothing done)."""
     picks = runner.decode(tokens if tokens is not None else torch.tensor([g[-1] for g in rows.generated]))
     if picks is None:
         return None
     chosen, ties = picks.tolist()
-    rows.emit_greedy(chosen, ties)
+    if proposer is not None and proposer.wants_features:
+        proposer.observe_path(runner.features, [1] * rows.batch, [r for r in range(rows.batch) if not rows.done[r]])
+    rows.emit_greedy([[c] for c in chosen], [[t] for t in ties])
     return picks[0].clone()  # (a measurement between steps may replay the step before the next one reads it)
+
+
+def greedy_step(runner: ModelRunner, rows: Rows, proposal: Proposal, proposer: Proposer) -> StepReport:
+    """One greedy step of drafted trees as one replay of the runner's greedy step for their bucket
+    (`ModelRunner.verify_greedy`: verified, accepted and committed in one compiled graph) and one read of each row's
+    accepted tokens, emitted (`Rows.emit_greedy`), the drafter told what it learns (`Proposer.observe_path`); returns
+    the step's report for the policy."""
+    tree = runner.prepare(proposal.trees)
+    active = [not d for d in rows.done]
+    tokens, ties = runner.verify_greedy(tree)
+    if proposer.wants_features:
+        proposer.observe_path(runner.features, [len(t) for t in tokens], [r for r, a in enumerate(active) if a])
+    progress = rows.emit_greedy(tokens, ties, proposal.nodes)
+    return StepReport.of_rows(proposal, tree.num_nodes, active, tokens, progress)
 
 
 def open_runner(

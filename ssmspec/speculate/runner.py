@@ -103,7 +103,7 @@ class Workspace:
     its prefill's states are copied into these buffers (`SpecCache.adopt`)."""
 
     cache: SpecCache
-    captured: dict[tuple[int, int], Captured]
+    captured: dict[tuple, Captured]  # (batch, nodes), or (batch, nodes, "greedy") for `verify_greedy`'s steps
     pool: object = None  # the CUDA graphs' memory pool
     checked: set[int] = field(default_factory=set)  # the compiled steps whose every input was found its own (ids)
 
@@ -193,7 +193,7 @@ class ModelRunner:
         # step; every step then takes the tree path (HF's decode path and in-place one-node steps change the committed
         # state, which a captured step, run twice when captured on CUDA, must only read)
         self.graphs = graphs
-        self.captured: dict[tuple[int, int], Captured] = {}
+        self.captured: dict[tuple, Captured] = {}
         self.captures = 0  # steps captured by this runner
         # on a CPU, the steps of a model compiled for them (`transform(compile=True)`) are compiled (one Inductor graph
         # each, ssmspec.compile.lower); otherwise the op tape records them
@@ -511,6 +511,69 @@ class ModelRunner:
         verification.settle(1)
         self.features = feats.clone() if feats is not None else None
         return picks
+
+    @torch.no_grad()
+    def verify_greedy(self, tree: TokenTree) -> tuple[list[list[int]], list[list[int]]]:
+        """A greedy step (no logits processors) as one replay of the bucket's greedy step (a model whose steps are
+        compiled on a CPU): the tree verified, each row's accepted path found on the device (`TokenTree.greedy_last`,
+        the host walk's rule) and committed, in one compiled graph; one read. Returns per row the tokens the step
+        emits (the target's choice after every node of the accepted path: the accepted drafts then the bonus token)
+        and whether the target's top two nearly tie at each; with `capture_features`, `features` [B, W, H] holds the
+        target's features along each row's path (root first, padded with its last node). A row is committed past a
+        stop inside its path (EOS): its state is not read again. The bucket's first tree captures (compiles) the
+        step."""
+        if not self.fuse_single_nodes:
+            raise RuntimeError("greedy steps are compiled only on a CPU model whose steps are compiled")
+        if self._pending is not None:
+            raise RuntimeError("commit or discard the previous tree before verifying another")
+        self.cache.reserve(tree.num_nodes)
+        key = (tree.batch_size, tree.num_nodes, "greedy")
+        entry = self.captured.get(key)
+        if entry is not None and entry.generation != self.cache.kv_generation:  # the K/V buffers grew: all stale
+            self.captured.clear()
+            entry = None
+        if entry is None:
+            entry = self._capture_greedy(tree, key)
+            picks = entry.graph.outputs
+        else:
+            entry.tree.copy_from(tree)
+            picks = entry.graph.replay()
+        picks, feats = picks
+        self.features = feats.clone() if feats is not None else None
+        rows = picks.tolist()
+        width = (len(rows[0]) - 1) // 2
+        self.cache.settle_static(max(row[0] for row in rows))
+        return [row[1 : 1 + row[0]] for row in rows], [row[1 + width : 1 + width + row[0]] for row in rows]
+
+    def _capture_greedy(self, tree: TokenTree, key: tuple) -> Captured:
+        """Capture (compile) the greedy step of `tree`'s bucket and run it once (`verify_greedy`): its outputs [B, 1 + 2W]
+        per row its path's length, the target's choice at each of the path's W nodes and their near-ties, and the
+        features along the path (or None)."""
+        static = tree.owned()
+        width, tolerance = self.max_depth + 1, near_tie_tolerance(self.dtype)
+
+        def step():
+            with self.cache.verifying(static) as verification:
+                positions = self.cache.n_real[:, None] + static.depth
+                logits = self._call(static.tokens, self.masks(static), positions, eager=True).float()
+            target = logits.argmax(-1)  # (HF picks from float32 logits)
+            ties = near_ties(logits, tolerance).long()
+            path, lengths = verification.commit_static(static.greedy_last(target), width, self.fold)
+            picks = torch.cat([lengths[:, None], torch.gather(target, 1, path), torch.gather(ties, 1, path)], 1)
+            feats = self.features
+            if feats is not None:  # (along each path: a drafter that drafts from them takes its last or all)
+                feats = torch.gather(feats, 1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
+            return picks, feats
+
+        graph = StepGraph(self.device, self._pool, self.compiler)
+        try:
+            graph.capture(step)
+        except CaptureError as e:
+            raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
+        entry = Captured(static, graph, self.cache.kv_generation, static.tokens.new_zeros(tree.batch_size), fused=True)
+        self.captured[key] = entry
+        self.captures += 1
+        return entry
 
     def _commit_captured(self, entry: Captured, verification: Verification, last: torch.Tensor):
         """`commit` of a captured step: the bucket's first commit runs eagerly (on CUDA it warms the commit up; a

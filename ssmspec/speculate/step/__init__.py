@@ -191,20 +191,28 @@ class StepReport:
     @classmethod
     def of(cls, verified: Verified, accepted: Accepted, kept: CommitPlan) -> StepReport:
         """The report of a step from what its parts handed over."""
-        proposal = verified.proposal
-        report = cls(nodes=verified.tree.num_nodes, depth=proposal.depth, progress=kept.progress,
-                     shadow=proposal.shadow is not None, shadow_seconds=proposal.shadow_seconds,
-                     held_bytes=verified.held_bytes, cap=verified.cap)  # fmt: skip
+        return cls.of_rows(verified.proposal, verified.tree.num_nodes, verified.active, accepted.tokens, kept.progress,
+                           verified.held_bytes, verified.cap)  # fmt: skip
+
+    @classmethod
+    def of_rows(
+        cls, proposal: Proposal, nodes: int, active: list[bool], emitted: list[list[int]], progress: int,
+        held_bytes: int | None = None, cap: int | None = None,
+    ) -> StepReport:  # fmt: skip
+        """The report of a step of `nodes` nodes per row on `proposal`: `active` the rows still generating before it,
+        `emitted` per row the tokens it accepted (the drafts, then the target's own; before any stop)."""
+        report = cls(nodes=nodes, depth=proposal.depth, progress=progress, shadow=proposal.shadow is not None,
+                     shadow_seconds=proposal.shadow_seconds, held_bytes=held_bytes, cap=cap)  # fmt: skip
         for r, (tokens, parents) in enumerate(proposal.trees):
-            if not verified.active[r] or r in proposal.pads:
+            if not active[r] or r in proposal.pads:
                 continue
             report.drafted[r] = depth_of(parents)
             report.sizes[r] = len(tokens) - 1
-            report.accepted[r] = len(accepted.tokens[r]) - 1
-            report.all_accepted &= len(accepted.tokens[r]) == len(tokens)
+            report.accepted[r] = len(emitted[r]) - 1
+            report.all_accepted &= len(emitted[r]) == len(tokens)
             shadow = proposal.shadow[r] if proposal.shadow is not None else None
             if shadow is not None and len(shadow[0]) > 1:
-                report.shadow_hits[r] = accepted.tokens[r][0] in shadow[0][1:]
+                report.shadow_hits[r] = emitted[r][0] in shadow[0][1:]
         return report
 
 

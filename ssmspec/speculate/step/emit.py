@@ -137,20 +137,29 @@ class Rows:
                                     for node in kept.paths[r])  # fmt: skip
         self.stream.release(self.generated, self.done)
 
-    def emit_greedy(self, tokens: Sequence[int], ties: Sequence[int]) -> None:
-        """A plain greedy step's tokens, one per row (the target's argmax; `ties`: whether its top two nearly tied),
-        emitted and counted as `keep` and `emit` do a one-node tree's: a row that has stopped takes none."""
+    def emit_greedy(self, tokens: Sequence[Sequence[int]], ties: Sequence[Sequence[int]], nodes: int = 1) -> int:
+        """A greedy step whose rows' paths were accepted on the device (`ModelRunner.decode`, `.verify_greedy`):
+        per row the tokens it accepted (the drafts, then the target's own; `ties`: whether the target's top two nearly
+        tied at each), emitted and counted as `keep` and `emit` do, cut after the first that stops the row; a row that
+        has stopped takes none. `nodes`: the step's nodes per row (its tree's, unpadded). Returns how much nearer its
+        end the step brought the batch (`batch_progress`; a one-node step: 1)."""
         stats = self.stats
         stats.verify_steps += 1
-        stats.tree_nodes_per_step.append(1)
-        for r, token in enumerate(tokens):
+        stats.tree_nodes_per_step.append(nodes)
+        remaining, done = (self.remaining, list(self.done)) if nodes > 1 else (None, None)
+        for r, row in enumerate(tokens):
             if self.done[r]:
                 continue
+            n, self.done[r] = self._cut(r, row)
             stats.row_steps += 1
-            stats.near_ties += int(ties[r])
-            self.done[r] = self._cut(r, (token,))[1]
-            self._append(r, (token,))
+            stats.accepted_tokens += len(row) - 1
+            stats.near_ties += sum(ties[r][:n])
+            self._append(r, row[:n])
         self.stream.release(self.generated, self.done)
+        if remaining is None:
+            return 1
+        return batch_progress(remaining, done, [len(g) for g in self.generated], self.done, self.max_new_tokens,
+                              tokens)  # fmt: skip
 
     def _append(self, row: int, tokens: Sequence[int]) -> None:
         self.generated[row].extend(tokens)

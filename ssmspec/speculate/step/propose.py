@@ -121,6 +121,16 @@ class Proposer:
                 path = tree.path_nodes(r, accepted.last[r])
                 self.drafter.observe_history(r, verified.features[r, torch.tensor(path, device=tree.tokens.device)])
 
+    def observe_path(self, features: torch.Tensor | None, counts: list[int], rows: list[int]) -> None:
+        """`observe` after a step whose paths were accepted on the device (`ModelRunner.decode`, `.verify_greedy`):
+        `features` [B, W, H] the target's along each row's accepted path (root first), `counts` per row the path's
+        nodes, `rows` the rows that took part."""
+        if self.drafter.target_features:
+            self._features = (features, [c - 1 for c in counts], rows)
+        if self.history:
+            for r in rows:
+                self.drafter.observe_history(r, features[r, : counts[r]])
+
     def _hand_features(self) -> None:
         """Hand the drafter the target's features at each row's last committed position (one gather, a view per
         row), where some are pending."""
