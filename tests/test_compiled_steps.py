@@ -260,12 +260,16 @@ def test_an_mtp_layer_drafts_from_the_compiled_greedy_steps_paths(monkeypatch):
         return oracle.propose(contexts, max_nodes, max_depth)
 
     monkeypatch.setattr(MTPDrafter, "propose", oracle_propose)
-    monkeypatch.setattr(MTPDrafter, "observe_history",
-                        lambda self, r, f: history[-1].extend((r, x) for x in f.clone()) or observe(self, r, f))
+    monkeypatch.setattr(
+        MTPDrafter,
+        "observe_history",
+        lambda self, r, f: history[-1].extend((r, x) for x in f.clone()) or observe(self, r, f),
+    )
     ids = torch.tensor([[5, 9, 17, 33, 9, 17, 33, 41, 7], [0, 0, 0, 12, 44, 12, 44, 61, 3]])
     mask = (ids != 0).long()
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    oracle = Varying([w[int((1 - mask[r]).sum()) :].tolist() for r, w in enumerate(want)], vocab_size=96)  # (real tokens)
+    real = [w[int((1 - mask[r]).sum()) :].tolist() for r, w in enumerate(want)]  # (the rows' real tokens)
+    oracle = Varying(real, vocab_size=96)
     for tree in (False, True):
         spec = SpecConfig(drafter="mtp", tree=tree, tree_budget=8, num_draft_tokens=4, adaptive=False)
         seen = {}

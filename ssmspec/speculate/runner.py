@@ -546,9 +546,9 @@ class ModelRunner:
         return [row[1 : 1 + row[0]] for row in rows], [row[1 + width : 1 + width + row[0]] for row in rows]
 
     def _capture_greedy(self, tree: TokenTree, key: tuple) -> Captured:
-        """Capture (compile) the greedy step of `tree`'s bucket and run it once (`verify_greedy`): its outputs [B, 1 + 2W]
-        per row its path's length, the target's choice at each of the path's W nodes and their near-ties, and the
-        features along the path (or None)."""
+        """Capture (compile) the greedy step of `tree`'s bucket and run it once (`verify_greedy`): its outputs
+        [B, 1 + 2W] per row its path's length, the target's choice at each of the path's W nodes and their near-ties,
+        and the features along the path (or None)."""
         static = tree.owned()
         width, tolerance = self.max_depth + 1, near_tie_tolerance(self.dtype)
 
