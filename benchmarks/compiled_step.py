@@ -3,8 +3,9 @@ verify steps after `ssmspec.transform(model, compile=True)` (each step captured 
 model compiled by Dynamo (`model.compile(backend="ssmspec")`, the compiled forward ssmspec used before captured
 steps), on held-out prompts. Reported: tokens/s of plain decoding through `generate` (all outputs compared with HF
 greedy); the captured plain step's compiled function called in a loop (the step alone) and replayed (its outputs
-copied out); what the loop spends per token beside the replay; the eager prefill per call; and each captured
-verify step with its commit, in greedy plain steps as plain decoding takes them (one replay and one read).
+copied out); what the loop spends per token beside the replay; the eager prefill per call; and per tree size, the
+greedy step (verified, accepted and committed in one graph, one read) and the verify step with its commit that a
+sampled call takes, each in greedy plain steps as plain decoding takes them (one replay and one read).
 
     python benchmarks/compiled_step.py --json docs/data/compiled_step.json
 """
@@ -109,7 +110,7 @@ def main() -> None:
             [best_ms(lambda: runner.prefill(prompts[0], torch.ones_like(prompts[0])), calls=1, rounds=1)
              for _ in range(5)]
         )  # fmt: skip
-        costs = {}
+        costs, greedy_costs = {}, {}
         for n in (1, 2, 4, 8, 16):
             tree = runner.prepare(TokenTree.chain(prompts[0][:, -n:]))
             snap = runner.snapshot()
@@ -123,8 +124,15 @@ def main() -> None:
                 runner.decode(tree.tokens[:, 0]).tolist()
                 runner.restore(snap)
 
+            def greedy(tree=tree, snap=snap):  # a greedy step of a drafted tree: one replay (accept, commit), one read
+                runner.verify_greedy(tree)
+                runner.restore(snap)
+
             verify_commit()  # (captures and compiles this bucket where the warm-up did not)
             costs[n] = best_ms(plain if n == 1 else verify_commit, calls=10, rounds=9)
+            if n > 1:
+                greedy()
+                greedy_costs[n] = best_ms(greedy, calls=10, rounds=9)
         restore = best_ms(lambda: runner.restore(snap), calls=10, rounds=9)
     compiler = captured.__dict__["_ssmspec_step_compiler"]
     result = {
@@ -144,6 +152,7 @@ def main() -> None:
         "plain_step_replay_ms": replay,
         "prefill_ms": prefill,
         "verify_commit_over_plain": {str(n): (c - restore) / (costs[1] - restore) for n, c in costs.items()},
+        "greedy_step_over_plain": {str(n): (c - restore) / (costs[1] - restore) for n, c in greedy_costs.items()},
         "graphs_compiled": compiler.compilations,
         "compile_seconds": compiler.compile_seconds,
     }
