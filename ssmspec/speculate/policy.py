@@ -34,6 +34,11 @@ SHADOW_SHARE = 0.01
 # not pay on the embedded target, pricing every step cost about 1% of a call (8 ms of 640 at batch 8)
 FAR_FROM_PAYING = 0.85
 REPRICE_EVERY = 4
+# pricing a step (tens to a few hundred microseconds of Python) takes at most this share of the plain steps' time: where
+# plain steps are that cheap (a compiled 3M model's, about 0.5 ms against about 0.15 ms of pricing), a plain decision
+# holds for the steps that pay for it, up to REPRICE_MAX (shadow drafts still reprice at once)
+PRICING_SHARE = 0.05
+REPRICE_MAX = 16
 # a depth is priced by the nodes per level the drafter has been drafting (decayed by LEVEL_DECAY per speculative step),
 # not by the budget's: a drafter fills a large budget only where it finds that many candidates (n-gram trees of the
 # embedded target held 1-2 nodes per level at budgets of 16 to 256), and priced at the budget's 32 nodes per level a
@@ -267,6 +272,7 @@ class AdaptiveDepth:
         that accepted less finished 20 steps after the others)."""
         if self.steps < self.reprice_at:
             return 0  # priced far from paying a few steps ago: acceptance moves slowly, plain until repriced
+        started = time.perf_counter()
         remaining = rows.remaining
         unfinished = [r for r in range(rows.batch) if not rows.done[r]]
         most = max(remaining[r] for r in unfinished)
@@ -279,6 +285,10 @@ class AdaptiveDepth:
             chosen = best_depth(gains, 1)  # measured winning, a back-off's retry, or a first try
         elif chosen == 0 and best < FAR_FROM_PAYING:  # (nothing measured could make it speculate)
             self.reprice_at = self.steps + REPRICE_EVERY
+        elif chosen == 0 and self.goodput.measured and self.goodput.plain_seconds:  # (timed calls only: greedy)
+            # pricing costs more than PRICING_SHARE of a plain step: the next ones decode plainly until they paid for it
+            spent = time.perf_counter() - started
+            self.reprice_at = self.steps + min(REPRICE_MAX, int(spent / (PRICING_SHARE * self.goodput.plain_seconds)))
         return chosen
 
     def observe(self, report: StepReport, elapsed: float) -> None:

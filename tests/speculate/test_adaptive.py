@@ -538,14 +538,25 @@ def test_far_from_paying_the_policy_prices_every_few_steps(monkeypatch):
     steps = stats.verify_steps
     assert sum(n > 1 for n in stats.tree_nodes_per_step) == 0  # 0.5 per level for each of 4 rows: never tried
     assert len(priced) <= steps // policy.REPRICE_EVERY + 4  # (+ the repricing after each shadow draft)
-    # nothing far: every step priced
+    # nothing far, and pricing cheap against a step: every step priced
     priced.clear()
     monkeypatch.setattr(policy, "FAR_FROM_PAYING", 0.0)
+    monkeypatch.setattr(policy, "PRICING_SHARE", 1e9)
     speculative_generate(
         model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
         drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
     )  # fmt: skip
     assert len(priced) == steps
+    # pricing dear against a step (a compiled small model's): a plain decision holds for up to REPRICE_MAX steps, a
+    # shadow draft's news still priced at once; the output HF's
+    priced.clear()
+    monkeypatch.setattr(policy, "PRICING_SHARE", 1e-12)
+    out, stats, _ = speculative_generate(
+        model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
+        drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
+    )  # fmt: skip
+    assert torch.equal(out, want) and stats.verify_steps == steps
+    assert 0 < len(priced) < steps // 2
 
 
 def test_goodput_under_sampling_follows_no_timing():
