@@ -540,13 +540,24 @@ def refuse_unused_options(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(unused)} not used by {mode}")
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1 (anything else is a usage error naming the value, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The benchmark's options (shared by the script and the `ssmspec bench` command)."""
-    p.add_argument("--prompts", type=int, default=12, help="held-out files to use (12: all of them)")
-    p.add_argument("--prompt-tokens", type=int, default=96)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--draft-tokens", type=int, default=8)
-    p.add_argument("--tree-budget", type=int, default=16)
+    p.add_argument("--prompts", type=positive, default=12, help="held-out files to use (12: all of them)")
+    p.add_argument("--prompt-tokens", type=positive, default=96)
+    p.add_argument("--max-new-tokens", type=positive, default=128)
+    p.add_argument("--draft-tokens", type=positive, default=8)
+    p.add_argument("--tree-budget", type=positive, default=16)
     p.add_argument(
         "--prompt-set",
         choices=list(PROMPT_SETS),
@@ -554,7 +565,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="held-out standard-library files, installed third-party packages' sources, their descriptions "
         "(prose), or random tokens (the last two: where drafts are rarely accepted)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="time each prompt and method this often, keep the best")
+    p.add_argument("--repeats", type=positive, default=1, help="time each prompt and method this often, keep the best")
     p.add_argument(
         "--compiled",
         action="store_true",
@@ -571,7 +582,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the results to this file (JSON)")
     p.add_argument(
         "--batch",
-        type=int,
+        type=positive,
         nargs="+",
         help="batched throughput instead: batches of this many different held-out prompts, HF greedy batched vs "
         "ssmspec's default (e.g. --batch 1 4 8 16 32)",

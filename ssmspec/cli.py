@@ -241,9 +241,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft = models.load("mamba2-draft", DTYPES[args.dtype])[0] if args.draft == "embedded" else None
         if draft is None:
             draft = load_pretrained(args.draft, DTYPES[args.dtype])[0]
-        out = model.generate(ids, assistant_model=draft, num_assistant_tokens=args.draft_tokens, **kwargs)
-    else:
-        spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree=not args.chain)
+        if args.draft_tokens is not None:
+            kwargs["num_assistant_tokens"] = args.draft_tokens
+        out = model.generate(ids, assistant_model=draft, **kwargs)
+    else:  # the default call (its drafter: the model's draft head or MTP layer where it has one, else n-grams)
+        tree = False if args.chain else True if args.tree else None
+        spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree_budget=args.tree_budget, tree=tree)
         out = model.generate(ids, speculation=spec, **kwargs)
     print(tok.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
     stats = out.spec_stats
@@ -294,30 +297,40 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line (the command and the error; `--help` shows the usage),
+    exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `ssmspec` command."""
+    from ssmspec.bench import add_arguments, positive
     from ssmspec.testing.configs import GENERIC_FAMILIES, SUPPORTED_FAMILIES
 
-    parser = argparse.ArgumentParser(prog="ssmspec", description="Exact speculative decoding for SSM / hybrid LMs")
+    parser = _Parser(prog="ssmspec", description="Exact speculative decoding for SSM / hybrid LMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(
         p: argparse.ArgumentParser, dtype: str, max_new_tokens: int, default_model: str = EMBEDDED_DEFAULT
     ) -> argparse.ArgumentParser:
-        p.add_argument("--model", help=f"local path or hub id of a causal LM (default: {default_model})")
-        p.add_argument(
+        which = p.add_mutually_exclusive_group()  # (one model: a checkpoint or a tiny family's)
+        which.add_argument("--model", help=f"local path or hub id of a causal LM (default: {default_model})")
+        which.add_argument(
             "--family",
             choices=SUPPORTED_FAMILIES + GENERIC_FAMILIES,
             help="instead: a random-init tiny model of this family",
         )
         p.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+        p.add_argument("--max-new-tokens", type=positive, default=max_new_tokens)
         return p
 
     demo = common(sub.add_parser("demo", help="greedy vs speculative on one prompt"), "float32", 64)
-    demo.add_argument("--draft-tokens", type=int, default=8, help="draft depth")
-    demo.add_argument("--tree-budget", type=int, default=16, help="drafted nodes per step (tree)")
+    demo.add_argument("--draft-tokens", type=positive, default=8, help="draft depth")
+    demo.add_argument("--tree-budget", type=positive, default=16, help="drafted nodes per step (tree)")
     demo.add_argument("--prompt", help="prompt text (with a tokenizer); default: a snippet of Python code")
     demo.add_argument("--chain", action="store_true", help="chain speculation instead of a tree")
     demo.set_defaults(func=cmd_demo)
@@ -328,13 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
     gen = common(sub.add_parser("generate", help="speculative generation from a prompt"), "float32", 64)
     gen.add_argument("prompt")
-    gen.add_argument("--draft-tokens", type=int, default=8)
+    gen.add_argument("--draft-tokens", type=positive, help="draft depth at most (default: the default call's)")
+    gen.add_argument("--tree-budget", type=positive, help="drafted nodes per step (default: the default call's)")
     shape = gen.add_mutually_exclusive_group()
-    shape.add_argument("--tree", action="store_true", help="an n-gram tree (the default)")
-    shape.add_argument("--chain", action="store_true", help="an n-gram chain instead of the default tree")
+    shape.add_argument("--tree", action="store_true", help="draft trees (the default where the model verifies them)")
+    shape.add_argument("--chain", action="store_true", help="draft chains instead of trees")
     gen.add_argument("--draft", help="draft model: 'embedded' (mamba2-draft) or a path / hub id")
     gen.set_defaults(func=cmd_generate)
-    from ssmspec.bench import add_arguments
 
     bench = add_arguments(sub.add_parser("bench", help="end-to-end tokens/s on held-out code (embedded target)"))
     bench.add_argument("--no-progress", action="store_true")
@@ -343,9 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--model", required=True, help="local checkpoint directory (the head is saved there)")
     head.add_argument("files", nargs="+", help="text files to train on (the kind of text the model will write)")
     head.add_argument("--out", help="save the head here instead of beside the checkpoint")
-    head.add_argument("--steps", type=int, default=3000)
-    head.add_argument("--tokens", type=int, default=500_000, help="training positions at most")
-    head.add_argument("--seq-len", type=int, default=256)
+    head.add_argument("--steps", type=positive, default=3000)
+    head.add_argument("--tokens", type=positive, default=500_000, help="training positions at most")
+    head.add_argument("--seq-len", type=positive, default=256)
     head.add_argument("--no-progress", action="store_true")
     head.set_defaults(func=cmd_train_head)
     return parser

@@ -396,10 +396,17 @@ def transform(
         The same model object, its class extended with `SpecGenerationMixin` (same class name).
 
     Raises:
-        TypeError: `hf_model` is not a causal LM, or `config` is not a SpecConfig.
+        TypeError: `hf_model` is not a causal LM (or is `torch.compile`'s wrapper of one), or `config` is not a
+            SpecConfig.
         UnsupportedModelError: a module ssmspec cannot verify exactly (named, with the reason), or a draft head
             made for another model; the model is left exactly as it was.
     """
+    if hf_instance.compile_wrapper(hf_model):  # (it forwards `generate` and `config`: caught before they are read)
+        raise TypeError(
+            "ssmspec.transform got the wrapper torch.compile(model) returns, whose generate would not speculate: "
+            "transform the model itself and compile it with ssmspec.transform(model, compile=True) (or "
+            "model.compile(...) after transform)"
+        )
     if not hasattr(hf_model, "generate") or not hasattr(hf_model, "config") or not isinstance(hf_model, nn.Module):
         raise TypeError("ssmspec.transform expects a Hugging Face causal LM (a PreTrainedModel with generate)")
     if config is not None and not isinstance(config, SpecConfig):

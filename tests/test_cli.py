@@ -192,6 +192,37 @@ def test_user_mistakes_are_one_line_errors(capsys):
     assert len(err) == 1 and err[0].startswith("ssmspec: error:")
     assert main(["demo", "--model", "/does/not/exist"]) == 2
     assert capsys.readouterr().err.startswith("ssmspec: error:")
+    # usage mistakes: one line naming the argument, exit 2, before anything runs (no traceback, nothing ignored)
+    for args, named in ((["bench", "--batch", "0"], "--batch: 0 is not a positive integer"),
+                        (["bench", "--prompts", "x"], "--prompts: 'x' is not an integer"),
+                        (["generate", "x", "--draft-tokens", "0"], "--draft-tokens: 0 is not a positive integer"),
+                        (["demo", "--tree-budget", "-1"], "--tree-budget: -1 is not a positive integer"),
+                        (["check", "--model", "d", "--family", "mamba2"], "not allowed with argument"),
+                        (["train-head", "--model", "d", "f", "--steps", "0"], "--steps: 0")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit:
+            main(args)
+        err = capsys.readouterr().err.strip()
+        assert exit.value.code == 2 and err.count("\n") == 0 and err.startswith("ssmspec ") and named in err, err
+
+
+def test_generate_runs_the_default_call_with_the_sizes_asked(capsys, monkeypatch):
+    """`ssmspec generate` without sizes runs the model's default call (its drafter and sizes, trees where the model
+    verifies them); --draft-tokens, --tree-budget and --chain set what they name."""
+    import ssmspec
+    from ssmspec.transform import SpecGenerationMixin
+
+    seen = []
+    generate = SpecGenerationMixin.generate
+    monkeypatch.setattr(
+        SpecGenerationMixin,
+        "generate",
+        lambda self, ids, **kw: seen.append(kw.get("speculation")) or generate(self, ids, **kw),
+    )
+    assert main(["generate", "def add(a, b):\n", "--max-new-tokens", "8"]) == 0
+    assert main(["generate", "def f():\n", "--max-new-tokens", "8", "--draft-tokens", "3", "--tree-budget", "5",
+                 "--chain"]) == 0  # fmt: skip
+    assert seen[0] == ssmspec.SpecConfig()
+    assert (seen[1].num_draft_tokens, seen[1].tree_budget, seen[1].tree) == (3, 5, False)
 
 
 def test_train_head_saves_a_head_beside_the_checkpoint_that_transform_finds(tmp_path, capsys):

@@ -67,3 +67,21 @@ def test_flash_attention_is_refused():
 def test_transform_rejects_non_models():
     with pytest.raises(TypeError, match="causal LM"):
         ssmspec.transform(torch.nn.Linear(2, 2))
+
+
+def test_torch_compiles_wrapper_is_refused_and_left_as_it_was():
+    """`transform(torch.compile(model))` would transform through the wrapper's forwarded attributes and leave a model
+    whose generate does not speculate: refused, naming what to do instead, the wrapped model untouched."""
+    from ssmspec.transform import SpecGenerationMixin
+
+    model = copy.deepcopy(cached_tiny_model("mamba2"))
+    wrapper = torch.compile(model, backend="eager")
+    with pytest.raises(TypeError, match=r"torch.compile\(model\).*compile=True"):
+        ssmspec.transform(wrapper)
+    assert not isinstance(model, SpecGenerationMixin) and "ssmspec_info" not in model.__dict__
+
+
+def test_speculation_of_the_wrong_type_names_every_accepted_value():
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")))
+    with pytest.raises(TypeError, match=r"SpecConfig, True .*False .*None"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, speculation="tree")

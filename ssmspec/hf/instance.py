@@ -74,6 +74,14 @@ def uncompiled_call(model: nn.Module) -> Any:
     return model._call_impl if getattr(model, "_compiled_call_impl", None) is not None else model
 
 
+def compile_wrapper(model: nn.Module) -> bool:
+    """Whether `model` is the wrapper `torch.compile(model)` returns (torch internals, named here: Dynamo's
+    OptimizedModule, which forwards attributes to the module it wraps, `_orig_mod`)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule)
+
+
 def tensor_parallel(model: nn.Module) -> int:
     """The degree of tensor parallelism the model was loaded with (`from_pretrained(tp_plan=...)`: transformers
     records it as `_tp_size`); 1 where it was not sharded."""

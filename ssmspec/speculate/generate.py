@@ -113,7 +113,10 @@ def generate(
     (no speculation was asked for), what speculation would refuse raises NotSpeculated instead, before any
     work. `head`: the model's draft head (drafter "draft_head"), None where it has none."""
     if speculation is not None and not isinstance(speculation, SpecConfig):
-        raise TypeError(f"speculation= must be an ssmspec.SpecConfig, got {type(speculation).__name__}")
+        raise TypeError(
+            "speculation= must be an ssmspec.SpecConfig, True (the defaults, refusing what they cannot apply), False "
+            f"(HF's own generate) or None (the model's default call), got {type(speculation).__name__}"
+        )
     kwargs = dict(kwargs)
     if prompt_lookup_num_tokens is not None:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
