@@ -216,11 +216,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"path: {info.path} ({exact})")
     # one-node steps through the tree path too (every state from ssmspec's ops: strict), then through HF's decode
     # path (generate takes whichever measured faster on the model)
+    # (the call users make, `model.generate(ids)` with the model's defaults, and with its steps captured: once)
+    certified, not_certified = [], {}
     for decode, label in ((False, "tree path only"), (True, "with HF decode steps")):
-        report = check_model(ref, prompts, drafters, max_new_tokens=args.max_new_tokens, decode_single_nodes=decode)
+        report = check_model(ref, prompts, drafters, max_new_tokens=args.max_new_tokens, decode_single_nodes=decode,
+                             default_call=not decode)  # fmt: skip
         print(f"{label}: runs {report.runs}, tokens compared {report.tokens_compared}, tie flips "
               f"{report.tie_flips}, max committed-state diff {report.max_state_diff:.3g}, max plain-logit diff "
               f"{report.max_logit_diff:.3g}")  # fmt: skip
+        certified += [f"{c} ({label})" if c.startswith("adversarial") else c for c in report.certified]
+        not_certified.update(report.not_certified)
+    print("certified: " + "; ".join(certified))
+    for what, why in not_certified.items():
+        print(f"not certified: {what}: {why}")
     print(f"passed in {time.perf_counter() - t0:.1f}s")
     return 0
 

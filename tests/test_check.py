@@ -28,7 +28,8 @@ def test_the_checker_fails_a_commit_that_drops_the_last_accepted_token(family, m
     dtype = torch.float64
     model = build_tiny_model("mamba2", dtype=dtype)
     oracle = [lambda ref: OracleDrafter(ref, vocab_size=96)]
-    report = check_model(model, _prompts(), oracle, max_new_tokens=10, commits=["replay"], decode_single_nodes=False)
+    report = check_model(model, _prompts(), oracle, max_new_tokens=10, commits=["replay"], decode_single_nodes=False,
+                         default_call=False)  # fmt: skip
     assert report.runs == 1 and report.tie_flips == 0
 
     commit = ModelRunner.commit
@@ -40,7 +41,35 @@ def test_the_checker_fails_a_commit_that_drops_the_last_accepted_token(family, m
 
     monkeypatch.setattr(ModelRunner, "commit", short)
     with pytest.raises(EquivalenceError):
-        check_model(model, _prompts(), oracle, max_new_tokens=10, commits=["replay"], decode_single_nodes=False)
+        check_model(model, _prompts(), oracle, max_new_tokens=10, commits=["replay"], decode_single_nodes=False,
+                    default_call=False)  # fmt: skip
+
+
+def test_the_checker_certifies_the_call_users_make_and_fails_it_where_it_differs(monkeypatch):
+    """Besides its adversarial drafters, the checker compares the call a user makes (`model.generate(ids)` with the
+    model's defaults) and that call with its steps captured, says which calls it certified and which the model cannot
+    take, and fails where the default call's tokens differ from HF's."""
+    from ssmspec.transform import SpecGenerationMixin
+
+    report = check_model(build_tiny_model("mamba2", dtype=torch.float64), _prompts(), commits=["replay"])
+    assert report.certified == ["adversarial drafters, replay commit", "default call", "default call, captured steps"]
+    assert report.runs == 1 and not report.not_certified  # (runs: the adversarial drafters')
+    report = check_model(build_tiny_model("inkling", dtype=torch.float64), _prompts(), commits=["replay"])
+    assert "default call" in report.certified and "default call, captured steps" not in report.certified
+    assert "reads positions from cache slots" in report.not_certified["default call, captured steps"]
+
+    generate = SpecGenerationMixin.generate
+
+    def off_by_one(self, *args, **kwargs):  # the default call's last token wrong
+        out = generate(self, *args, **kwargs)
+        if "speculation" not in kwargs:
+            out = out.clone()
+            out[0, -1] = (out[0, -1] + 1) % 96
+        return out
+
+    monkeypatch.setattr(SpecGenerationMixin, "generate", off_by_one)
+    with pytest.raises(EquivalenceError, match="default call"):
+        check_model(build_tiny_model("mamba2", dtype=torch.float64), _prompts(), commits=["replay"])
 
 
 @pytest.mark.parametrize("family", ["mamba2", "bamba", "kimi_linear"])

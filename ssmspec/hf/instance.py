@@ -62,6 +62,12 @@ def restore_own_forward(module: nn.Module) -> None:
         module.__dict__.pop("forward", None)
 
 
+def offloaded(model: nn.Module) -> bool:
+    """Whether some of the model's weights are offloaded (accelerate's `device_map` to the CPU or disk): they sit on the
+    meta device between forwards, and its hooks load them inside each forward."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
 def _is_class_forward(module: nn.Module, fn: Any) -> bool:
     if fn is None:
         return True

@@ -217,6 +217,9 @@ class ModelRunner:
             why = "the model reads positions from cache slots (HF's K/V layout, rewritten every step)"
         elif self.capacity is None:
             why = "static K/V buffers are off for this runner"
+        elif hf_instance.offloaded(self.model):
+            why = ("its weights are offloaded (device_map to the CPU or disk): accelerate loads them inside every "
+                   "forward, which a replayed step would not do")  # fmt: skip
         if why is not None:
             raise UnsupportedModelError(type(self.model).__name__, f"cannot capture its verify steps: {why}")
 

@@ -45,6 +45,12 @@ class CheckReport:
         path: how the model verifies: "seams" (ssmspec's tree-aware mixers) or "generic" (HF's own forward and
             cache, batches row by row: ssmspec.speculate.generic; chains, or trees through a recurrence module's
             tree form, whose commit writes the state: `max_state_diff` compares every tensor of each row's cache).
+        certified: the calls compared with HF greedy: the adversarial drafters' runs ("adversarial drafters, <commit>
+            commit"), and with `default_call`, the call a user makes ("default call": `model.generate(ids)` with the
+            model's defaults, its draft head or MTP layer where it has one, the adaptive policy, inference mode) and
+            that call with its steps captured ("default call, captured steps": the op tape standing in for CUDA
+            graphs and compiled steps).
+        not_certified: a call the model cannot take, with why (a model whose steps cannot be captured).
     """
 
     runs: int = 0
@@ -55,6 +61,8 @@ class CheckReport:
     mean_accepted_per_step: list[float] = field(default_factory=list)
     seams: list[str] = field(default_factory=list)  # the kernel seams transform made tree-aware
     path: str = "seams"
+    certified: list[str] = field(default_factory=list)  # the calls compared with HF greedy (what users run too)
+    not_certified: dict[str, str] = field(default_factory=dict)  # a call the model cannot take -> why
 
 
 def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -136,6 +144,7 @@ def check_model(
     eos_token_id: int | list[int] | None = None,
     decode_single_nodes: bool = True,
     static_shapes: bool = False,
+    default_call: bool = True,
 ) -> CheckReport:
     """Run the equivalence checks on a model; raises EquivalenceError at the first violation.
 
@@ -163,6 +172,9 @@ def check_model(
             whichever measured faster on the model; the checker runs the one asked for).
         static_shapes: verify as a compiled model does (SpecConfig.static_shapes): padded trees, fixed-length
             commits, attention K/V in preallocated buffers written in place.
+        default_call: also compare the call users make, `model.generate(ids, attention_mask=...)` on the transformed
+            model with its defaults (drafter, sizes, adaptive policy), and that call with its steps captured
+            (`SpecConfig(graphs=True)`: the op tape on a CPU) where the model allows it (`CheckReport.certified`).
 
     Returns:
         A CheckReport of what was compared.
@@ -288,7 +300,39 @@ def check_model(
                 report.max_state_diff = max(report.max_state_diff, sd)
                 if sd > state_tolerance:
                     raise EquivalenceError(f"committed states after speculation differ by {sd:.3g} ({commit})")
+            _certified(report, f"adversarial drafters, {commit} commit")
+        if default_call:
+            _check_default_call(target, input_ids, attention_mask, max_new_tokens, pad, eos, ref_seq, ref_logits,
+                                tie_tolerance, report)  # fmt: skip
     return report
+
+
+def _certified(report: CheckReport, what: str) -> None:
+    if what not in report.certified:
+        report.certified.append(what)
+
+
+def _check_default_call(target, input_ids, attention_mask, max_new_tokens, pad, eos, ref_seq, ref_logits,
+                        tie_tolerance, report) -> None:  # fmt: skip
+    """The call a user makes, with the model's defaults, and with its steps captured, against HF greedy."""
+    from ssmspec import SpecConfig
+    from ssmspec.errors import CaptureError, UnsupportedModelError
+
+    kwargs = {"attention_mask": attention_mask, "max_new_tokens": max_new_tokens, "pad_token_id": pad,
+              "eos_token_id": eos or None, "do_sample": False}  # fmt: skip
+    calls = {"default call": {}, "default call, captured steps": {"speculation": SpecConfig(graphs=True)}}
+    for what, extra in calls.items():
+        if what in report.not_certified:
+            continue
+        try:
+            out = target.generate(input_ids, **kwargs, **extra)
+        except (UnsupportedModelError, CaptureError) as e:  # (refused by name: the call the model cannot take)
+            if not extra:
+                raise
+            report.not_certified[what] = str(e)
+            continue
+        _compare(out, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, what)
+        _certified(report, what)
 
 
 def _held(runner: ModelRunner | GenericRunner, row: int) -> bool:
