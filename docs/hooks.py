@@ -159,7 +159,10 @@ def placeholder(source: str, path: str, spec: str | None = None) -> str:
     """What `{{ source: path | spec }}` renders."""
     if source == "code":
         sys.path.insert(0, str(ROOT))
-        return fmt(_code_value(path), spec or "")
+        value = _code_value(path)
+        if value is None:  # (a page would show a blank where a value belongs: a setting resolved elsewhere)
+            raise ValueError(f"{{{{ code: {path} }}}} is None: render the value the code resolves it to")
+        return fmt(value, spec or "")
     return fmt(lookup(load(source), path, f"{{{{ {source}: {path} }}}}"), spec or "")
 
 

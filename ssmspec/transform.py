@@ -378,11 +378,12 @@ def transform(
             on a model transformed before, as it was.
         compile: True compiles the model for speed as measured fastest and warms it up once, with a progress bar,
             so that the first request does not pay for compilation (`compile_fast`): on a CPU each step (the plain
-            step, every tree-size bucket's verify step and commit) captured and compiled whole by Inductor, the
-            prompt run eagerly; on a GPU the forward compiled (`compile_options`: the ssmspec backend) and each
-            verify step captured as a CUDA graph. A dict: `warmup` (batch sizes to warm up, default (1,); () for
-            none) and `progress`, and any `model.compile` keyword arguments, which compile the forward with them
-            instead (on a CPU too). If compiling fails, the model stays eager, with one warning.
+            step, every tree-size bucket's greedy step; a sampled call's verify steps and commits on first use)
+            captured and compiled whole by Inductor, the prompt run eagerly; on a GPU the forward compiled
+            (`compile_options`: the ssmspec backend) and each verify step captured as a CUDA graph. A dict:
+            `warmup` (batch sizes to warm up, default (1,); () for none) and `progress`, and any `model.compile`
+            keyword arguments, which compile the forward with them instead (on a CPU too). If compiling fails, the
+            model stays eager, with one warning.
         draft_head: the draft head (EAGLE style, trained for this model: ssmspec.speculate.head_training) that
             `SpecConfig(drafter="draft_head")` drafts with, and the defaults where it measured faster: a
             DraftHead, a directory holding one (`DraftHead.save`), "auto" (default: on a model transformed before,
@@ -519,7 +520,8 @@ def compile_fast(
     On a CPU, with no `compile_kwargs`, each step the default call and plain decoding take is captured and compiled
     whole (`SpecConfig.graphs` with ssmspec.compile.lower's compiler): a speculative generate per batch size in
     `warmup` on a dummy prompt compiles the plain step and, through the calibration (measured then, never read from
-    disk for a compiled model), the verify step and commit of every tree-size bucket; the prompt runs eagerly. Where
+    disk for a compiled model), the greedy step of every tree-size bucket (verified, accepted and committed in one
+    graph; a sampled call compiles its buckets' verify steps and commits on first use); the prompt runs eagerly. Where
     the steps cannot be captured (the generic path, positions read from cache slots, a host read in the model's
     forward) and with `compile_kwargs`, the forward is compiled with `model.compile` (`compile_options`, overridden by
     `compile_kwargs`) and warmed up on prompts of four lengths. A failure leaves the model eager, with one warning

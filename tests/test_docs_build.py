@@ -109,3 +109,13 @@ def test_placeholders_format_values_and_ranges():
     assert hooks.fmt(0.5, "pct") == "50 %"
     batches = hooks.lookup(hooks.load("batched"), "batches/*/ssmspec default/speedup_vs_hf")
     assert len(batches) == len(hooks.load("batched")["batches"])
+
+
+def test_a_code_value_that_is_none_fails_the_build_instead_of_rendering_a_blank():
+    """`{{ code: ssmspec.SpecConfig.tree_budget }}` rendered "–" once the default moved into speculate/defaults.py:
+    a value the code leaves None is refused, naming the placeholder; the pages read the resolved defaults."""
+    with pytest.raises(ValueError, match="SpecConfig.tree_budget .* is None"):
+        hooks.placeholder("code", "ssmspec.SpecConfig.tree_budget")
+    from ssmspec.speculate.defaults import NGRAM
+
+    assert hooks.placeholder("code", "ssmspec.speculate.defaults.NGRAM.tree_budget") == str(NGRAM.tree_budget)
