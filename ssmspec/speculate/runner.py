@@ -450,14 +450,10 @@ class ModelRunner:
         inputs, every later one copied into them and the step replayed; the capture's Verification then holds the
         replay's records. Logits and features are copied out (the next replay overwrites the graph's)."""
         key = (tree.batch_size, tree.num_nodes)
-        entry = self.captured.get(key)
-        if entry is not None and entry.generation != self.cache.kv_generation:  # the K/V buffers grew: all stale
-            self.captured.clear()
-            entry = None
+        entry = self._bucket(key)
         if entry is None:
             static = tree.owned()
             last = tree.tokens.new_zeros(tree.batch_size)
-            graph = StepGraph(self.device, self._pool, self.compiler)
             eager = self.device.type != "cuda"  # (on a CPU the op tape records the eager forward)
             fused = tree.num_nodes == 1 and self.fuse_single_nodes
 
@@ -473,13 +469,8 @@ class ModelRunner:
                     picks = torch.stack([logits[:, 0].argmax(-1), ties.long()])
                 return logits, self.features, verification, picks
 
-            try:
-                logits, feats, verification, _ = graph.capture(step)
-            except CaptureError as e:
-                raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
-            entry = Captured(static, graph, self.cache.kv_generation, last, fused=fused)
-            self.captured[key] = entry
-            self.captures += 1
+            entry = self._capture(key, static, last, step, fused)
+            logits, feats, verification, _ = entry.graph.outputs
         else:
             entry.tree.copy_from(tree)
             logits, feats, verification, _ = entry.graph.replay()
@@ -531,10 +522,7 @@ class ModelRunner:
             raise RuntimeError("commit or discard the previous tree before verifying another")
         self.cache.reserve(tree.num_nodes)
         key = (tree.batch_size, tree.num_nodes, "greedy")
-        entry = self.captured.get(key)
-        if entry is not None and entry.generation != self.cache.kv_generation:  # the K/V buffers grew: all stale
-            self.captured.clear()
-            entry = None
+        entry = self._bucket(key)
         if entry is None:
             entry = self._capture_greedy(tree, key)
             picks = entry.graph.outputs
@@ -568,13 +556,26 @@ class ModelRunner:
                 feats = torch.gather(feats, 1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
             return picks, feats
 
+        return self._capture(key, static, static.tokens.new_zeros(tree.batch_size), step, fused=True)
+
+    def _bucket(self, key: tuple) -> Captured | None:
+        """The captured step of `key`, or None where there is none yet (every one is dropped once the K/V buffers grew:
+        they read the old ones)."""
+        entry = self.captured.get(key)
+        if entry is not None and entry.generation != self.cache.kv_generation:
+            self.captured.clear()
+            entry = None
+        return entry
+
+    def _capture(self, key: tuple, static: TokenTree, last: torch.Tensor, step, fused: bool) -> Captured:
+        """Capture `step` over `static` (the bucket's tree) as the captured step of `key`; its outputs are the graph's
+        (`entry.graph.outputs`). A capture refused names the model, with a hint where one is known."""
         graph = StepGraph(self.device, self._pool, self.compiler)
         try:
             graph.capture(step)
         except CaptureError as e:
             raise CaptureError(f"{type(self.model).__name__}: {e}{hf_instance.capture_hint(str(e))}") from e
-        entry = Captured(static, graph, self.cache.kv_generation, static.tokens.new_zeros(tree.batch_size), fused=True)
-        self.captured[key] = entry
+        entry = self.captured[key] = Captured(static, graph, self.cache.kv_generation, last, fused=fused)
         self.captures += 1
         return entry
 
