@@ -24,7 +24,7 @@ from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, ROW_BY_ROW
 from ssmspec.speculate.retrieval import SuffixIndex, corpus_index
 
 # drafter "auto" drafts with a checkpoint's MTP layer where it holds at most this share of the model's parameters
-# (released checkpoints: one layer of dozens; the embedded Nemotron-H's, 31%, measured slower than n-grams)
+# (released checkpoints: one layer of dozens; a layer that is a large share costs that share of a step per level)
 MTP_MAX_SHARE = 0.1
 
 
@@ -147,8 +147,9 @@ def generate(
     # features leave its graph through a break before the LM head, and its calls stay eager: on the compiled embedded
     # target n-grams measured 1.24x ssmspec's compiled plain decoding at batch 1, the head's trees 1.13-1.15x; at
     # batch 4, 1.08x against 0.96x; docs: Benchmarks). A checkpoint's MTP layer counts as a head where it is small
-    # against the model (MTP_MAX_SHARE): on the embedded Nemotron-H, whose MTP layer holds 31% of its parameters,
-    # n-grams measured faster (docs/data/mtp.json)
+    # against the model (MTP_MAX_SHARE: each drafted level costs a forward of the layer; released checkpoints' layers
+    # are one of dozens): the embedded Nemotron-H's holds 9% of its parameters, and its default call drafts with it
+    # (docs/data/mtp.json)
     # (compiled: by Dynamo, `model.compile`, or its steps captured and compiled whole, `transform(compile=True)` on a
     # CPU, where the head's trees measured slower than n-grams too: 587 against 656 tok/s on held-out code, 707 plain)
     compiled = getattr(model, "ssmspec_compile_call", None) is not None or "_ssmspec_step_compiler" in model.__dict__
