@@ -1,9 +1,11 @@
-"""Train the draft head (EAGLE style, ssmspec.speculate.drafters.head) of the embedded Mamba2 target on its own
-outputs over the training corpus (the Python standard library's source, the split the target was trained on),
-and save it beside the target's checkpoint, where `ssmspec.transform` finds it. Reproducible (fixed seed, fixed
-steps) and CPU-only; reports how well it predicts the target's next distribution on the held-out files.
+"""Train the draft head (EAGLE style, ssmspec.speculate.drafters.head) of an embedded model on its own outputs over
+its training corpus (the Python standard library's source, the split the model was trained on), and save it beside
+the model's checkpoint, where `ssmspec.transform` finds it. The training is `ssmspec train-head`'s
+(ssmspec.speculate.head_training.train_head); reproducible (fixed seed, fixed steps) and CPU-only; reports how well
+the head predicts the model's next distribution on the held-out files.
 
-    python benchmarks/train_head.py                        # about 6 minutes on 2 CPU cores
+    python benchmarks/train_head.py                        # mamba2-target: about 6 minutes on 2 CPU cores
+    python benchmarks/train_head.py --target nemotron-medium   # about 25 minutes on 2 CPU cores
     python benchmarks/train_head.py --steps 200 --tokens 50000 --out /tmp/head   # a quick smoke run
 """
 
@@ -17,8 +19,6 @@ import torch
 
 from ssmspec import models
 from ssmspec.speculate.head_training import collect, train_head
-
-TARGET = "mamba2-target"
 
 
 @torch.no_grad()
@@ -50,24 +50,27 @@ def agreement(model, head, data: dict, temperature: float = 0.7, top_p: float = 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="mamba2-target", choices=models.NAMES)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--tokens", type=int, default=600_000, help="training positions (target forwards over them)")
-    p.add_argument("--out", default=str(models.path(TARGET)), help="where to save (default: beside the target)")
+    p.add_argument("--out", help="where to save (default: beside the target)")
     args = p.parse_args()
     torch.set_num_threads(2)
-    model, tok = models.load(TARGET)
+    model, tok = models.load(args.target)
     model = model.float().eval()
-    train, held = models.corpus_files()
+    # the files the target was trained on (a model trained on the whole library: its split of it)
+    train, held = models.corpus_files(models.report()[args.target].get("corpus", {}).get("whole_library", False))
     t0 = time.perf_counter()
     data = collect(model, (tok(f.read_text(errors="ignore")).input_ids for f in train), max_tokens=args.tokens,
                    progress=True)  # fmt: skip
     head = train_head(model, data, steps=args.steps, progress=True)
-    head.save(args.out, target=TARGET)  # kept even if the evaluation below fails; rewritten with its results
+    out = args.out or str(models.path(args.target))
+    head.save(out, target=args.target)  # kept even if the evaluation below fails; rewritten with its results
     test = collect(model, (tok(f.read_text(errors="ignore")).input_ids for f in held), max_tokens=40_000)
     quality = agreement(model, head, test)
-    about = {"target": TARGET, "trained_on": f"{data['tokens'].numel()} positions of the target's training split",
+    about = {"target": args.target, "trained_on": f"{data['tokens'].numel()} positions of the target's training split",
              **head.trained, "held_out": quality, "total_seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
-    head.half().save(args.out, **about)
+    head.half().save(out, **about)
     print(json.dumps(about, indent=2))
 
 

@@ -1,5 +1,8 @@
-"""Train the embedded Nemotron-H hybrid with its multi-token-prediction (MTP) layer, as Nemotron 3 checkpoints ship
-one, on the same corpus and tokenizer as the other embedded models (the Python standard library's source).
+"""Train an embedded Nemotron-H hybrid with its multi-token-prediction (MTP) layer, as Nemotron 3 checkpoints ship
+one, on the same tokenizer as the other embedded models and the Python standard library's source: `nemotron-mtp`
+(2.2M parameters, the library's top-level modules) or `nemotron-medium` (20M parameters, float32 weights over
+twice this CPU's 32 MiB last-level cache so that its decode step reads them from memory as real models' steps do;
+trained on the whole library).
 
 The target (Mamba2, attention and MLP blocks) and its MTP layer (an attention block and a MoE block, the
 `mtp_layers_block_type` Nemotron 3 publishes) are trained together, as DeepSeek-V3 trains its MTP modules: the
@@ -9,7 +12,8 @@ with the MTP tensors added under `mtp.*` in the published per-expert names, whic
 `ssmspec.transform` finds. Held-out bits per byte and the MTP layer's held-out top-1 accuracy go to
 ssmspec/models/report.json.
 
-    python benchmarks/train_mtp.py                  # about 11 minutes on 2 CPU cores
+    python benchmarks/train_mtp.py                  # nemotron-mtp: about 11 minutes on 2 CPU cores
+    python benchmarks/train_mtp.py --size medium    # nemotron-medium: about an hour on 2 CPU cores
     python benchmarks/train_mtp.py --steps 20 --out /tmp/models   # a smoke run
 """
 
@@ -30,11 +34,11 @@ from ssmspec.hf import mtp as hf_mtp
 from ssmspec.models import ROOT, corpus_files
 from ssmspec.testing.mtp import per_expert
 
-NAME = "nemotron-mtp"
 MTP_WEIGHT = 0.3
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=2048, tie_word_embeddings=True)
 
 
-def config() -> NemotronHConfig:
+def small() -> NemotronHConfig:
     """A 2.2M-parameter Nemotron-H of 20 blocks (10 Mamba2, 8 MLP, 2 attention, the pattern of the released models)
     with one MTP layer (attention and MoE blocks, 0.2M parameters: under a tenth of the model, as in released
     checkpoints, where one MTP layer sits beside dozens of blocks)."""
@@ -46,9 +50,29 @@ def config() -> NemotronHConfig:
         mamba_num_heads=4, mamba_head_dim=64, n_groups=1, expand=2, ssm_state_size=32, conv_kernel=4, chunk_size=64,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=96,
         moe_shared_expert_intermediate_size=96, num_nextn_predict_layers=1,
-        mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=4096, tie_word_embeddings=True,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=2048,
+        mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=4096, **IDS,
     )  # fmt: skip
+
+
+def medium() -> NemotronHConfig:
+    """A 20M-parameter Nemotron-H of 14 blocks in the released models' order (Mamba2 blocks each followed by an MLP,
+    an attention block after every third Mamba2 block) with one MTP layer (attention and MoE, under a tenth of the
+    model)."""
+    blocks = ["linear_attention", "mlp"] * 6
+    blocks[5:5] = ["full_attention"]
+    blocks[12:12] = ["full_attention"]
+    return NemotronHConfig(
+        hidden_size=512, layers_block_type=blocks,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
+        mamba_num_heads=16, mamba_head_dim=64, n_groups=1, expand=2, ssm_state_size=64, conv_kernel=4, chunk_size=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+        moe_shared_expert_intermediate_size=128, num_nextn_predict_layers=1,
+        mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=4096, **IDS,
+    )  # fmt: skip
+
+
+# --size -> (name, config, training steps, learning rate, whole library as the corpus)
+SIZES = {"small": ("nemotron-mtp", small, 600, 3e-3, False), "medium": ("nemotron-medium", medium, 480, 1.5e-3, True)}
 
 
 def causal(n: int) -> torch.Tensor:
@@ -72,16 +96,19 @@ def losses(model, mtp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--out", default=str(ROOT))
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, help="training steps (default: the size's)")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the size's)")
     args = p.parse_args()
+    name, config, steps, lr, recursive = SIZES[args.size]
+    args.steps, args.lr = args.steps or steps, args.lr or lr
     out = Path(args.out)
     torch.set_num_threads(2)
     torch.set_flush_denormal(True)
     tok = PreTrainedTokenizerFast.from_pretrained(ROOT / "tokenizer")
-    train_files, held_files = corpus_files()
+    train_files, held_files = corpus_files(recursive)
     data, _ = encode(tok, train_files)
     held, held_bytes = encode(tok, held_files)
     torch.manual_seed(0)
@@ -124,12 +151,15 @@ def main() -> None:
         "steps": args.steps, "batch": args.batch, "seq": SEQ, "mtp_loss_weight": MTP_WEIGHT,
         "train_seconds": train_seconds, "held_out_bits_per_byte": bits_per_byte(model, held, held_bytes),
         "held_out_mtp_top1": mtp_hits, "layers_block_type": model.config.layers_block_type,
-        "mtp_layers_block_type": model.config.mtp_layers_block_type,
+        "mtp_layers_block_type": model.config.mtp_layers_block_type, "lr": args.lr,
+        "corpus": {"files": len(train_files), "tokens": len(data), "held_out_files": len(held_files),
+                   "source": "Python standard library, " + ("whole" if recursive else "top-level") + " *.py",
+                   "whole_library": recursive},
     }  # fmt: skip
-    print(f"{NAME}: {info}", flush=True)
+    print(f"{name}: {info}", flush=True)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
     model.generation_config.bos_token_id = 1
-    where = out / NAME
+    where = out / name
     model.half().save_pretrained(where, safe_serialization=True)
     tok.save_pretrained(where)
     from safetensors.torch import load_file, save_file
@@ -139,7 +169,7 @@ def main() -> None:
     save_file({**load_file(str(weights)), **state}, str(weights), metadata={"format": "pt"})
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
-    report[NAME] = info
+    report[name] = info
     report_path.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -77,7 +77,7 @@ def load_pretrained(name: str, dtype: torch.dtype):
 
     from ssmspec import models
 
-    if not os.path.isdir(name) and name in models.EMBEDDED:  # an embedded model by its name
+    if not os.path.isdir(name) and name in models.NAMES:  # an embedded model by its name
         name = str(models.path(name))
     local = os.path.isdir(name)
     if not local and looks_like_path(name):
