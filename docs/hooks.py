@@ -12,6 +12,8 @@ Directives (an HTML comment, replaced by markdown when the page is built):
 - `<!-- ssmspec:spec-stats -->`: the keys of `out.spec_stats`, from ssmspec.speculate.engine.SpecStats.
 - `<!-- ssmspec:cli -->`: the `ssmspec` command's help, from its argument parser.
 - `<!-- ssmspec:embedded-models -->`: the models shipped in the package, from ssmspec/models/report.json.
+- `<!-- ssmspec:model-size -->`: docs/data/model_size.json (benchmarks/model_size.py) as a table;
+  `<!-- ssmspec:plot model-size -->` and `<!-- ssmspec:plot cost-curves -->` draw it.
 - `<!-- ssmspec:gpu -->`: docs/data/gpu.json (written by benchmarks/gpu.py).
 - `<!-- ssmspec:bench NAME -->`: a table of docs/data/NAME.json, with what the file records of its machine, date,
   command and code revision. `<!-- ssmspec:batched NAME -->`: a batched-throughput file as one row per batch size.
@@ -543,12 +545,15 @@ def _embedded_models() -> str:
         "mamba2-draft": "Mamba2 draft model, the same tokenizer",
         "bamba-hybrid": "Bamba (Mamba2 + attention)",
         "nemotron-mtp": "Nemotron-H (Mamba2 + attention + MLP), its checkpoint shipping an MTP layer",
+        "nemotron-medium": "Nemotron-H with an MTP layer and a draft head, sized so that a decode step reads its "
+        "weights from memory (trained on the whole standard library)",
     }
-    lines = ["| name | what | parameters | held-out bits per byte |", "|---|---|---|---|"]
-    for name in models.EMBEDDED:
+    lines = ["| name | what | parameters | held-out bits per byte | where |", "|---|---|---|---|---|"]
+    for name in models.NAMES:
         r = report.get(name, {})
+        where = "the wheel" if name in models.EMBEDDED else "the source repository (not the wheel)"
         lines.append(f"| `{name}` | {about.get(name, '')} | {r.get('params', 0) / 1e6:.2f}M | "
-                     f"{fmt(r.get('held_out_bits_per_byte'))} |")  # fmt: skip
+                     f"{fmt(r.get('held_out_bits_per_byte'))} | {where} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -854,6 +859,60 @@ def _plot_tree_vs_chain(_: str) -> str:
                      caption=_source_line(["tree_vs_chain"]))  # fmt: skip
 
 
+def _model_size_cases(rows: list[dict]) -> list[str]:
+    """The cases a model_size file measured (greedy, sampling T ..., random prompts), in its order."""
+    return [c for c in rows[0] if isinstance(rows[0][c], dict) and "speedup" in rows[0][c]]
+
+
+def _plot_model_size(_: str) -> str:
+    rows = load("model_size")["rows"]
+    trained = [r for r in rows if r.get("variant") == "default"]  # (not the same model with its MTP layer)
+    millions = lambda r: round(r["params"] / 1e6, 1)  # noqa: E731
+    series = {c: [(millions(r), r[c]["speedup"]) for r in trained] for c in _model_size_cases(trained)}
+    projected = [(millions(r), r["projected_greedy_speedup"]) for r in rows if "projected_greedy_speedup" in r]
+    if projected:
+        series["greedy, bound from the cost curve"] = projected
+    return line_plot(series, title="The default call over ssmspec's plain decoding, by model size", logx=True,
+                     xlabel="parameters (millions)", ylabel="x ssmspec plain decoding",
+                     caption=_source_line(["model_size"]))  # fmt: skip
+
+
+def _plot_cost_curves(_: str) -> str:
+    rows = load("model_size")["rows"]
+    series = {f"{r['model']} ({r['params'] / 1e6:.0f}M)": [(int(k), v) for k, v in r["curve"].items()]
+              for r in rows if r.get("variant") != "MTP layer"}  # fmt: skip
+    return line_plot(series, title="Verify cost of k nodes, in plain decode steps (each model's calibration)",
+                     logx=True, xlabel="nodes verified (k)", ylabel="cost / plain step",
+                     caption=_source_line(["model_size"]))  # fmt: skip
+
+
+def _model_size() -> str:
+    """docs/data/model_size.json as a table: per model, its size, its plain step, its cost curve at 8 nodes and the
+    default call's speed-up over plain decoding (tokens accepted per step) in each case measured."""
+    data = load("model_size")
+    rows = data["rows"]
+    cases = _model_size_cases([r for r in rows if not r.get("cost_only")])
+    # (a model measured twice, with its draft head and with its MTP layer: both rows, the default's first)
+    lines = [f"*{data['setup']}*", "",
+             "| model | parameters | float32 weights | plain step | verify(8) / plain | "
+             + " | ".join(f"{c} (accepted / step)" for c in cases) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(cases)]  # fmt: skip
+    for r in rows:
+        variant = {"MTP layer": ", drafting with its MTP layer", None: " (random, cost only)"}.get(r.get("variant"), "")
+        cells = [f"`{r['model']}`{variant}",
+                 f"{r['params'] / 1e6:.1f}M", f"{r['weight_mib_fp32']:.0f} MiB", f"{r['plain_step_ms']:.1f} ms",
+                 fmt(r["curve"].get("8"), "x")]  # fmt: skip
+        for c in cases:
+            if c in r:
+                cells.append(f"{fmt(r[c]['speedup'], 'x')} ({r[c]['accepted_per_step']:.2f})")
+            elif c == "greedy" and "projected_greedy_speedup" in r:
+                cells.append(f"at most {fmt(r['projected_greedy_speedup'], 'x')} (cost bound)")
+            else:
+                cells.append("not measured")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + _source_line(["model_size"])
+
+
 def _plot_methods(name: str) -> str:
     data = load(name)
     values = {m: r["speedup_vs_hf"] for m, r in data["methods"].items()}
@@ -862,7 +921,8 @@ def _plot_methods(name: str) -> str:
 
 
 _PLOTS = {"prompt-sets": _plot_prompt_sets, "batches": _plot_batches, "verify-cost": _plot_verify_cost,
-          "tree-vs-chain": _plot_tree_vs_chain, "methods": _plot_methods}  # fmt: skip
+          "tree-vs-chain": _plot_tree_vs_chain, "methods": _plot_methods, "model-size": _plot_model_size,
+          "cost-curves": _plot_cost_curves}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------- the hook
@@ -907,6 +967,7 @@ _RENDERERS = {
     "spec-stats": _spec_stats,
     "cli": _cli,
     "embedded-models": _embedded_models,
+    "model-size": _model_size,
     "gpu": _gpu,
     "speed-summary": speed_summary,
     "batched-gpu": _batched_gpu,

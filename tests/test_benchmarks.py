@@ -4,6 +4,7 @@ JSON the docs' GPU page reads."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,27 @@ def test_generic_path_benchmarks_run_and_agree_with_hf(tmp_path):
     rows = json.loads(cost.read_text())["rows"]  # RWKV's tree form: trees too, the chain form beside its chains
     assert [(r["nodes"], r["shape"]) for r in rows] == [(1, "chain"), (4, "chain"), (4, "tree")]
     assert all(("ratio_generic" in r) == (r["shape"] == "chain") for r in rows)
+
+
+def test_model_size_benchmark_runs_and_writes_what_the_docs_read(tmp_path):
+    """benchmarks/model_size.py at tiny sizes: the embedded target's default call against plain decoding (greedy
+    outputs asserted HF's inside the script), a random model's cost-only point, and the fields the docs table and
+    plots read (docs/hooks.py `_model_size`)."""
+    out = tmp_path / "model_size.json"
+    args = ["--models", "mamba2-target", "--prompts", "1", "--max-new-tokens", "8", "--repeats", "1",
+            "--random-models", "2x64", "--json", str(out)]  # fmt: skip
+    subprocess.run([sys.executable, "model_size.py", *args], cwd=ROOT / "benchmarks", check=True, timeout=900,
+                   capture_output=True, env={**os.environ, "SSMSPEC_CACHE": "off"})  # fmt: skip
+    data = json.loads(out.read_text())
+    assert {"date", "revision", "command", "machine", "torch", "transformers"} <= set(data)
+    target, random = data["rows"]
+    assert target["model"] == "mamba2-target" and target["variant"] == "default"
+    assert target["draft_head"] == "DraftHead"  # (the head saved beside the checkpoint)
+    for case in ("greedy", "sampling T 0.7", "random prompts, greedy"):
+        row = target[case]
+        assert row["speedup"] > 0 and row["accepted_per_step"] >= 1 and 0 <= row["drafted_steps"] <= 1
+    assert random["cost_only"] and random["model"] == "random mamba2 2x64"
+    for r in (target, random):
+        assert r["curve"]["1"] == 1.0 and r["plain_step_ms"] > 0
+        assert list(r["curve"].values()) == sorted(r["curve"].values())  # (a calibration's curve never decreases)
+    assert random["projected_greedy_speedup"] > 0 and "mamba2-target" in random["projected_from"]
