@@ -171,19 +171,21 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
         wants = [ref.generate(p, max_new_tokens=new, do_sample=False) for p in prompts]
     tokens = sum(w.shape[1] - p.shape[1] for w, p in zip(wants, prompts))
     eager = ssmspec.transform(models.load(name)[0].eval())
-    t0 = time.perf_counter()
-    compiled = ssmspec.transform(models.load(name)[0].eval(), compile={"progress": False})
-    warmup = time.perf_counter() - t0
-    compiler = compiled.__dict__.get("_ssmspec_step_compiler")
-    compiled_before = compiler.compilations if compiler is not None else 0
     plain = ssmspec.SpecConfig(drafter="none")
     methods = {  # (a prompt, the tokens to generate)
         "HF generate": lambda p, n: ref.generate(p, max_new_tokens=n, do_sample=False),
         "ssmspec plain (eager)": lambda p, n: eager.generate(p, max_new_tokens=n, speculation=plain),
         "ssmspec default (eager)": lambda p, n: eager.generate(p, max_new_tokens=n),
-        "ssmspec plain (compiled)": lambda p, n: compiled.generate(p, max_new_tokens=n, speculation=plain),
-        "ssmspec default (compiled)": lambda p, n: compiled.generate(p, max_new_tokens=n),
     }
+    warmup, compiler, compiled_before = None, None, 0
+    if args.compiled:
+        t0 = time.perf_counter()
+        compiled = ssmspec.transform(models.load(name)[0].eval(), compile={"progress": False})
+        warmup = time.perf_counter() - t0
+        compiler = compiled.__dict__.get("_ssmspec_step_compiler")
+        compiled_before = compiler.compilations if compiler is not None else 0
+        methods["ssmspec plain (compiled)"] = lambda p, n: compiled.generate(p, max_new_tokens=n, speculation=plain)
+        methods["ssmspec default (compiled)"] = lambda p, n: compiled.generate(p, max_new_tokens=n)
     llama = None
     if src is not None:
         gguf = convert(src, name, out_dir)
@@ -251,6 +253,12 @@ def main() -> None:
     p.add_argument("--work", default=str(Path.home() / ".cache" / "ssmspec" / "llamacpp"),
                    help="where llama.cpp is built and the GGUF files are kept")  # fmt: skip
     p.add_argument("--skip-llamacpp", action="store_true", help="HF and ssmspec only (no build)")
+    p.add_argument(
+        "--no-compiled",
+        dest="compiled",
+        action="store_false",
+        help="eager ssmspec only (no compiled model: its warm-up takes minutes on a larger model)",
+    )
     p.add_argument("--cold-start", action="store_true", help="also time the compiled warm-up in fresh processes")
     p.add_argument("--json")
     args = p.parse_args()
@@ -271,7 +279,8 @@ def main() -> None:
         if args.cold_start:
             row["cold_start"] = cold_start(name)
         result["models"].append(row)
-        print(f"\n{name} (compiled warm-up {row['warmup_s']:.1f} s{_cold(row)})")
+        warm = f"compiled warm-up {row['warmup_s']:.1f} s" if row["warmup_s"] is not None else "eager only"
+        print(f"\n{name} ({warm}{_cold(row)})")
         print(f"{'method':30} {'tok/s':>7} {'decode tok/s':>13} {'x HF':>6} {'decode x llama-bench':>21}  identical")
         for r in row["rows"]:
             lc = f"{r['x_llamacpp']:.2f}" if "x_llamacpp" in r else "-"
