@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 from _plot import _pyplot, _title, write_outputs
@@ -29,7 +28,7 @@ from _timing import provenance
 
 import ssmspec
 from ssmspec import models
-from ssmspec.bench import held_out_prompts
+from ssmspec.bench import best_time, held_out_prompts
 from ssmspec.hf import mtp as hf_mtp
 
 PLAIN = ssmspec.SpecConfig(drafter="none")
@@ -57,12 +56,6 @@ def calibrated_curve(model, ids: torch.Tensor) -> dict:
             "plain_step_ms": round(1e3 * calibration.decode_seconds(), 3)}  # fmt: skip
 
 
-def _timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
 def measure(name: str, args, mtp: bool = False) -> dict:
     """One embedded model's point: greedy, sampled and random-prompt speed-ups of the default call over plain
     decoding (totals over the prompts), accepted tokens per step, its drafter, and its cost curve. `mtp`: the model
@@ -80,9 +73,8 @@ def measure(name: str, args, mtp: bool = False) -> dict:
            "weight_mib_fp32": round(4 * params / 2**20, 1),
            "draft_head": type(head).__name__ if head is not None else None,
            **calibrated_curve(model, prompts[0])}  # fmt: skip
-    for ids in prompts[:1]:  # warm-up: allocator, lazy imports, the head's first call
-        model.generate(ids, max_new_tokens=8)
-        model.generate(ids, max_new_tokens=8, speculation=PLAIN)
+    model.generate(prompts[0], max_new_tokens=8)  # warm-up: allocator, lazy imports, the head's first call
+    model.generate(prompts[0], max_new_tokens=8, speculation=PLAIN)
     cases = [("greedy", prompts, {"do_sample": False})]
     cases += [(f"sampling T {t}", prompts, {"do_sample": True, "temperature": t, "top_p": 0.95})
               for t in args.temperatures]  # fmt: skip
@@ -97,11 +89,12 @@ def measure(name: str, args, mtp: bool = False) -> dict:
             for _ in range(args.repeats):
                 for side, extra in (("plain", {"speculation": PLAIN}), ("default", {})):
                     gen = torch.Generator().manual_seed(i) if kw["do_sample"] else None
-                    seconds, out = _timed(
+                    seconds, out = best_time(
                         lambda: model.generate(
                             ids, max_new_tokens=n, generator=gen, return_dict_in_generate=True, **kw, **extra
-                        )
-                    )  # noqa: B023
+                        ),
+                        1,
+                    )
                     best[side] = min(best[side], seconds)
                     if want is not None and not torch.equal(out.sequences, want):
                         raise AssertionError(f"{name}, {case}, prompt {i}: the {side} call differs from HF greedy")
