@@ -51,7 +51,9 @@ def report(tmp_path_factory) -> dict:
            "--master-port", str(_free_port()), str(worker), str(out), *paths]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-4000:]
+    # each rank's own last lines: the rank that failed first may not be the one whose error ends stderr
+    ranks = {r: [line for line in run.stderr.splitlines() if line.startswith(f"[rank{r}]")][-25:] for r in (0, 1)}
+    assert run.returncode == 0, "\n".join(["\n".join(lines) for lines in ranks.values()] + [run.stderr[-3000:]])
     return json.loads(out.read_text())
 
 
