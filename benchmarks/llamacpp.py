@@ -79,55 +79,53 @@ def build(work: Path, jobs: int) -> Path:
     return src
 
 
+def _patch(file: Path, done: str, edits: list[tuple[str, str, str]]) -> None:
+    """Apply `edits` ((anchor, replacement, what the anchor is)) to `file` once: not where `done` is already in it; a
+    missing anchor is named (another llama.cpp version)."""
+    text = file.read_text()
+    if done in text:
+        return
+    for anchor, replacement, what in edits:
+        if anchor not in text:
+            raise RuntimeError(f"{file}: {what} was not found (another llama.cpp version?)")
+        text = text.replace(anchor, replacement, 1)
+    file.write_text(text)
+
+
 def fix_converter(llama: Path) -> None:
     """The three fixes llama.cpp's converter needs for the embedded models (idempotent)."""
-    nemotron = llama / "conversion" / "nemotron.py"
-    text = nemotron.read_text()
-    if "ssmspec: dense" not in text:
-        anchor = '        has_moe_params = "num_experts_per_tok" in llm_config\n'
-        if anchor not in text:
-            raise RuntimeError(f"{nemotron}: Nemotron-H's MoE test was not found (another llama.cpp version?)")
-        # transformers' config fills num_experts_per_tok in for every Nemotron-H: MoE only where a block is one
-        dense = (
-            '        has_moe_params = "num_experts_per_tok" in llm_config and "moe" in (  # ssmspec: dense blocks\n'
-            '            llm_config.get("layers_block_type") or ["moe"])\n'
-        )
-        text = text.replace(anchor, dense, 1)
-        # ... and a dense model's MLP blocks are blocks with a feed-forward
-        types = '    _MLP_LAYER_TYPES = {"moe"}\n'
-        if types not in text:
-            raise RuntimeError(f"{nemotron}: Nemotron-H's MLP block types were not found (another llama.cpp version?)")
-        nemotron.write_text(text.replace(types, '    _MLP_LAYER_TYPES = {"moe", "mlp"}  # ssmspec\n', 1))
-    base = llama / "conversion" / "base.py"
-    text = base.read_text()
-    if TOKENIZER_HASH not in text:
-        anchor = "        if res is None:\n            logger.warning"
-        if anchor not in text:
-            raise RuntimeError(f"{base}: the pre-tokenizer table's end was not found (another llama.cpp version?)")
-        text = text.replace(anchor, f'        if chkhsh == "{TOKENIZER_HASH}":\n'
-                                    '            res = "gpt-2"  # ssmspec\'s byte-level BPE: the gpt-2 regex\n\n'
-                                    + anchor, 1)  # fmt: skip
-        base.write_text(text)
-    module = llama / "conversion" / "llama.py"
-    text = module.read_text()
-    if "attn_rotary_emb" not in text:
-        anchor = "        if self.undo_permute:\n"
-        if anchor not in text:
-            raise RuntimeError(f"{module}: LlamaModel's q/k permutation was not found (another llama.cpp version?)")
-        partial = (
-            '        _rot = self.hparams.get("attn_rotary_emb")  # ssmspec: permute only the rotated part of a head\n'
-            '        if self.undo_permute and _rot and name.endswith(("q_proj.weight", "k_proj.weight")):\n'
-            '            _nh = n_head if "q_proj" in name else n_kv_head\n'
-            "            _hd = data_torch.shape[0] // _nh\n"
-            "            if _rot < _hd:\n"
-            "                _w = data_torch.reshape(_nh, _hd, *data_torch.shape[1:]).clone()\n"
-            "                _w[:, :_rot] = _w[:, :_rot].reshape(_nh, 2, _rot // 2, *data_torch.shape[1:])"
-            ".swapaxes(1, 2).reshape(_nh, _rot, *data_torch.shape[1:])\n"
-            "                data_torch = _w.reshape(data_torch.shape)\n"
-            "                _rot = -1\n"
-            "        if self.undo_permute and _rot != -1:\n"
-        )
-        module.write_text(text.replace(anchor, partial, 1))
+    # transformers' config fills num_experts_per_tok in for every Nemotron-H: MoE only where a block is one, and a
+    # dense model's MLP blocks are blocks with a feed-forward
+    moe_test = '        has_moe_params = "num_experts_per_tok" in llm_config\n'
+    dense = (
+        '        has_moe_params = "num_experts_per_tok" in llm_config and "moe" in (  # ssmspec: dense blocks\n'
+        '            llm_config.get("layers_block_type") or ["moe"])\n'
+    )
+    _patch(llama / "conversion" / "nemotron.py", "ssmspec: dense", [
+        (moe_test, dense, "Nemotron-H's MoE test"),
+        ('    _MLP_LAYER_TYPES = {"moe"}\n', '    _MLP_LAYER_TYPES = {"moe", "mlp"}  # ssmspec\n',
+         "Nemotron-H's MLP block types"),
+    ])  # fmt: skip
+    table_end = "        if res is None:\n            logger.warning"
+    gpt2 = (f'        if chkhsh == "{TOKENIZER_HASH}":\n'
+            '            res = "gpt-2"  # ssmspec\'s byte-level BPE: the gpt-2 regex\n\n')  # fmt: skip
+    _patch(llama / "conversion" / "base.py", TOKENIZER_HASH,
+           [(table_end, gpt2 + table_end, "the pre-tokenizer table's end")])  # fmt: skip
+    partial = (
+        '        _rot = self.hparams.get("attn_rotary_emb")  # ssmspec: permute only the rotated part of a head\n'
+        '        if self.undo_permute and _rot and name.endswith(("q_proj.weight", "k_proj.weight")):\n'
+        '            _nh = n_head if "q_proj" in name else n_kv_head\n'
+        "            _hd = data_torch.shape[0] // _nh\n"
+        "            if _rot < _hd:\n"
+        "                _w = data_torch.reshape(_nh, _hd, *data_torch.shape[1:]).clone()\n"
+        "                _w[:, :_rot] = _w[:, :_rot].reshape(_nh, 2, _rot // 2, *data_torch.shape[1:])"
+        ".swapaxes(1, 2).reshape(_nh, _rot, *data_torch.shape[1:])\n"
+        "                data_torch = _w.reshape(data_torch.shape)\n"
+        "                _rot = -1\n"
+        "        if self.undo_permute and _rot != -1:\n"
+    )
+    _patch(llama / "conversion" / "llama.py", "attn_rotary_emb",
+           [("        if self.undo_permute:\n", partial, "LlamaModel's q/k permutation")])  # fmt: skip
 
 
 def convert(src: Path, name: str, out: Path) -> Path:
