@@ -38,20 +38,25 @@ MTP_WEIGHT = 0.3
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=2048, tie_word_embeddings=True)
 
 
+def nemotron_h(blocks: list[str], **sizes) -> NemotronHConfig:
+    """A Nemotron-H of these blocks and sizes with one MTP layer (an attention and a MoE block), the settings both
+    embedded Nemotron-H models share."""
+    return NemotronHConfig(
+        layers_block_type=blocks, num_key_value_heads=2, mamba_head_dim=64, n_groups=1, expand=2, conv_kernel=4,
+        chunk_size=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, num_nextn_predict_layers=1,
+        mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=4096, **IDS, **sizes,
+    )  # fmt: skip
+
+
 def small() -> NemotronHConfig:
     """A 2.2M-parameter Nemotron-H of 20 blocks (10 Mamba2, 8 MLP, 2 attention, the pattern of the released models)
     with one MTP layer (attention and MoE blocks, 0.2M parameters: under a tenth of the model, as in released
     checkpoints, where one MTP layer sits beside dozens of blocks)."""
     blocks = ["linear_attention", "mlp"] * 10
     blocks[5] = blocks[13] = "full_attention"
-    return NemotronHConfig(
-        hidden_size=128, layers_block_type=blocks,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
-        mamba_num_heads=4, mamba_head_dim=64, n_groups=1, expand=2, ssm_state_size=32, conv_kernel=4, chunk_size=64,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=96,
-        moe_shared_expert_intermediate_size=96, num_nextn_predict_layers=1,
-        mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=4096, **IDS,
-    )  # fmt: skip
+    return nemotron_h(blocks, hidden_size=128, num_attention_heads=4, head_dim=32, intermediate_size=256,
+                      mamba_num_heads=4, ssm_state_size=32, moe_intermediate_size=96,
+                      moe_shared_expert_intermediate_size=96)  # fmt: skip
 
 
 def medium() -> NemotronHConfig:
@@ -61,14 +66,9 @@ def medium() -> NemotronHConfig:
     blocks = ["linear_attention", "mlp"] * 6
     blocks[5:5] = ["full_attention"]
     blocks[12:12] = ["full_attention"]
-    return NemotronHConfig(
-        hidden_size=512, layers_block_type=blocks,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
-        mamba_num_heads=16, mamba_head_dim=64, n_groups=1, expand=2, ssm_state_size=64, conv_kernel=4, chunk_size=64,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
-        moe_shared_expert_intermediate_size=128, num_nextn_predict_layers=1,
-        mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=4096, **IDS,
-    )  # fmt: skip
+    return nemotron_h(blocks, hidden_size=512, num_attention_heads=8, head_dim=64, intermediate_size=1024,
+                      mamba_num_heads=16, ssm_state_size=64, moe_intermediate_size=128,
+                      moe_shared_expert_intermediate_size=128)  # fmt: skip
 
 
 # --size -> (name, config, training steps, learning rate, whole library as the corpus)
