@@ -192,6 +192,35 @@ def test_an_adaptive_calls_plain_steps_and_shadow_drafts_replay_the_one_node_ste
     assert max(out.spec_stats["tree_nodes_per_step"]) > 1 and len(decodes) >= len(reports)
 
 
+def test_plain_steps_the_policy_decided_ahead_run_back_to_back(monkeypatch):
+    """Where drafts are far from paying, the policy decides runs of plain steps ahead (`StepPolicy.plain_run`): a
+    compiled model takes them back to back, planned and observed once per run, not per step, with a row stopping at
+    EOS inside a run; the output stays HF's."""
+    from ssmspec.speculate import calibration, policy
+    from ssmspec.testing.drafters import RandomDrafter
+
+    ref = _model("mamba2")
+    eos = int(ref.generate(IDS, max_new_tokens=30, do_sample=False, eos_token_id=None)[0, IDS.shape[1] + 17])
+    want = ref.generate(IDS, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    model = _recorded(ref)
+    model.ssmspec_graphs = True
+    calibration.fixed(model, 2, {1: 1.0, 2: 3.0, 4: 5.0, 8: 9.0})  # (drafts far from paying, whatever is measured)
+    plans, runs = [], []
+    plan, observe_plain = policy.StepPolicy.plan, policy.StepPolicy.observe_plain
+    monkeypatch.setattr(policy.StepPolicy, "plan", lambda self, rows: plans.append(1) or plan(self, rows))
+    monkeypatch.setattr(policy.StepPolicy, "observe_plain",
+                        lambda self, n, *a: runs.append(n) or observe_plain(self, n, *a))  # fmt: skip
+    drafter = RandomDrafter(96, chain=True)
+    monkeypatch.setattr("ssmspec.speculate.generate.build_drafter", lambda *a, **k: drafter)
+    spec = SpecConfig(drafter="prompt_lookup", adaptive=True)
+    out = model.generate(IDS, max_new_tokens=30, eos_token_id=eos, pad_token_id=0, speculation=spec,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, want)
+    steps = out.spec_stats["verify_steps"]
+    assert max(out.spec_stats["tree_nodes_per_step"]) == 1  # (never drafted)
+    assert len(plans) + sum(runs) == steps and sum(runs) > steps // 2 and max(runs) >= 4
+
+
 def test_a_draft_heads_features_come_out_of_the_compiled_greedy_steps(monkeypatch):
     """A draft head drafts from the target's features at the last committed position: on a compiled model they come
     out of the plain step's and the greedy step's graphs (the accepted path's, gathered in the graph). Before every

@@ -73,14 +73,14 @@ class Acceptance:
                     totals[j] += 1.0
                     counts[j] += 1.0 if j < accepted else 0.0
 
-    def elapse(self, row: int) -> None:
-        """`row` decoded a token plainly: its own counts age by PLAIN_DECAY, toward the rates over all rows and calls.
-        A row's acceptance comes in runs, and a plain step tells nothing about the run it is in now: where a few
-        early rejections priced speculation out, the counts that did so would otherwise stand for the rest of the
-        call (held-out code at batch 1: 92 plain steps in a row on a prompt where trees gained 2.7 tokens a step).
-        Counted here, applied where the row's counts are next read (`_age`): a batch of 32 rows decoding plainly
-        aged every row's levels on every step (5 ms of a 1.6 s call)."""
-        self._aging[row] += 1
+    def elapse(self, row: int, steps: int = 1) -> None:
+        """`row` decoded a token plainly (`steps` of them, in as many plain steps): its own counts age by PLAIN_DECAY
+        a step, toward the rates over all rows and calls. A row's acceptance comes in runs, and a plain step tells
+        nothing about the run it is in now: where a few early rejections priced speculation out, the counts that did
+        so would otherwise stand for the rest of the call (held-out code at batch 1: 92 plain steps in a row on a
+        prompt where trees gained 2.7 tokens a step). Counted here, applied where the row's counts are next read
+        (`_age`): a batch of 32 rows decoding plainly aged every row's levels on every step (5 ms of a 1.6 s call)."""
+        self._aging[row] += steps
 
     def _age(self, row: int) -> None:
         """Apply the plain steps `elapse` counted for `row`: its counts times PLAIN_DECAY per step."""

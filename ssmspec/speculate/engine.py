@@ -5,6 +5,7 @@ stops."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +146,8 @@ def speculative_generate(
                 chosen = plain_step(runner, rows, chosen, proposer)
                 if chosen is not None:
                     policy.observe(StepReport.plain({r: rows.generated[r][-1] for r in active}, proposal))
+                    # the steps the policy would take plainly anyway, back to back, reported together
+                    chosen = plain_run(runner, rows, chosen, proposer, policy)
                     continue
             chosen = None  # (a general step: the next plain step reads its input from the rows)
             proposal = proposal or proposer.propose(plan, rows)
@@ -182,6 +185,21 @@ def plain_step(
         proposer.observe_path(runner.features, [1] * rows.batch, [r for r in range(rows.batch) if not rows.done[r]])
     rows.emit_greedy([[c] for c in chosen], [[t] for t in ties])
     return picks[0].clone()  # (a measurement between steps may replay the step before the next one reads it)
+
+
+def plain_run(runner: ModelRunner, rows: Rows, tokens: torch.Tensor, proposer: Proposer, policy: StepPolicy):
+    """The plain steps the policy has decided ahead (`StepPolicy.plain_run`), taken back to back as `plain_step`s and
+    reported together (`StepPolicy.observe_plain`); returns the last one's tokens (the next step's input)."""
+    ahead = policy.plain_run(rows)
+    if not ahead:
+        return tokens
+    active = [r for r in range(rows.batch) if not rows.done[r]]
+    started, taken = time.perf_counter(), 0
+    while taken < ahead and not rows.finished:
+        tokens = plain_step(runner, rows, tokens, proposer)
+        taken += 1
+    policy.observe_plain(taken, time.perf_counter() - started, active)
+    return tokens
 
 
 def greedy_step(runner: ModelRunner, rows: Rows, proposal: Proposal, proposer: Proposer) -> StepReport:

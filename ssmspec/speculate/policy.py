@@ -31,13 +31,18 @@ SHADOW_MAX = 32
 SHADOW_SHARE = 0.01
 # where the acceptance model prices every depth below this fraction of plain decoding's rate (and nothing measured
 # says otherwise), the next REPRICE_EVERY steps decode plainly without pricing: at batch 8-32, where speculation does
-# not pay on the embedded target, pricing every step cost about 1% of a call (8 ms of 640 at batch 8)
+# not pay on the embedded target, pricing every step cost about 1% of a call (8 ms of 640 at batch 8). Each further
+# pricing in a row that finds it far doubles the pause, up to REPRICE_FAR_MAX: between shadow drafts (priced at once)
+# a plain step changes the rates only by aging them, and on the compiled embedded target, which never drafted on
+# held-out code, pricing every 4 steps and the policy's bookkeeping per step made the default 0.93x its plain decoding
 FAR_FROM_PAYING = 0.85
 REPRICE_EVERY = 4
+REPRICE_FAR_MAX = 32
 # pricing a step (tens to a few hundred microseconds of Python) takes at most this share of the plain steps' time: where
-# plain steps are that cheap (a compiled 3M model's, about 0.5 ms against about 0.15 ms of pricing), a plain decision
-# holds for the steps that pay for it, up to REPRICE_MAX (shadow drafts still reprice at once)
-PRICING_SHARE = 0.05
+# plain steps are that cheap (a compiled 3M model's, about 0.4 ms against 30-150 us of pricing), a plain decision
+# holds for the steps that pay for it, up to REPRICE_MAX (shadow drafts still reprice at once). At 5% the compiled
+# embedded target's default call ran at 0.95x its plain decoding on held-out code (drafting nothing), at 1% 0.99x
+PRICING_SHARE = 0.01
 REPRICE_MAX = 16
 # a depth is priced by the nodes per level the drafter has been drafting (decayed by LEVEL_DECAY per speculative step),
 # not by the budget's: a drafter fills a large budget only where it finds that many candidates (n-gram trees of the
@@ -148,6 +153,24 @@ class StepPolicy:
                 self.depth_limit = min(self.depth_limit, self.num_draft_tokens)
         self._calibrate(elapsed)
 
+    def plain_run(self, rows: Rows) -> int:
+        """How many of the next steps are plain whatever they measure: no pricing due, no shadow draft, no back-off
+        ending (0: plan each). The engine may take them back to back and report them together (`observe_plain`): on
+        the compiled embedded target a plain step is about 0.4 ms, and planning and observing each one took 7% of
+        it."""
+        if self.adaptive is None or self.schedule != "constant":
+            return 0
+        # (every step of the run plans a depth above 0, as `plan` would: the shadow schedule counts those)
+        return max(0, min(self.adaptive.plain_run(), max(rows.remaining) - 2))
+
+    def observe_plain(self, steps: int, seconds: float, rows: list[int]) -> None:
+        """`steps` plain steps of a `plain_run` took `seconds` together (`rows`: the rows that took part): the
+        policy's state as if each had been planned and observed."""
+        if steps <= 0:
+            return
+        self.adaptive.observe_plain(steps, seconds, rows)
+        self._calibrate(seconds)
+
     def _calibrate(self, last_step: float) -> None:
         """Measure the calibration further between steps (within calibration.SHARE of the steps' time) and price with
         what it measured from the next step on."""
@@ -209,6 +232,7 @@ class AdaptiveDepth:
         self.level_nodes = min(self.per_depth, LEVEL_NODES)  # what drafts held per level (LEVEL_NODES)
         self.steps = 0
         self.reprice_at = 0  # the step from which depths are priced again (it pauses while far from speculating)
+        self.far = 0  # pricings in a row that found every depth far from paying (each doubles the pause)
         self.plain_steps = 0  # plain steps chosen in a row (low acceptance), and their shadow drafts' schedule
         self.next_shadow, self.shadows = 1, 0
         # seconds shadow drafts may still spend (SHADOW_SHARE of the plain steps' time), and what the last one took
@@ -284,11 +308,14 @@ class AdaptiveDepth:
         if chosen == 0 and len(gains) > 1 and self.goodput.keeps_speculating(best):
             chosen = best_depth(gains, 1)  # measured winning, a back-off's retry, or a first try
         elif chosen == 0 and best < FAR_FROM_PAYING:  # (nothing measured could make it speculate)
-            self.reprice_at = self.steps + REPRICE_EVERY
+            self.reprice_at = self.steps + min(REPRICE_FAR_MAX, REPRICE_EVERY * 2**self.far)
+            self.far += 1
+            return chosen
         elif chosen == 0 and self.goodput.measured and self.goodput.plain_seconds:  # (timed calls only: greedy)
             # pricing costs more than PRICING_SHARE of a plain step: the next ones decode plainly until they paid for it
             spent = time.perf_counter() - started
             self.reprice_at = self.steps + min(REPRICE_MAX, int(spent / (PRICING_SHARE * self.goodput.plain_seconds)))
+        self.far = 0
         return chosen
 
     def observe(self, report: StepReport, elapsed: float) -> None:
@@ -316,6 +343,36 @@ class AdaptiveDepth:
         self.goodput.record(report.nodes, seconds, report.progress)
         if report.nodes <= 1:  # a shadow waits until the plain steps since the last one paid for it
             self.shadow_budget = min(self.shadow_budget + SHADOW_SHARE * seconds, 2 * self.shadow_cost)
+
+    def plain_run(self) -> int:
+        """The next steps `choose` decodes plainly without pricing them or drafting a shadow: a back-off's (`Goodput`)
+        or a pause in pricing's (`_priced`), up to the step before the next shadow draft is due and paid for."""
+        if self.goodput.plain:
+            return self.goodput.forced
+        if not self.prices or self.steps >= self.reprice_at:
+            return 0
+        shadow = self.next_shadow - self.plain_steps - 1  # plain steps before a shadow draft is due
+        if shadow <= 0 and self.goodput.measured:
+            # due, waiting until the plain steps paid for it (`choose`): the steps that earn it at the recent pace
+            step = self.goodput.plain_seconds
+            owed = self.shadow_cost - self.shadow_budget
+            shadow = int(owed / (SHADOW_SHARE * step)) - 1 if step and owed > 0 else 0
+        return max(0, min(self.reprice_at - self.steps, shadow))
+
+    def observe_plain(self, steps: int, seconds: float, rows: list[int]) -> None:
+        """`steps` plain steps of a `plain_run` took `seconds` together: as `choose` then `observe` of each (the
+        same counts, the rows' acceptance aged, each step timed as their mean)."""
+        if not self.goodput.plain:
+            self.plain_steps += steps  # (as `choose` counts a plain step it chose)
+        self.steps += steps
+        if self.prices:
+            for r in rows:
+                self.acceptance.elapse(r, steps)
+        if self.agreement is not None:  # (every process agrees on the run's time, as on each step's)
+            seconds = self.agreement.seconds([seconds, 0.0])[0]
+        for _ in range(steps):
+            self.goodput.record(1, seconds / steps, 1)
+        self.shadow_budget = min(self.shadow_budget + SHADOW_SHARE * seconds, 2 * self.shadow_cost)
 
     def recalibrate(self, calibration: Calibration) -> None:
         """Price with what the calibration measured since the last step."""

@@ -519,25 +519,41 @@ def test_shadow_drafts_spend_a_bounded_share_of_plain_decoding(monkeypatch):
 
 def test_far_from_paying_the_policy_prices_every_few_steps(monkeypatch):
     """Where the acceptance model prices every depth far below plain decoding (a batch of rows that rarely accept),
-    the next REPRICE_EVERY steps decode plainly without pricing; a shadow draft's news is priced at once."""
+    the next REPRICE_EVERY steps decode plainly without pricing, and each further pricing in a row that finds it far
+    doubles the pause (up to REPRICE_FAR_MAX); a shadow draft's news is priced at once."""
 
-    priced = []
-    gains = policy.depth_gains
+    priced, shadows = [], []
+    gains, choose = policy.depth_gains, policy.AdaptiveDepth.choose
     monkeypatch.setattr(policy, "depth_gains", lambda *a, **k: priced.append(1) or gains(*a, **k))
+
+    def counting(self, *a):
+        out = choose(self, *a)
+        shadows.append(out[2] > 0)
+        return out
+
+    monkeypatch.setattr(policy.AdaptiveDepth, "choose", counting)
     ref = cached_tiny_model("mamba2")
     model = ssmspec.transform(copy.deepcopy(ref))
     ids = torch.randint(3, 90, (4, 8), generator=torch.Generator().manual_seed(1))
     want = ref.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
     calibration.fixed(model, 4, COST)  # a fixed curve: the depths do not depend on timing
     model._ssmspec_acceptance = {}
-    out, stats, _ = speculative_generate(
-        model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
-        drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
-    )  # fmt: skip
-    assert torch.equal(out, want)
+    counts = {}
+    for far_max in (policy.REPRICE_EVERY, policy.REPRICE_FAR_MAX):  # without the doubling, then with it
+        monkeypatch.setattr(policy, "REPRICE_FAR_MAX", far_max)
+        priced.clear(), shadows.clear()
+        out, stats, _ = speculative_generate(
+            model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
+            drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
+        )  # fmt: skip
+        assert torch.equal(out, want)
+        assert sum(n > 1 for n in stats.tree_nodes_per_step) == 0  # 0.5 per level for each of 4 rows: never tried
+        counts[far_max] = len(priced), sum(shadows)
     steps = stats.verify_steps
-    assert sum(n > 1 for n in stats.tree_nodes_per_step) == 0  # 0.5 per level for each of 4 rows: never tried
-    assert len(priced) <= steps // policy.REPRICE_EVERY + 4  # (+ the repricing after each shadow draft)
+    undoubled, doubled = counts[policy.REPRICE_EVERY], counts[policy.REPRICE_FAR_MAX]
+    assert steps // policy.REPRICE_EVERY <= undoubled[0] <= steps // policy.REPRICE_EVERY + undoubled[1] + 1
+    # 4, 8, 16 steps apart between the shadow drafts' pricings (each shadow priced at once, and far again: longer)
+    assert doubled[0] <= 1 + doubled[1] + 3 and doubled[0] < undoubled[0]
     # nothing far, and pricing cheap against a step: every step priced
     priced.clear()
     monkeypatch.setattr(policy, "FAR_FROM_PAYING", 0.0)
@@ -726,3 +742,44 @@ def test_plain_steps_age_a_rows_counts_when_they_are_next_read():
             eager.progress_survival(range(rows), behind, 5), rel=1e-12
         )
         assert lazy.profile() == eager.profile()
+
+
+@pytest.mark.parametrize("case", ["pause", "shadow unpaid", "backing off"])
+def test_a_plain_run_leaves_the_policy_as_its_steps_one_by_one(case):
+    """`AdaptiveDepth.plain_run` counts the steps `choose` would decode plainly without pricing or a shadow draft (a
+    pause in pricing up to the next shadow draft, a shadow due but not paid for yet, a back-off), and `observe_plain`
+    of them leaves the policy as choosing and observing each would: the same counts, the rows' acceptance aged as far,
+    the same plain steps timed, the same shadow budget."""
+    from ssmspec.speculate.step import StepReport
+
+    def depth():
+        goodput = adaptive.Goodput(COST, decode_seconds=0.004, batch=2)
+        out = policy.AdaptiveDepth(Acceptance(2), goodput, tree_budget=8, num_draft_tokens=4)
+        out.steps, out.plain_steps, out.reprice_at = 10, 6, 40
+        out.next_shadow = 7 if case == "shadow unpaid" else 30
+        out.shadow_cost, out.shadow_budget = (1e-3 if case == "shadow unpaid" else 1e-5), 0.0
+        out.acceptance.update(0, 3, 1)
+        for _ in range(3):  # (plain steps measured: the bar and its pace)
+            goodput.record(1, 0.004, 1)
+        if case == "backing off":
+            goodput.forced = 7
+        return out
+
+    one_by_one, run = depth(), depth()
+    ahead = run.plain_run()
+    # the back-off's steps; the steps before the shadow is due; the steps that pay for it (1% of 4 ms each)
+    assert ahead == {"pause": 30 - 6 - 1, "shadow unpaid": int(1e-3 / (0.01 * 0.004)) - 1, "backing off": 7}[case]
+    for _ in range(ahead):
+        chosen, _, shadow = one_by_one.choose(None, 4, 8)  # (unpriced: `rows` is never read)
+        assert chosen == 0 and shadow == 0
+        one_by_one.observe(StepReport.plain({0: 5, 1: 6}), 0.004)
+    run.observe_plain(ahead, 0.004 * ahead, [0, 1])
+    for a, b in ((one_by_one, run), (one_by_one.goodput, run.goodput), (one_by_one.acceptance, run.acceptance)):
+        same = ("steps", "plain_steps", "next_shadow", "reprice_at", "shadow_budget", "forced", "retry_due", "_aging")
+        for name in same:
+            if hasattr(a, name):
+                assert getattr(a, name) == pytest.approx(getattr(b, name)), name
+    assert list(one_by_one.goodput._plain) == pytest.approx(list(run.goodput._plain))
+    assert one_by_one.acceptance.level_rates(0, 3) == pytest.approx(run.acceptance.level_rates(0, 3))
+    if case == "pause":  # the step after the run drafts a shadow (paid for by then), as `plain_run` foresaw
+        assert run.plain_run() == 0 and one_by_one.choose(None, 4, 8)[2] > 0
