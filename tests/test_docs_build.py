@@ -119,3 +119,45 @@ def test_a_code_value_that_is_none_fails_the_build_instead_of_rendering_a_blank(
     from ssmspec.speculate.defaults import NGRAM
 
     assert hooks.placeholder("code", "ssmspec.speculate.defaults.NGRAM.tree_budget") == str(NGRAM.tree_budget)
+
+
+# statements a page must not make while the code does the opposite: (what, pattern, whether the code contradicts it)
+def _captures_steps() -> bool:
+    import dataclasses
+
+    from ssmspec import SpecConfig
+    from ssmspec.speculate.runner import ModelRunner
+
+    return "graphs" in {f.name for f in dataclasses.fields(SpecConfig)} and hasattr(ModelRunner, "verify_greedy")
+
+
+def _default_drafts_with_mtp() -> bool:
+    from ssmspec.speculate import generate
+
+    return generate.MTP_MAX_SHARE > 0
+
+
+CONTRADICTIONS = [
+    ("the engine does not capture its steps", r"(?:does not|doesn't|never) capture (?:its|the|a)? ?steps?"
+     r"|does not capture it\b|no captured steps", _captures_steps),
+    ("an MTP layer is opt-in", r"MTP[^.\n]{0,80}\bopt-in|opt-in[^.\n]{0,80}\bMTP", _default_drafts_with_mtp),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, pattern, contradicted", CONTRADICTIONS, ids=[c[0] for c in CONTRADICTIONS])
+def test_no_page_states_the_opposite_of_what_the_code_does(what, pattern, contradicted):
+    """A page that says what the code no longer does (the engine captures its steps; the default drafts with a small
+    MTP layer) fails here, naming the page and the words."""
+    assert contradicted(), f"the code no longer does the opposite of '{what}': drop or invert this check"
+    hits = []
+    for path in [README, *PAGES]:
+        text = " ".join(path.read_text().split())
+        hits += [f"{path.relative_to(ROOT)}: ...{text[max(0, m.start() - 60) : m.end() + 40]}..."
+                 for m in re.finditer(pattern, text, re.I)]  # fmt: skip
+    assert not hits, f"pages say {what!r}, which the code contradicts: {hits}"
+
+
+def test_a_contradiction_is_found_where_a_page_makes_it():
+    text = "Fused kernels are next. The ssmspec step can be captured, but the engine does not capture its steps yet."
+    assert re.search(CONTRADICTIONS[0][1], text, re.I)
+    assert re.search(CONTRADICTIONS[1][1], "Drafting with an MTP layer is opt-in: pass drafter='mtp'.", re.I)
