@@ -161,3 +161,15 @@ def test_a_contradiction_is_found_where_a_page_makes_it():
     text = "Fused kernels are next. The ssmspec step can be captured, but the engine does not capture its steps yet."
     assert re.search(CONTRADICTIONS[0][1], text, re.I)
     assert re.search(CONTRADICTIONS[1][1], "Drafting with an MTP layer is opt-in: pass drafter='mtp'.", re.I)
+
+
+def test_the_readme_compares_sampling_with_the_fastest_plain_decoder_of_its_run():
+    """The sampling rows' "over the fastest plain decoder" is the default's rate over the best of HF's sampling and
+    ssmspec's plain decoding at that temperature, not a blank."""
+    data = hooks.load("e2e_defaults")
+    table = hooks.speed_summary().splitlines()
+    for t in ("0.7", "1.0"):
+        rates = {k: v["tokens_per_s"] for k, v in data["sampling"]["temperatures"][t].items()}
+        want = rates["ssmspec default"] / max(rates["HF sampling"], rates["ssmspec autoregressive"])
+        row = next(line for line in table if f"temperature {t}" in line)
+        assert row.split("|")[4].strip() == hooks.fmt(want, "x")
