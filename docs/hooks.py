@@ -399,7 +399,8 @@ def families_line() -> str:
     from ssmspec.testing.configs import GENERIC_FAMILIES, SUPPORTED_FAMILIES, UNSUPPORTED_FAMILIES
 
     seams, generic, refused = (", ".join(f) for f in (SUPPORTED_FAMILIES, GENERIC_FAMILIES, UNSUPPORTED_FAMILIES))
-    return (f"{len(SUPPORTED_FAMILIES)} families through ssmspec's kernel seams (trees and batches: {seams}), "
+    seam = "[kernel seams](docs/reference/glossary.md#kernel-seam)"
+    return (f"{len(SUPPORTED_FAMILIES)} families through ssmspec's {seam} (trees and batches: {seams}), "
             f"{len(GENERIC_FAMILIES)} through Hugging Face's own forward ({generic}); refused, naming the module: "
             f"{refused}.\n")  # fmt: skip
 

@@ -173,3 +173,37 @@ def test_the_readme_compares_sampling_with_the_fastest_plain_decoder_of_its_run(
         want = rates["ssmspec default"] / max(rates["HF sampling"], rates["ssmspec autoregressive"])
         row = next(line for line in table if f"temperature {t}" in line)
         assert row.split("|")[4].strip() == hooks.fmt(want, "x")
+
+
+# terms a reader may not know, the glossary's section for each, and the pages that define them where they are used
+GLOSSARY_TERMS = {
+    "kernel seam": ("kernel-seam", {"explanation/how-it-works.md", "explanation/generic-path.md"}),
+    "GDN": ("gdn-kda", set()),
+    "KDA": ("gdn-kda", {"explanation/how-it-works.md"}),
+    "RASD": ("rasd", {"guides/draft-model.md"}),
+    "DySpec": ("dyspec", {"guides/draft-model.md"}),
+    "Saguaro": ("saguaro", {"guides/drafters.md"}),
+    "VocabTrim": ("vocabtrim", {"guides/draft-model.md"}),
+    "op tape": ("op-tape", {"guides/compile.md"}),
+    "near-tie": ("near-tie", set()),
+}
+
+
+def test_every_page_that_uses_a_term_of_the_glossary_links_it():
+    """The glossary has a section for each term, and a page that uses one in its prose (not in code) links to that
+    section, unless the page is where the term is defined."""
+    glossary = (DOCS / "reference" / "glossary.md").read_text()
+    missing = []
+    for term, (anchor, homes) in GLOSSARY_TERMS.items():
+        assert any(re.sub(r"[^\w]+", "-", h.lower()).strip("-") == anchor
+                   for h in re.findall(r"^## (.+)$", glossary, re.M)), f"no glossary section #{anchor}"  # fmt: skip
+        for path in [README, *PAGES]:
+            name = str(path.relative_to(DOCS)) if path != README else "README.md"
+            if name in homes or name == "reference/glossary.md":
+                continue
+            prose = re.sub(r"`[^`\n]*`", "", hooks._FENCE.sub("", path.read_text()))
+            prose = re.sub(r"^(?:    |#).*$", "", prose, flags=re.M)  # (indented code, headings)
+            prose = re.sub(r"\[[^\]]*\]\((?!\S*glossary\.md)[^)]*\)", "", prose)  # (other links' texts)
+            if re.search(rf"(?<![\w-]){re.escape(term)}", prose) and f"glossary.md#{anchor}" not in prose:
+                missing.append(f"{name}: {term}")
+    assert not missing, f"pages using a glossary term without linking it: {missing}"
