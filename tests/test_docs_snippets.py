@@ -1,0 +1,109 @@
+"""Every fenced Python block in README.md and docs/ runs, on the embedded models, so that no snippet a user copies
+fails on a missing import or an argument that no longer exists.
+
+A page's blocks run in order in one namespace (a later block continues an earlier one), in a scratch directory. The
+namespace starts with the objects a page's prose names but does not build (`PRELUDE`: `model`, `ids`, `tok`,
+`path`, ...), never with modules: a block imports what it uses. A block preceded by
+`<!-- ssmspec:snippet replace: OLD => NEW; ... -->` runs with those texts replaced (a checkpoint path by an embedded
+model's, a GPU by the CPU), one preceded by `<!-- ssmspec:snippet skip: REASON -->` does not run, for that reason.
+Steps compiled by `transform(compile=True)` run their recorded graphs without Inductor's code generation (as in
+tests/test_compiled_steps.py): the same calls, in seconds instead of minutes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+_BLOCK = re.compile(r"(?:<!-- ssmspec:snippet (?P<how>.*?) -->\n+)?^```python[^\n]*\n(?P<code>.*?)^```", re.S | re.M)
+
+
+def blocks(path: Path) -> list[tuple[str, str]]:
+    """(how, code) of each Python block of a page, in order (`how`: the snippet directive's text, or "")."""
+    return [(m.group("how") or "", m.group("code")) for m in _BLOCK.finditer(path.read_text())]
+
+
+def prepared(code: str, how: str) -> str | None:
+    """The code to run (None: skipped), the directive's replacements made; a replacement that matches nothing fails."""
+    if how.startswith("skip:"):
+        assert how[5:].strip(), "a skipped snippet names its reason"
+        return None
+    if how.startswith("replace:"):
+        for pair in how[8:].split(";"):
+            old, new = (part.strip() for part in pair.split("=>"))
+            assert old in code, f"the snippet directive replaces {old!r}, which the block does not contain"
+            code = code.replace(old, new)
+    elif how:
+        raise AssertionError(f"unknown snippet directive {how!r}: 'skip: REASON' or 'replace: OLD => NEW; ...'")
+    return code
+
+
+def prelude() -> dict:
+    """The objects pages name without building them: the embedded target (`hf_model` as loaded, `model`
+    transformed), its tokenizer, a prompt, a checkpoint directory, a draft model, a corpus index, a batch of prompts."""
+    import ssmspec
+    from ssmspec import models
+
+    hf_model, tok = models.load("mamba2-target")
+    ids = tok("import os\ndef walk(top):", return_tensors="pt").input_ids
+    texts = [(Path(ssmspec.__file__).parent / name).read_text() for name in ("__init__.py", "tree.py")]
+    return {
+        "hf_model": hf_model, "model": ssmspec.transform(models.load("mamba2-target")[0]), "tok": tok,
+        "tokenizer": tok, "ids": ids, "attention_mask": torch.ones_like(ids), "example_ids": ids,
+        "prompts": ["import os\ndef walk(top):", "def fib(n):\n    if n < 2:"],
+        "path": str(models.path("mamba2-target")), "draft": models.load("mamba2-draft")[0],
+        "my_model": models.load("mamba2-target")[0], "V": hf_model.config.vocab_size,
+        "token_id_sequences": [tok(t, return_tensors="pt").input_ids[0] for t in texts],
+        "index": ssmspec.SuffixIndex.from_texts(texts, tok),
+    }  # fmt: skip
+
+
+@functools.cache
+def _uncompiled_steps():
+    """`StepCompiler` running the recorded graphs as they are (no Inductor code generation)."""
+    from ssmspec.compile.lower import StepCompiler
+
+    return functools.partial(StepCompiler, inductor=False)
+
+
+CASES = [(page, i) for page in PAGES for i in range(len(blocks(page)))]
+
+
+@pytest.mark.parametrize("page", sorted({p for p, _ in CASES}), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_of_a_page_runs(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # (the module, which `ssmspec.transform` the function shadows as an attribute of the package)
+    importlib.import_module("ssmspec.transform")
+    monkeypatch.setattr(sys.modules["ssmspec.transform"], "StepCompiler", _uncompiled_steps())
+    namespace = prelude()
+    ran = 0
+    for i, (how, code) in enumerate(blocks(page)):
+        code = prepared(code, how)
+        if code is None:
+            continue
+        try:
+            exec(compile(code, f"{page.relative_to(ROOT)}: block {i + 1}", "exec"), namespace)
+        except Exception as exc:
+            raise AssertionError(f"{page.relative_to(ROOT)}, Python block {i + 1} failed: {exc!r}\n{code}") from exc
+        ran += 1
+    assert ran or all(how.startswith("skip:") for how, _ in blocks(page))
+
+
+def test_the_snippet_directives_do_what_they_say():
+    assert prepared("x = f('a')\n", "skip: needs a GPU") is None
+    assert prepared("x = f('a')\n", "replace: 'a' => 'b'") == "x = f('b')\n"
+    with pytest.raises(AssertionError, match="does not contain"):
+        prepared("x = f('a')\n", "replace: 'c' => 'b'")
+    with pytest.raises(AssertionError, match="names its reason"):
+        prepared("x = 1\n", "skip:")
+    text = "<!-- ssmspec:snippet skip: a reason -->\n```python\nx = 1\n```\n\n```python\ny = 2\n```\n"
+    found = [(m.group("how") or "", m.group("code")) for m in _BLOCK.finditer(text)]
+    assert found == [("skip: a reason", "x = 1\n"), ("", "y = 2\n")]
