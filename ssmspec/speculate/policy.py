@@ -280,7 +280,6 @@ class AdaptiveDepth:
             if self.plain_steps >= self.next_shadow and affordable:
                 shadow = max(1, min(self.tree_budget, int(round(min(self.per_depth, WIDEST)))))
                 self.shadows += 1
-                self.reprice_at = 0  # its rates are news: priced again next step
                 spacing = min(SHADOW_MAX, SHADOW_EVERY * 2 ** (self.shadows // SHADOW_EVERY))
                 self.next_shadow = self.plain_steps + spacing
         elif chosen > 0:
@@ -332,6 +331,8 @@ class AdaptiveDepth:
                     self.acceptance.update(r, drafted, report.accepted[r])
                 elif r in report.shadow_hits:
                     self.acceptance.update(r, 1, int(report.shadow_hits[r]))
+                    if report.shadow_hits[r]:  # news that may make drafting pay: priced again next step (a miss
+                        self.reprice_at = 0  # only lowers the rates of a policy already decoding plainly)
                 else:
                     self.acceptance.elapse(r)
         times = [elapsed, report.shadow_seconds]
