@@ -50,7 +50,7 @@ def calibrated_curve(model, ids: torch.Tensor) -> dict:
     verify(k) / plain step}, "plain_step_ms"}."""
     spec = ssmspec.SpecConfig(drafter="prompt_lookup", tree=True, tree_budget=32, num_draft_tokens=16)
     ssmspec.calibrate(model, ids, max_new_tokens=4, speculation=spec)
-    calibration = model.__dict__["_ssmspec_calibration"][(1, "cpu")]  # kept on the model (speculate.calibration)
+    calibration = ssmspec.calibration_of(model, batch=1, device="cpu")
     curve = calibration.curve()
     return {"curve": {k: round(curve[k], 3) for k in CURVE_SIZES if k in curve},
             "plain_step_ms": round(1e3 * calibration.decode_seconds(), 3)}  # fmt: skip

@@ -11,6 +11,7 @@ from ssmspec.errors import (
     VocabMismatchError,
 )
 from ssmspec.hf.cache import SpecCache
+from ssmspec.speculate.calibration import kept as calibration_of
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.transform import calibrate, transform
@@ -30,6 +31,7 @@ __all__ = [
     "UnsupportedSettingError",
     "VocabMismatchError",
     "calibrate",
+    "calibration_of",
     "models",
     "transform",
 ]

@@ -355,14 +355,22 @@ def for_runner(model: nn.Module, runner) -> Calibration:
     return calibration
 
 
+def kept(
+    model: nn.Module, batch: int = 1, device: str | torch.device = "cpu", path: str = "seams"
+) -> Calibration | None:
+    """The calibration kept on a transformed `model` for calls of `batch` rows on `device` (`path` "generic": HF's
+    forward, whose calibrations are its own), or None where no call has started one: what the adaptive policy prices
+    with (`Calibration.curve`, `.decode_seconds`, `.complete`). Public as `ssmspec.calibration_of`."""
+    return model.__dict__.get("_ssmspec_calibration", {}).get(_key_of(batch, torch.device(device).type, path))
+
+
 def fixed(model: nn.Module, batch: int, curve: dict[int, float], decode_seconds: float | None = None,
           device: str = "cpu", path: str = "seams") -> Calibration:  # fmt: skip
     """Give `model` a calibration set by hand for a batch size and device (`Calibration.fix`): its calls price with
     it and measure nothing."""
     calibration = Calibration(batch=batch)
     calibration.fix(curve, decode_seconds)
-    key = (batch, device) if path == "seams" else (batch, device, path)
-    model.__dict__.setdefault("_ssmspec_calibration", {})[key] = calibration
+    model.__dict__.setdefault("_ssmspec_calibration", {})[_key_of(batch, device, path)] = calibration
     return calibration
 
 
@@ -377,8 +385,12 @@ def complete_before(model: nn.Module, runner, sampling: bool) -> bool:
 def _key(runner) -> tuple:
     """What a calibration is kept under on the model: batch size and device; HF's forward on the generic path has
     calibrations of its own."""
-    key = (int(runner.cache.n_real.shape[0]), runner.cache.n_real.device.type)
-    return (*key, runner.path) if getattr(runner, "path", "seams") == "generic" else key
+    return _key_of(int(runner.cache.n_real.shape[0]), runner.cache.n_real.device.type, getattr(runner, "path", "seams"))
+
+
+def _key_of(batch: int, device: str, path: str = "seams") -> tuple:
+    """(batch, device type), and the path where it is HF's forward ("generic")."""
+    return (int(batch), device) if path != "generic" else (int(batch), device, path)
 
 
 def measure_cost(runner, sizes: Sequence[int] = COST_SIZES) -> dict[int, float]:

@@ -166,3 +166,21 @@ def test_a_fixed_calibration_is_used_as_given_and_never_measured():
     assert out.spec_stats["calibrated"] and out.spec_stats["calibration_seconds"] == 0.0
     assert model._ssmspec_calibration[(1, "cpu")] is fixed
     assert fixed.curve() == {1: 1.0, 2: 1.5, 32: 3.0} and fixed.decode_seconds() == 0.002
+
+
+def test_a_models_calibration_is_read_through_the_public_accessor(tmp_path, monkeypatch):
+    """`ssmspec.calibration_of(model, batch, device)` is the calibration a call of that batch size kept on the model
+    (what its steps were priced with), None before any call, and one of its own per batch size."""
+    monkeypatch.setenv(calibration.CALIBRATION_DIR, str(tmp_path))
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model("mamba2")))
+    assert ssmspec.calibration_of(model) is None
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    ssmspec.calibrate(model, ids, max_new_tokens=8, speculation=SpecConfig(drafter="prompt_lookup", tree_budget=4))
+    kept = ssmspec.calibration_of(model, batch=1, device="cpu")
+    assert kept is model.__dict__["_ssmspec_calibration"][(1, "cpu")] and kept.complete
+    assert sorted(kept.curve()) == sorted(kept.sizes) and kept.decode_seconds() > 0
+    assert ssmspec.calibration_of(model, batch=2) is None
+    fixed = calibration.fixed(model, 2, {1: 1.0, 4: 1.5})
+    assert ssmspec.calibration_of(model, batch=2, device=torch.device("cpu")) is fixed
+    generic = calibration.fixed(model, 1, {1: 1.0, 4: 2.0}, path="generic")
+    assert ssmspec.calibration_of(model, path="generic") is generic and ssmspec.calibration_of(model) is kept
