@@ -32,16 +32,18 @@ SHADOW_SHARE = 0.01
 # where the acceptance model prices every depth below this fraction of plain decoding's rate (and nothing measured
 # says otherwise), the next REPRICE_EVERY steps decode plainly without pricing: at batch 8-32, where speculation does
 # not pay on the embedded target, pricing every step cost about 1% of a call (8 ms of 640 at batch 8). Each further
-# pricing in a row that finds it far doubles the pause, up to REPRICE_FAR_MAX: between shadow drafts (priced at once)
-# a plain step changes the rates only by aging them, and on the compiled embedded target, which never drafted on
-# held-out code, pricing every 4 steps and the policy's bookkeeping per step made the default 0.93x its plain decoding
+# pricing in a row that finds it far doubles the pause, up to REPRICE_FAR_MAX: between shadow drafts (one that hit is
+# priced at once) a plain step changes the rates only by aging them, and on the compiled embedded target, which never
+# drafted on held-out code, pricing every 4 steps and the policy's bookkeeping per step made the default 0.93x its
+# plain decoding
 FAR_FROM_PAYING = 0.85
 REPRICE_EVERY = 4
 REPRICE_FAR_MAX = 32
 # pricing a step (tens to a few hundred microseconds of Python) takes at most this share of the plain steps' time: where
 # plain steps are that cheap (a compiled 3M model's, about 0.4 ms against 30-150 us of pricing), a plain decision
-# holds for the steps that pay for it, up to REPRICE_MAX (shadow drafts still reprice at once). At 5% the compiled
-# embedded target's default call ran at 0.95x its plain decoding on held-out code (drafting nothing), at 1% 0.99x
+# holds for the steps that pay for it, up to REPRICE_MAX (a shadow draft that hit still reprices at once). In one run
+# at 5% the compiled embedded target's default call ran at 0.95x its plain decoding on held-out code (drafting
+# nothing), at 1% 0.99x
 PRICING_SHARE = 0.01
 REPRICE_MAX = 16
 # a depth is priced by the nodes per level the drafter has been drafting (decayed by LEVEL_DECAY per speculative step),
@@ -342,8 +344,8 @@ class AdaptiveDepth:
             self.shadow_cost = shadow_seconds
             self.shadow_budget -= shadow_seconds
         self.goodput.record(report.nodes, seconds, report.progress)
-        if report.nodes <= 1:  # a shadow waits until the plain steps since the last one paid for it
-            self.shadow_budget = min(self.shadow_budget + SHADOW_SHARE * seconds, 2 * self.shadow_cost)
+        if report.nodes <= 1:
+            self._earn_shadow(seconds)
 
     def plain_run(self) -> int:
         """The next steps `choose` decodes plainly without pricing them or drafting a shadow: a back-off's (`Goodput`)
@@ -373,6 +375,11 @@ class AdaptiveDepth:
             seconds = self.agreement.seconds([seconds, 0.0])[0]
         for _ in range(steps):
             self.goodput.record(1, seconds / steps, 1)
+        self._earn_shadow(seconds)
+
+    def _earn_shadow(self, seconds: float) -> None:
+        """Plain steps of `seconds` (together) pay SHADOW_SHARE of their time toward the next shadow draft, which waits
+        until they paid for the last one's cost (kept at most twice that)."""
         self.shadow_budget = min(self.shadow_budget + SHADOW_SHARE * seconds, 2 * self.shadow_cost)
 
     def recalibrate(self, calibration: Calibration) -> None:
