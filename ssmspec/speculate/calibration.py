@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ssmspec.speculate.step import Runner
 from ssmspec.tree import TokenTree
 
 # the tree sizes whose verify cost is measured (powers of two up to the largest a call can verify, and that one, up to
@@ -175,7 +176,7 @@ class Calibration:
         self.fixed = ({1: 1.0, **{int(n): float(c) for n, c in curve.items()}}, decode_seconds)
         self.sizes = set(self.fixed[0])
 
-    def apply(self, runner) -> None:
+    def apply(self, runner: Runner) -> None:
         """Set the runner's choices as measured so far: its one-node path (the tree path until measured, where the
         runner chooses) and its linears per size (packed until measured)."""
         if self.paths != (None,) and chooses_path(runner):
@@ -200,7 +201,9 @@ class Calibration:
                 if self.runs.get(item, 0) <= want:
                     yield item
 
-    def measure(self, runner, budget: float | None = None, estimate: float = 0.0, cap: int | None = None) -> float:
+    def measure(
+        self, runner: Runner, budget: float | None = None, estimate: float = 0.0, cap: int | None = None
+    ) -> float:
         """Run pending measurements on the runner (each rolled back) until `budget` seconds would be exceeded (None:
         until complete; under tensor parallelism, every process's timings agreed in one collective at the end, as the
         slowest process measured them). `estimate`: what a measurement of unknown cost is expected to take at least (a
@@ -246,7 +249,7 @@ class Calibration:
             for key in [k for k in table if k[0] == "size" and k[1] >= n]:
                 del table[key]
 
-    def measure_between_steps(self, runner, step_seconds: float, cap: int | None = None) -> float:
+    def measure_between_steps(self, runner: Runner, step_seconds: float, cap: int | None = None) -> float:
         """After a step of `step_seconds`: measure within what the steps so far earned (SHARE of their time, every
         call on this model and key together, so that short calls add up; the first call spends at most SHARE of its
         own). `cap`: as `measure`'s. Returns the seconds spent."""
@@ -277,7 +280,7 @@ class Calibration:
         return out
 
 
-def _time(runner, item: tuple) -> float:
+def _time(runner: Runner, item: tuple) -> float:
     """Seconds of one measurement (see `Calibration.items`), rolled back: a one-node step's forward and commit from a
     snapshot, an n-node chain's forward then discarded; with captured steps, every size's forward and commit (a commit
     is a step of its own there, captured and timed with its verify step); with steps compiled on a CPU, every size's
@@ -291,13 +294,13 @@ def _time(runner, item: tuple) -> float:
         runner.decode_single_nodes = key
     n = 1 if kind == "node" else key
     tree = runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device)))
-    commits = n == 1 or bool(getattr(runner, "graphs", False))
+    commits = n == 1 or runner.graphs
     snap = runner.snapshot() if commits else None  # (a commit is rolled back from a snapshot)
     t0 = time.perf_counter()
     try:
         # a greedy step of compiled steps is one replay and one read: a plain step's (ModelRunner.decode), once
         # captured, and a drafted tree's, verified, accepted and committed in one graph (ModelRunner.verify_greedy)
-        fused = getattr(runner, "fuse_single_nodes", False)
+        fused = runner.fuse_single_nodes
         picks = runner.decode(tree.tokens[:, 0]) if n == 1 and fused else None
         if picks is not None:
             picks.tolist()
@@ -318,19 +321,19 @@ def _time(runner, item: tuple) -> float:
             runner.restore(snap)
 
 
-def chooses_packing(runner) -> bool:
+def chooses_packing(runner: Runner) -> bool:
     """Whether `runner`'s forwards may run its model's linears packed or not per tree size (ssmspec.linear.packs):
     an eager runner on a CPU model with packed linears big enough to pack (the runner's `chooses_packing`)."""
-    return bool(getattr(runner, "chooses_packing", False))
+    return bool(runner.chooses_packing)
 
 
-def chooses_path(runner) -> bool:
+def chooses_path(runner: Runner) -> bool:
     """Whether the runner's one-node steps may take HF's decode path or the tree path, as measured (not set by the
     caller)."""
-    return bool(getattr(runner, "chooses_single_node_path", False))
+    return bool(runner.chooses_single_node_path)
 
 
-def call_sizes(runner) -> list[int]:
+def call_sizes(runner: Runner) -> list[int]:
     """The sizes a call can verify: powers of two up to its largest padded tree, and that one, each as the call pads it
     (a compiled model compiles a graph per size measured, so sizes no tree of this call reaches are left to a call
     that needs them)."""
@@ -338,7 +341,7 @@ def call_sizes(runner) -> list[int]:
     return sorted({min(runner.padded_size(n), largest) for n in COST_SIZES if n < largest} | {largest})
 
 
-def for_runner(model: nn.Module, runner) -> Calibration:
+def for_runner(model: nn.Module, runner: Runner) -> Calibration:
     """The model's calibration for this runner's batch size, device and path: kept on the model; a new one starts
     from what the disk holds for this model and machine (`CALIBRATION_DIR`)."""
     key = _key(runner)
@@ -374,7 +377,7 @@ def fixed(model: nn.Module, batch: int, curve: dict[int, float], decode_seconds:
     return calibration
 
 
-def complete_before(model: nn.Module, runner, sampling: bool) -> bool:
+def complete_before(model: nn.Module, runner: Runner, sampling: bool) -> bool:
     """Whether a call completes the calibration before its first step rather than between steps: a call that samples
     (a seeded call then draws the same tokens whatever ran before), a sharded model (every process must verify the
     same trees: its timings are agreed in one collective) and a call under `ssmspec.calibrate` (a compiled model's
@@ -382,10 +385,10 @@ def complete_before(model: nn.Module, runner, sampling: bool) -> bool:
     return sampling or runner.agreement.sharded or bool(model.__dict__.get("_ssmspec_calibrating"))
 
 
-def _key(runner) -> tuple:
+def _key(runner: Runner) -> tuple:
     """What a calibration is kept under on the model: batch size and device; HF's forward on the generic path has
     calibrations of its own."""
-    return _key_of(int(runner.cache.n_real.shape[0]), runner.cache.n_real.device.type, getattr(runner, "path", "seams"))
+    return _key_of(int(runner.cache.n_real.shape[0]), runner.cache.n_real.device.type, runner.path)
 
 
 def _key_of(batch: int, device: str, path: str = "seams") -> tuple:
@@ -393,14 +396,13 @@ def _key_of(batch: int, device: str, path: str = "seams") -> tuple:
     return (int(batch), device) if path != "generic" else (int(batch), device, path)
 
 
-def measure_cost(runner, sizes: Sequence[int] = COST_SIZES) -> dict[int, float]:
+def measure_cost(runner: Runner, sizes: Sequence[int] = COST_SIZES) -> dict[int, float]:
     """The verify-cost curve of `sizes` on the runner's prefilled cache, measured completely now (a fresh
     Calibration: see the module docstring): relative to a one-node step, non-decreasing; `runner.packed_sizes` set
-    where it may choose, `runner.decode_seconds` to the base's seconds."""
+    where it may choose."""
     calibration = Calibration((True, False) if chooses_packing(runner) else (None,), batch=1)
     calibration.sizes = set(sizes) | {1}
     calibration.measure(runner)
-    runner.decode_seconds = calibration.decode_seconds()
     return {n: c for n, c in calibration.curve().items() if n in set(sizes) | {1}}
 
 
@@ -416,7 +418,7 @@ def directory() -> Path | None:
     return Path(base) / "ssmspec" / "calibration"
 
 
-def signature(model: nn.Module, runner) -> str | None:
+def signature(model: nn.Module, runner: Runner) -> str | None:
     """What a calibration on disk is kept under: the model's architecture (its config without names and paths), its
     dtype, how ssmspec runs it (packed linears, compiled, kernel policy), the machine (processor or GPU, threads) and
     the versions of torch and ssmspec; None where none is kept: a sharded model (every process must agree) and a
@@ -434,7 +436,7 @@ def signature(model: nn.Module, runner) -> str | None:
     about = {
         "model": type(model).__name__, "config": config, "dtype": str(runner.dtype), "device": device.type,
         "machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "ssmspec": ssmspec.__version__, "packed": bool(getattr(runner, "prepack", False)),
+        "ssmspec": ssmspec.__version__, "packed": bool(runner.prepack),
         "compiled": repr(getattr(model, "ssmspec_compile_options", None)),
         "kernels": repr(getattr(model, "ssmspec_kernel_policy", None)), "static": bool(runner.static_shapes),
     }  # fmt: skip
@@ -452,7 +454,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _load(model: nn.Module, runner, key: tuple) -> Calibration | None:
+def _load(model: nn.Module, runner: Runner, key: tuple) -> Calibration | None:
     """The calibration the disk holds for this model, machine and key, else None (also for an unreadable file)."""
     where, sig = directory(), signature(model, runner)
     if where is None or sig is None:
@@ -465,7 +467,7 @@ def _load(model: nn.Module, runner, key: tuple) -> Calibration | None:
         return None
 
 
-def save(model: nn.Module, runner, calibration: Calibration) -> None:
+def save(model: nn.Module, runner: Runner, calibration: Calibration) -> None:
     """Keep `calibration` on disk for this model and machine (atomically; a directory that cannot be written to is
     left alone: the calibration is measured again in the next process)."""
     where, sig = directory(), signature(model, runner)

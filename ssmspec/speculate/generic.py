@@ -144,6 +144,9 @@ class GenericRunner:
     static_shapes = False
     # its row-by-row forwards change HF's cache in place: an interrupted one cannot be retried
     retries_out_of_memory = False
+    graphs = False  # (its steps are never captured: `open_runner` refuses it)
+    fuse_single_nodes = False
+    chooses_single_node_path = False  # (HF's forward has one path)
 
     def __init__(
         self, model: nn.Module, *, max_depth: int = 0, max_nodes: int | None = None, as_hf: bool = False,

@@ -20,7 +20,7 @@ from ssmspec.speculate.adaptive import Acceptance, Goodput, best_depth, depth_ga
 from ssmspec.speculate.calibration import Calibration
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter
-from ssmspec.speculate.step import StepPlan, StepReport
+from ssmspec.speculate.step import Runner, StepPlan, StepReport
 from ssmspec.speculate.step.emit import Rows
 
 # a plain step chosen for low acceptance drafts one token in the shadow every this many steps, to follow the rates
@@ -95,7 +95,7 @@ class StepPolicy:
 
     @classmethod
     def for_call(
-        cls, model: nn.Module, runner, drafter: Drafter, decoding: Decoding, *, tree_budget: int,
+        cls, model: nn.Module, runner: Runner, drafter: Drafter, decoding: Decoding, *, tree_budget: int,
         num_draft_tokens: int, adaptive: bool, schedule: str = "constant", static_shapes: bool = False,
         verify_memory: int | None = None,
     ) -> StepPolicy:  # fmt: skip
@@ -242,7 +242,7 @@ class AdaptiveDepth:
 
     @classmethod
     def for_call(
-        cls, model: nn.Module, runner, drafter: Drafter, decoding: Decoding, calibration: Calibration, *,
+        cls, model: nn.Module, runner: Runner, drafter: Drafter, decoding: Decoding, calibration: Calibration, *,
         tree_budget: int, num_draft_tokens: int,
     ) -> AdaptiveDepth:  # fmt: skip
         """The adaptive depth of one call: each level's acceptance starts from what the last call with this drafter
@@ -262,7 +262,7 @@ class AdaptiveDepth:
         # maximum
         sized = drafter.size_by_goodput(lambda n: goodput.cost(runner.padded_size(n)))
         return cls(acceptance, goodput, tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, prices=not sized,
-                   reruns=bool(getattr(runner, "reruns", False)), profiles=profiles, profile_key=key,
+                   reruns=bool(runner.reruns), profiles=profiles, profile_key=key,
                    agreement=runner.agreement)  # fmt: skip
 
     def choose(self, rows: Rows, depth: int, budget: int) -> tuple[int, int, int]:

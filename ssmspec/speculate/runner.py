@@ -122,6 +122,8 @@ class ModelRunner:
     # a verify step that ran out of memory left nothing behind (the cache discards an interrupted verification): it
     # may be retried with a smaller tree
     retries_out_of_memory = True
+    path = "seams"  # (the kernel seams' path; GenericRunner's is HF's forward)
+    reruns = False  # a partial commit keeps the accepted path in the state: nothing is fed again
 
     def __init__(
         self, model: nn.Module, *, commit: str = "replay", decode_single_nodes: bool | None = None,

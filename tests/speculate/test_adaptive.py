@@ -212,6 +212,8 @@ class _FakeRunner:
 
     cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
     agreement = SimpleNamespace(seconds=list)  # one process: the times as measured
+    # (the runner contract's choices, ssmspec.speculate.step.Runner: none of them here)
+    graphs = fuse_single_nodes = chooses_packing = chooses_single_node_path = prepack = False
 
     def prepare(self, tree):
         return tree

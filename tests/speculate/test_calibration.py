@@ -34,6 +34,8 @@ class _FakeRunner:
     cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
     agreement = SimpleNamespace(seconds=list, sharded=False)
     packed_sizes = None
+    # (the runner contract's choices, ssmspec.speculate.step.Runner: none of them here)
+    graphs = fuse_single_nodes = chooses_packing = chooses_single_node_path = prepack = False
 
     def __init__(self, clock: _Clock, cost: dict[int, float]) -> None:
         self.clock, self.cost, self.runs = clock, cost, []

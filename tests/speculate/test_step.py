@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from types import SimpleNamespace
 
@@ -166,3 +167,31 @@ def test_the_step_report_counts_the_rows_that_took_part():
     report = StepReport.of(verified, accepted, kept)
     assert report.drafted == {0: 2, 2: 1} and report.sizes == {0: 2, 2: 1} and report.accepted == {0: 2, 2: 1}
     assert report.all_accepted and report.nodes == 3 and report.depth == 2 and report.progress == 2
+
+
+@pytest.mark.parametrize("family", ["mamba2", "rwkv"])
+def test_both_runners_provide_the_runner_contract(family):
+    """The seams' runner and HF's forward's (GenericRunner) each have every member of `step.Runner` that the loop,
+    the policy and the calibration use, with the declared kinds of values, before and after a prefill."""
+    import typing
+
+    import ssmspec
+    from ssmspec.speculate.engine import open_runner
+    from ssmspec.speculate.step import Runner
+    from ssmspec.testing.strategies import cached_tiny_model
+
+    model = ssmspec.transform(copy.deepcopy(cached_tiny_model(family)))
+    generic = family == "rwkv"
+    runner = open_runner(model, generic=generic, commit="replay", decode_single_nodes=None, static_shapes=False,
+                         max_new_tokens=8, tree_budget=4, num_draft_tokens=2, capture_features=False)  # fmt: skip
+    ids = torch.tensor([[5, 6, 7, 8]])
+    runner.prefill(ids, torch.ones_like(ids))
+    assert isinstance(runner, Runner)
+    assert runner.path == ("generic" if generic else "seams")
+    hints = typing.get_type_hints(Runner)
+    for name in ("static_shapes", "graphs", "fuse_single_nodes", "reruns", "retries_out_of_memory",
+                 "capture_features", "prepack", "chooses_packing", "chooses_single_node_path"):  # fmt: skip
+        assert hints[name] is bool and isinstance(getattr(runner, name), bool), name
+    assert runner.n_real.shape == (1,) and runner.padded_size(3) >= 3
+    missing = type("Missing", (), {"path": "seams"})()
+    assert not isinstance(missing, Runner)  # (a runner without the contract's members is not one)

@@ -10,12 +10,68 @@ host (the verified logits stay on the model's device), so that each part can be 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from ssmspec.speculate.drafters.base import Draft
 from ssmspec.tree import TokenTree
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the loop, its parts, the policy and the calibration use of the target's runner: the seams'
+    (ssmspec.speculate.runner.ModelRunner) and HF's own forward's (ssmspec.speculate.generic.GenericRunner) both
+    provide it (tested). A call's runner holds the target's committed state; `verify` computes a tree's logits without
+    committing, then `commit` keeps the accepted path (or `discard` keeps nothing). The attributes the calibration sets
+    (`packed_sizes`, `decode_single_nodes`) are the runner's choices, declared here; nothing else is written from
+    outside."""
+
+    model: nn.Module
+    dtype: torch.dtype
+    device: torch.device
+    path: str  # "seams" or "generic" (HF's forward, calibrated on its own)
+    max_depth: int
+    max_nodes: int | None
+    static_shapes: bool  # trees padded to fixed sizes (compiled steps)
+    graphs: bool  # steps captured and replayed (ssmspec.compile.graphs)
+    fuse_single_nodes: bool  # a one-node step is one captured step with its argmax (`decode`, ModelRunner only)
+    reruns: bool  # a partial commit feeds the accepted prefix again in the next forward (priced by the policy)
+    retries_out_of_memory: bool
+    capture_features: bool  # its forwards keep the target's features (`features`) for a drafter that reads them
+    features: torch.Tensor | None
+    prepack: bool
+    chooses_packing: bool  # may run its linears packed or not per tree size, as calibrated (`packed_sizes`)
+    packed_sizes: dict[int, bool] | None
+    chooses_single_node_path: bool  # may take HF's decode path for one-node steps, as calibrated
+    agreement: object  # the processes' agreement on timings (ssmspec.hf.instance.Agreement)
+    cache: object  # the committed state (its `n_real` [B]: each row's real tokens)
+
+    @property
+    def n_real(self) -> torch.Tensor: ...
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs) -> torch.Tensor: ...
+
+    def padded_size(self, nodes: int) -> int: ...
+
+    def prepare(self, tree: TokenTree | Sequence[tuple[list[int], list[int]]]) -> TokenTree: ...
+
+    def verify(self, tree: TokenTree) -> torch.Tensor: ...
+
+    def verify_bytes(self) -> int: ...
+
+    def commit(self, last: torch.Tensor, hold: list[bool] | None = None): ...
+
+    def discard(self) -> None: ...
+
+    def snapshot(self): ...
+
+    def restore(self, snap) -> None: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass(frozen=True)
