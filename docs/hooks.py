@@ -1019,6 +1019,20 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     return _math(render(markdown, page.file.src_uri))
 
 
+def rendered_history(html: str) -> list[str]:
+    """Words about the project's own history in a rendered page's text (its markup and scripts left out): what the
+    data rendered into it says too (notes, row labels), not only its markdown."""
+    text = re.sub(r"<(script|style)\b.*?</\1>", " ", html, flags=re.S | re.I)
+    return history_words(re.sub(r"<[^>]+>", " ", text))
+
+
+def on_post_page(output: str, page, config) -> str:
+    hits = rendered_history(output)
+    if hits:
+        raise ValueError(f"{page.file.src_uri}, as rendered: words about the project's history: " + "; ".join(hits))
+    return output
+
+
 # ------------------------------------------------------------------------------------------------------ README
 
 _README_BLOCKS = {"speed-table": speed_summary, "families-line": families_line}

@@ -225,3 +225,12 @@ def test_the_readmes_gpu_rows_never_hide_a_faster_compiled_decoder():
     best_plain = max(v["tokens_per_s"] for k, v in data.items() if k.startswith(plains))
     method = compiled[2].split("/")[2]
     assert hooks.lookup(hooks.load("gpu"), compiled[4]) == pytest.approx(data[method]["tokens_per_s"] / best_plain)
+
+
+def test_the_history_check_reads_rendered_pages_too():
+    """The build checks each rendered page's text (what data files render into it included) for words about the
+    project's history, not the markup: a note rendered from a data file is caught."""
+    word = "sess" + "ion"  # (split: this file is checked too)
+    assert hooks.rendered_history(f"<p>Measured in one {word} of the GPU.</p>")
+    assert not hooks.rendered_history(f'<a class="{word}-x" href="#">a link</a><p>Measured on the GPU.</p>')
+    assert not hooks.rendered_history(f"<script>var {word} = 1;</script><p>text</p>")
