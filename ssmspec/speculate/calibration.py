@@ -180,9 +180,9 @@ class Calibration:
         """Set the runner's choices as measured so far: its one-node path (the tree path until measured, where the
         runner chooses) and its linears per size (packed until measured)."""
         if self.paths != (None,) and chooses_path(runner):
-            runner.decode_single_nodes = self._plain_path()
+            runner.choose(single_node_path=self._plain_path())
         if self.ways != (None,):
-            runner.packed_sizes = self.packed_sizes()
+            runner.choose(packed_sizes=self.packed_sizes())
 
     # ------------------------------------------------------------------ measuring
     def pending(self) -> Iterator[tuple]:
@@ -289,9 +289,9 @@ def _time(runner: Runner, item: tuple) -> float:
     kind, key, way = item
     batch, device = runner.cache.n_real.shape[0], runner.cache.n_real.device
     if way is not None:
-        runner.packed_sizes = {1 if kind == "node" else key: way}
+        runner.choose(packed_sizes={1 if kind == "node" else key: way})
     if kind == "node" and key is not None:
-        runner.decode_single_nodes = key
+        runner.choose(single_node_path=key)
     n = 1 if kind == "node" else key
     tree = runner.prepare(TokenTree.chain(torch.zeros(batch, n, dtype=torch.long, device=device)))
     commits = n == 1 or runner.graphs

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from types import EllipsisType
 
 import torch
 from torch import nn
@@ -184,6 +185,17 @@ class GenericRunner:
         # accepted drafts to the next verify's forward (one forward a step, the prefix's cost the marginal cost
         # of a few more tokens); fed alone first where they would make that forward longer than `max_carry`
         self.max_carry = max(2 * (max_nodes or 0), 16)
+
+    def choose(
+        self,
+        *,
+        packed_sizes: dict[int, bool] | None | EllipsisType = ...,
+        single_node_path: bool | None | EllipsisType = ...,
+    ) -> None:
+        """The calibration's choices (`step.Runner.choose`): linears per tree size (HF's forward has one path for
+        one-node steps, `single_node_path` is not its to take)."""
+        if packed_sizes is not ...:
+            self.packed_sizes = packed_sizes
 
     @property
     def trees(self) -> bool:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from types import EllipsisType
 
 import torch
 from torch import nn
@@ -209,6 +210,18 @@ class ModelRunner:
             self.decode_single_nodes, self.chooses_single_node_path = False, False
             self.in_place_single_nodes = False
         self._pool = None
+
+    def choose(
+        self,
+        *,
+        packed_sizes: dict[int, bool] | None | EllipsisType = ...,
+        single_node_path: bool | None | EllipsisType = ...,
+    ) -> None:
+        """The calibration's choices (`step.Runner.choose`): linears per tree size, the one-node steps' path."""
+        if packed_sizes is not ...:
+            self.packed_sizes = packed_sizes
+        if single_node_path is not ...:
+            self.decode_single_nodes = single_node_path
 
     def _refuse_graphs(self, static_shapes: bool) -> None:
         """Captured steps need a layout whose every tensor keeps its address: refused, naming why, elsewhere."""

@@ -218,6 +218,12 @@ class _FakeRunner:
     def prepare(self, tree):
         return tree
 
+    def choose(self, *, packed_sizes=..., single_node_path=...):  # (the calibration's choices, as ModelRunner's)
+        if packed_sizes is not ...:
+            self.packed_sizes = packed_sizes
+        if single_node_path is not ...:
+            self.decode_single_nodes = single_node_path
+
     def snapshot(self):
         return None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,9 +27,8 @@ class Runner(Protocol):
     """What the loop, its parts, the policy and the calibration use of the target's runner: the seams'
     (ssmspec.speculate.runner.ModelRunner) and HF's own forward's (ssmspec.speculate.generic.GenericRunner) both
     provide it (tested). A call's runner holds the target's committed state; `verify` computes a tree's logits without
-    committing, then `commit` keeps the accepted path (or `discard` keeps nothing). The attributes the calibration sets
-    (`packed_sizes`, `decode_single_nodes`) are the runner's choices, declared here; nothing else is written from
-    outside."""
+    committing, then `commit` keeps the accepted path (or `discard` keeps nothing). Nothing is written into it from
+    outside: the calibration hands it its choices through `choose`."""
 
     model: nn.Module
     dtype: torch.dtype
@@ -72,6 +72,16 @@ class Runner(Protocol):
     def restore(self, snap) -> None: ...
 
     def release(self) -> None: ...
+
+    def choose(
+        self,
+        *,
+        packed_sizes: dict[int, bool] | None | EllipsisType = ...,
+        single_node_path: bool | None | EllipsisType = ...,
+    ) -> None:
+        """The calibration's choices: per tree size, packed linears or F.linear (where `chooses_packing`); for one-node
+        steps HF's decode path (True), the tree path (False) or the measured one (None), where
+        `chooses_single_node_path`. A choice not given stays as it is."""
 
 
 @dataclass(frozen=True)
