@@ -191,8 +191,8 @@ class _Probe:
 
     def batched(self, trees: bool, slot_positions: bool) -> None:
         """Two steps on a left-padded batch of two rows that accept different lengths."""
-        runner = ModelRunner(self.model, decode_single_nodes=False, static_kv=False if slot_positions else None)
-        runner.level_aligned = slot_positions
+        runner = ModelRunner(self.model, decode_single_nodes=False, static_kv=False if slot_positions else None,
+                             level_aligned=slot_positions)  # fmt: skip
         rows = [self.tokens(6), self.tokens(4)]
         prompts = [6, 4]
         ids = torch.tensor([rows[0], [0, 0] + rows[1]], device=self.device)

@@ -131,6 +131,7 @@ class ModelRunner:
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
         vocab: torch.Tensor | None = None, agreement: hf_instance.Agreement | None = None,
         static_kv: bool | None = None, capture_features: bool = False, graphs: bool = False,
+        level_aligned: bool | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -154,7 +155,10 @@ class ModelRunner:
         mode = compile_mode(getattr(model, "ssmspec_compile_options", None) or {})
         self.in_place_single_nodes = not (self.device.type == "cuda" and mode in CUDA_GRAPH_MODES)
         self.info = getattr(model, "ssmspec_info", None)
-        self.level_aligned = bool(getattr(self.info, "slot_positions", False))
+        # a batch's trees laid out level by level (positions read from cache slots); None: as the model's probe found
+        if level_aligned is None:
+            level_aligned = bool(getattr(self.info, "slot_positions", False))
+        self.level_aligned = level_aligned
         # static shapes (compiled / CUDA-graph verification): trees padded to a power-of-two node count, commits
         # over a fixed path length (max_depth + 1), so one compiled graph serves each bucket; the largest
         # bucket is `max_nodes` (the drafter's largest tree) rather than the power of two above it
