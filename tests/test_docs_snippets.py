@@ -2,10 +2,11 @@
 fails on a missing import or an argument that no longer exists.
 
 A page's blocks run in order in one namespace (a later block continues an earlier one), in a scratch directory. The
-namespace starts with the objects a page's prose names but does not build (`PRELUDE`: `model`, `ids`, `tok`,
+namespace starts with the objects a page's prose names but does not build (`prelude`: `model`, `ids`, `tok`,
 `path`, ...), never with modules: a block imports what it uses. A block preceded by
 `<!-- ssmspec:snippet replace: OLD => NEW; ... -->` runs with those texts replaced (a checkpoint path by an embedded
-model's, a GPU by the CPU), one preceded by `<!-- ssmspec:snippet skip: REASON -->` does not run, for that reason.
+model's, a slow compile option by a quick one), one preceded by `<!-- ssmspec:snippet skip: REASON -->` does not
+run, for that reason.
 Steps compiled by `transform(compile=True)` run their recorded graphs without Inductor's code generation (as in
 tests/test_compiled_steps.py): the same calls, in seconds instead of minutes.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import functools
 import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +26,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _BLOCK = re.compile(r"(?:<!-- ssmspec:snippet (?P<how>.*?) -->\n+)?^```python[^\n]*\n(?P<code>.*?)^```", re.S | re.M)
 
 
-def blocks(path: Path) -> list[tuple[str, str]]:
+def blocks(markdown: str) -> list[tuple[str, str]]:
     """(how, code) of each Python block of a page, in order (`how`: the snippet directive's text, or "")."""
-    return [(m.group("how") or "", m.group("code")) for m in _BLOCK.finditer(path.read_text())]
+    return [(m.group("how") or "", m.group("code")) for m in _BLOCK.finditer(markdown)]
 
 
 def prepared(code: str, how: str) -> str | None:
@@ -66,26 +66,19 @@ def prelude() -> dict:
     }  # fmt: skip
 
 
-@functools.cache
-def _uncompiled_steps():
-    """`StepCompiler` running the recorded graphs as they are (no Inductor code generation)."""
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p.read_text())], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_of_a_page_runs(page, tmp_path, monkeypatch):
     from ssmspec.compile.lower import StepCompiler
 
-    return functools.partial(StepCompiler, inductor=False)
-
-
-CASES = [(page, i) for page in PAGES for i in range(len(blocks(page)))]
-
-
-@pytest.mark.parametrize("page", sorted({p for p, _ in CASES}), ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_python_block_of_a_page_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    # (the module, which `ssmspec.transform` the function shadows as an attribute of the package)
-    importlib.import_module("ssmspec.transform")
-    monkeypatch.setattr(sys.modules["ssmspec.transform"], "StepCompiler", _uncompiled_steps())
+    # the recorded graphs run as they are, no Inductor code generation (the module by name: `ssmspec.transform`, the
+    # function, shadows it as an attribute of the package)
+    transform_module = importlib.import_module("ssmspec.transform")
+    monkeypatch.setattr(transform_module, "StepCompiler", functools.partial(StepCompiler, inductor=False))
     namespace = prelude()
+    found = blocks(page.read_text())
     ran = 0
-    for i, (how, code) in enumerate(blocks(page)):
+    for i, (how, code) in enumerate(found):
         code = prepared(code, how)
         if code is None:
             continue
@@ -94,7 +87,7 @@ def test_every_python_block_of_a_page_runs(page, tmp_path, monkeypatch):
         except Exception as exc:
             raise AssertionError(f"{page.relative_to(ROOT)}, Python block {i + 1} failed: {exc!r}\n{code}") from exc
         ran += 1
-    assert ran or all(how.startswith("skip:") for how, _ in blocks(page))
+    assert ran or all(how.startswith("skip:") for how, _ in found)
 
 
 def test_the_snippet_directives_do_what_they_say():
@@ -105,5 +98,4 @@ def test_the_snippet_directives_do_what_they_say():
     with pytest.raises(AssertionError, match="names its reason"):
         prepared("x = 1\n", "skip:")
     text = "<!-- ssmspec:snippet skip: a reason -->\n```python\nx = 1\n```\n\n```python\ny = 2\n```\n"
-    found = [(m.group("how") or "", m.group("code")) for m in _BLOCK.finditer(text)]
-    assert found == [("skip: a reason", "x = 1\n"), ("", "y = 2\n")]
+    assert blocks(text) == [("skip: a reason", "x = 1\n"), ("", "y = 2\n")]
