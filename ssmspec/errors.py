@@ -2,6 +2,31 @@
 
 from __future__ import annotations
 
+# refusals that more than one place raises (a call's plan before anything runs, and the runner or config that a call
+# by hand reaches): each message written here once
+GENERIC_GRAPHS = "captured steps (SpecConfig.graphs) need the seams: the generic path (HF's own cache) has none"
+
+
+# a runner asked to verify while the previous tree is neither committed nor discarded
+PENDING_TREE = "commit or discard the previous tree before verifying another"
+
+
+def not_one_of(name: str, value: object, choices: object) -> ValueError:
+    """The error of a setting that must be one of `choices`: named, with what was given."""
+    return ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def trees_inexact(found: str) -> str:
+    """The refusal of trees on a model whose transform-time probe found them inexact (`found`: what it found)."""
+    return ("tree verification is not exact for this model, only chains: use SpecConfig(tree=False), or leave `tree` "
+            f"unset (found at transform: {found})")  # fmt: skip
+
+
+def batches_inexact(found: str) -> str:
+    """The refusal of a batch on a model whose transform-time probe found batches inexact (`found`: what it found)."""
+    return ("speculative decoding of a batch is not exact for this model, only one prompt at a time (found at "
+            f"transform: {found})")  # fmt: skip
+
 
 class SSMSpecError(Exception):
     """Base class of all ssmspec errors."""

@@ -16,6 +16,8 @@ import torch
 from ssmspec.compile.graphs import static
 from ssmspec.errors import InvalidTreeError
 
+_NO_ROOT = "a token tree needs at least its root node"
+
 
 def upload(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     """A host tensor on `device`. To CUDA it goes from pinned memory without waiting for the device (a plain
@@ -60,7 +62,7 @@ class TokenTree:
             )
         b, n = self.tokens.shape
         if n == 0:
-            raise InvalidTreeError("a token tree needs at least its root node")
+            raise InvalidTreeError(_NO_ROOT)
         self.parents = self.parents.to(torch.long)
         # the structure is tiny (B x N <= a few thousand): checked and derived in Python, then one tensor each
         par = self.parents.tolist()
@@ -162,7 +164,7 @@ class TokenTree:
             if len(row_t) != len(row_p):
                 raise InvalidTreeError("each row needs as many parents as tokens")
             if len(row_t) == 0:
-                raise InvalidTreeError("a token tree needs at least its root node")
+                raise InvalidTreeError(_NO_ROOT)
         if n == 1:  # a root per row (a plain decoding step): no padding
             roots = torch.tensor([t[0] for t in tokens], dtype=torch.long).view(-1, 1)
             host = cls(roots, torch.tensor([p[0] for p in parents], dtype=torch.long).view(-1, 1))

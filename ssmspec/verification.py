@@ -13,9 +13,11 @@ from typing import Protocol
 
 import torch
 
-from ssmspec.errors import UnsupportedModelError
+from ssmspec.errors import UnsupportedModelError, not_one_of
 from ssmspec.ops import COMMITS, Record
 from ssmspec.tree import TokenTree, upload
+
+_DONE = "this verification was already committed or discarded"
 
 COMMIT_STRATEGIES = ("replay", "materialize")
 
@@ -72,7 +74,7 @@ class Verification:
 
     def __init__(self, cache: CommittedState, tree: TokenTree, commit: str, in_place: bool = False) -> None:
         if commit not in COMMIT_STRATEGIES:
-            raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
+            raise not_one_of("commit strategy", commit, COMMIT_STRATEGIES)
         if in_place and tree.num_nodes != 1:
             raise ValueError(f"only a one-node tree is verified in place (it is always accepted), not {tree.num_nodes}")
         self.cache = cache
@@ -139,7 +141,7 @@ class Verification:
         `width` fixes M (static shapes: the replay runs M masked steps whatever was accepted); `fold` runs
         instead of `fold_states` (a compiled model's compiled version of it)."""
         if self.done:
-            raise RuntimeError("this verification was already committed or discarded")
+            raise RuntimeError(_DONE)
         # the longest accepted path, when `last` is on the host (static K/V buffers track how full they are)
         longest = self.tree.longest_path(last.tolist()) if last.device.type == "cpu" else None
         on_device = upload(last, self.tree.tokens.device)
@@ -165,7 +167,7 @@ class Verification:
         fixed `width` computed there, the states folded and the slot layout advanced in place; nothing read on the
         host. `settle` finishes it."""
         if self.done:
-            raise RuntimeError("this verification was already committed or discarded")
+            raise RuntimeError(_DONE)
         path, lengths = self.tree.paths(last, width)
         (fold or fold_states)(self.groups(), path, lengths, last, self.cache.kv_slots())
         self.cache.advance_static(path, lengths)

@@ -33,6 +33,7 @@ from ssmspec.compile.passes import (
     opaque_cumsums,
     prepack_linears,
 )
+from ssmspec.errors import not_one_of
 from ssmspec.ops import using_kernel_policy
 
 _OPTION_NAMES = ("kernels", "fuse", "inductor", "prepack", "mode")
@@ -145,7 +146,7 @@ def ssmspec_backend(
         )
     policy = _KERNEL_OPTION.get(options.get("kernels"))
     if policy is None:
-        raise ValueError(f"ssmspec backend: kernels must be one of {list(_KERNEL_OPTION)}, got {options['kernels']!r}")
+        raise not_one_of("ssmspec backend: kernels", options["kernels"], _KERNEL_OPTION)
     tree_ops = sum(1 for n in gm.graph.nodes if is_tree_op(n))
     folded = fold_conv_padding(gm) if options.get("fuse", True) else 0
     packed = prepack_linears(gm) if options.get("prepack", True) else 0

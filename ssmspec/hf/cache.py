@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
+from ssmspec.errors import not_one_of
 from ssmspec.hf import layers as hf_layers
 from ssmspec.ops import Record
 from ssmspec.tree import TokenTree
@@ -75,7 +76,7 @@ class SpecCache(DynamicCache):
         views: bool = False,
     ) -> None:
         if commit not in COMMIT_STRATEGIES:
-            raise ValueError(f"commit strategy must be one of {COMMIT_STRATEGIES}, got {commit!r}")
+            raise not_one_of("commit strategy", commit, COMMIT_STRATEGIES)
         super().__init__(config=config)
         self.commit_strategy = commit
         self.state_dtype = state_dtype

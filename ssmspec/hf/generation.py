@@ -209,13 +209,9 @@ def settings_table() -> list[tuple[str, str, str]]:
     return rows + [(arg, "refused if given", note) for arg, note in CALL_ARGUMENTS_REFUSED.items()]
 
 
-def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, kwargs: dict) -> Plan:
-    """Resolve a speculative generate call as HF's generate() would, refusing what it would not apply; builds
-    HF's own logits processors and stopping criteria for it. Everything speculation reads of transformers for the
-    call is in the Plan (under tensor parallelism every process checked to have been given the same inputs:
-    `hf.instance.agree_on_inputs`)."""
-    kwargs = dict(kwargs)
-    kwargs.pop("trust_remote_code", None)
+def _call_arguments(kwargs: dict) -> tuple[Any, torch.Generator | None, dict[str, Any]]:
+    """generate's own arguments taken out of `kwargs` (tokenizer, generator, the rest of CALL_ARGUMENTS), those
+    speculation refuses refused by name."""
     tokenizer = kwargs.pop("tokenizer", None)
     generator = kwargs.pop("generator", None)
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -226,11 +222,17 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
         if value is None or value is False:
             continue
         raise UnsupportedSettingError(name, f"generate argument `{name}` is given: {CALL_ARGUMENTS_REFUSED[name]}")
+    return tokenizer, generator, given
+
+
+def _prompt(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, kwargs: dict):
+    """The prompt's token ids [batch, length]: `inputs`, `input_ids=`, or as HF a BOS token alone (one row);
+    `inputs_embeds` refused (drafts are token ids)."""
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None and kwargs.get("inputs_embeds") is not None:
         raise UnsupportedSettingError("inputs_embeds", "speculative generate takes the prompt as input_ids (drafts "
                                       "are token ids), not inputs_embeds; pass input_ids")  # fmt: skip
-    if input_ids is None:  # as HF: a prompt of the BOS token alone (one row)
+    if input_ids is None:
         sources = (kwargs.get("bos_token_id"), getattr(generation_config, "bos_token_id", None),
                    model.generation_config.bos_token_id, getattr(model.config, "bos_token_id", None))  # fmt: skip
         bos = next((b for b in sources if b is not None), None)
@@ -240,6 +242,18 @@ def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got {shape}")
+    return input_ids
+
+
+def resolve(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, kwargs: dict) -> Plan:
+    """Resolve a speculative generate call as HF's generate() would, refusing what it would not apply; builds
+    HF's own logits processors and stopping criteria for it. Everything speculation reads of transformers for the
+    call is in the Plan (under tensor parallelism every process checked to have been given the same inputs:
+    `hf.instance.agree_on_inputs`)."""
+    kwargs = dict(kwargs)
+    kwargs.pop("trust_remote_code", None)
+    tokenizer, generator, given = _call_arguments(kwargs)
+    input_ids = _prompt(model, inputs, generation_config, kwargs)
     has_default_max_length = (
         kwargs.get("max_length") is None
         and (generation_config is None or generation_config.max_length is None)

@@ -64,6 +64,15 @@ from ssmspec.ops.rglru import run_tree_rglru
 from ssmspec.ops.wkv import run_tree_wkv
 from ssmspec.tree import TokenTree
 
+# (HF zeroes a padded position's projections; a tree form verifies unpadded rows)
+_PADDED_ROW = "a tree verification of a padded row"
+
+
+def _no_state(module: object) -> RuntimeError:
+    """A tree form called without the committed state it starts from."""
+    return RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+
+
 # a tree op for a module kind: (module, bound arguments, committed state, ancestors [1, N, N] bool) -> (every
 # node's output, the state at a path [1, N] bool -> the state tuple), or None where it does not apply to this call
 TreeOp = Callable[..., "tuple[torch.Tensor, Callable] | None"]
@@ -143,7 +152,7 @@ def _rwkv_tree_call(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     committed state until the commit)."""
     state = arguments.get("state")
     if state is None:
-        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+        raise _no_state(module)
     if any(p < 0 for p in tree.parents[1:]) or tree.parents[0] != -1:
         raise RuntimeError(f"{type(module).__name__}: a tree verification needs one root, fed first")
     if not isinstance(module.time_shift, _ParentShift):
@@ -209,10 +218,10 @@ def _minimax_lightning(module: nn.Module, arguments: dict[str, Any], tree: _Veri
     layer = module.layer_idx
     start = cache.get_linear_cache(layer) if cache is not None else None
     if not isinstance(start, torch.Tensor):
-        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+        raise _no_state(module)
     mask = arguments.get("attention_mask")
     if mask is not None and not bool(mask.all()):  # HF zeroes padded positions' projections
-        raise RuntimeError(f"{type(module).__name__}: a tree verification of a padded row")
+        raise RuntimeError(f"{type(module).__name__}: {_PADDED_ROW}")
     b, n, _ = hidden.shape
     qkv = module.act_fn(module.qkv_proj(hidden)).reshape(b, n, module.num_attention_heads, 3 * module.head_dim)
     q, k, v = (x.transpose(1, 2) for x in torch.split(qkv, module.head_dim, dim=3))
@@ -319,12 +328,12 @@ def _zaya_attention(module: nn.Module, arguments: dict[str, Any], tree: _Verifyi
     proj, layer = module.qkv_proj, module.layer_idx
     conv_mask = (arguments.get("attention_mask") or {}).get("conv")
     if conv_mask is not None and not bool(conv_mask.all()):  # HF zeroes padded positions before the convolution
-        raise RuntimeError(f"{type(module).__name__}: a tree verification of a padded row")
+        raise RuntimeError(f"{type(module).__name__}: {_PADDED_ROW}")
     cached_qk = cache.get_conv_state(layer) if cache is not None else None
     cached_v = cache.get_recurrent_state(layer) if cache is not None else None
     past_k, past_v = getattr(cache.layers[layer], "keys", None), getattr(cache.layers[layer], "values", None)
     if any(not isinstance(x, torch.Tensor) or x.numel() == 0 for x in (cached_qk, cached_v, past_k)):
-        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+        raise _no_state(module)
     hf = sys.modules[type(module).__module__]
     b, n, _ = hidden.shape
     shape = (b, n, -1, proj.head_dim)
@@ -380,7 +389,7 @@ def _griffin_recurrent_block(module: nn.Module, arguments: dict[str, Any], tree:
     conv_state, start = module.conv1d_state, lru.recurrent_states
     b, n, _ = hidden.shape
     if not arguments.get("use_cache", True) or conv_state is None or start is None or start.shape[0] != b:
-        raise RuntimeError(f"{type(module).__name__}: a tree verification needs the committed state")
+        raise _no_state(module)
     y = module.act_fn(module.linear_y(hidden))
     columns = torch.cat([conv_state, module.linear_x(hidden).transpose(1, 2)], dim=-1)  # [B, C, K - 1 + N]
     width = module.conv1d_width
@@ -542,7 +551,7 @@ class TreeStepForward:
             return out
         committed = tuple(arguments[name] for name in self.kind.state)
         if any(s is None for s in committed):
-            raise RuntimeError(f"{type(self.module).__name__}: a tree verification needs the committed state")
+            raise _no_state(self.module)
         if self.kind.tree_op is not None:
             fast = self.kind.tree_op(self.module, arguments, committed, ctx.ancestors(committed[0].device))
             if fast is not None:

@@ -10,7 +10,7 @@ from torch.library import triton_op, wrap_triton
 
 from ssmspec.kernels.ssd import _tl_dtype
 from ssmspec.ops._common import compute_dtype
-from ssmspec.ops.conv import _check_activation
+from ssmspec.ops.conv import _check_activation, _check_state
 
 
 @triton.jit
@@ -47,8 +47,7 @@ def tree_causal_conv1d(
     b, c, total = x_ext.shape
     n, k = ancestors.shape[1], ancestors.shape[2]
     s = total - n
-    if s < k - 1:
-        raise ValueError(f"tree_causal_conv1d: committed state has {s} columns, width {k} needs {k - 1}")
+    _check_state(s, k)
     out = x_ext.new_empty(b, n, c).transpose(1, 2)  # time-major, as the reference
     bc = min(triton.next_power_of_2(c), 128)
     grid = (b, n, triton.cdiv(c, bc))

@@ -30,6 +30,12 @@ from ssmspec.ops._common import (
 _ACTIVATIONS = {None: None, "": None, "identity": None, "silu": F.silu, "swish": F.silu}
 
 
+def _check_state(columns: int, width: int) -> None:
+    """A tree convolution of `width` taps reads `width - 1` committed columns before its nodes."""
+    if columns < width - 1:
+        raise ValueError(f"tree_causal_conv1d: committed state has {columns} columns, width {width} needs {width - 1}")
+
+
 def _check_activation(activation: str | None) -> None:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"tree_causal_conv1d: unsupported activation {activation!r} (known: silu, swish, none)")
@@ -65,8 +71,7 @@ def _tapped(x_ext, weight, bias, index, n: int, activation: str) -> torch.Tensor
     s = total - n
     if weight.shape != (c, k):
         raise ValueError(f"tree_causal_conv1d: weight {tuple(weight.shape)} does not match [C={c}, K={k}]")
-    if s < k - 1:
-        raise ValueError(f"tree_causal_conv1d: committed state has {s} columns, width {k} needs {k - 1}")
+    _check_state(s, k)
     cd = compute_dtype(x_ext, weight)
     # time-major [B, S+N, C]: each tap is a row of C contiguous channels (x_ext is usually a transposed view of
     # such rows already: the mixer's projection output), so the gather copies rows and the weighted sum runs

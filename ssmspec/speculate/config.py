@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from os import PathLike
 
+from ssmspec.errors import GENERIC_GRAPHS, not_one_of
 from ssmspec.speculate.retrieval import SuffixIndex
 from ssmspec.verification import COMMIT_STRATEGIES
 
@@ -33,7 +34,7 @@ class SpecConfig:
             `ssmspec.transform(model, draft_head=...)` (ssmspec.speculate.drafters.head), its tree fused with prompt
             lookup's (and the corpus's); the model's MTP layer where its checkpoint ships one (ssmspec.hf.mtp) is its
             draft head ("auto" takes it where it is small against the model: MTP_MAX_SHARE in
-            ssmspec.speculate.generate); "mtp": that MTP layer, refused where the model has none; "none": plain
+            ssmspec.speculate.plan); "mtp": that MTP layer, refused where the model has none; "none": plain
             decoding through ssmspec's engine.
         num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes), 1 to MAX_DRAFT_NODES;
             a call drafts no deeper than the tokens it has left and its tree budget. None (default): the drafter's
@@ -120,6 +121,15 @@ class SpecConfig:
     graphs: bool | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
+        if isinstance(self.corpus, list):  # frozen and hashable: keep documents as a tuple
+            object.__setattr__(self, "corpus", tuple(self.corpus))
+        self._check_retrieval()
+        self._check_ahead_and_recycling()
+        self._check_values()
+
+    def _check_types(self) -> None:
+        """Each field of its type (a bool is not an int here), named where it is not."""
         types = {"drafter": str, "num_draft_tokens": (int, type(None)), "tree": (bool, type(None)),
                  "tree_budget": (int, type(None)),
                  "max_matching_ngram_size": int, "commit": str, "sampling_tree": str, "adaptive": bool,
@@ -144,8 +154,9 @@ class SpecConfig:
                 }.get(f.name)
                 kind = kind or f"a {want.__name__}"
                 raise TypeError(f"SpecConfig.{f.name} must be {kind}, got {value!r}")
-        if isinstance(self.corpus, list):  # frozen and hashable: keep documents as a tuple
-            object.__setattr__(self, "corpus", tuple(self.corpus))
+
+    def _check_retrieval(self) -> None:
+        """A corpus and a trimmed draft vocabulary only where the drafter uses them."""
         if self.draft_vocab is not None:
             if self.drafter != "draft_model":
                 raise ValueError(
@@ -173,6 +184,9 @@ class SpecConfig:
             raise ValueError(
                 "SpecConfig.corpus with a draft head is used by tree=True (the retrieval tree fused into the head's)"
             )
+
+    def _check_ahead_and_recycling(self) -> None:
+        """Drafting ahead (Saguaro) and token recycling: for the drafters that have them, not together."""
         if self.ahead < 0:
             raise ValueError(f"SpecConfig.ahead must be >= 0 (outcomes drafted ahead per row), got {self.ahead}")
         if self.ahead and self.drafter in ("none", "draft_head", "mtp"):
@@ -192,14 +206,13 @@ class SpecConfig:
                 "SpecConfig.recycle and SpecConfig.ahead cannot be combined: drafting ahead runs while the target "
                 "verifies, before the recycled successors of that step are known"
             )
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
-        if self.path not in PATHS:
-            raise ValueError(f"SpecConfig.path must be one of {PATHS}, got {self.path!r}")
-        if self.commit not in COMMIT_STRATEGIES:
-            raise ValueError(f"SpecConfig.commit must be one of {COMMIT_STRATEGIES}, got {self.commit!r}")
-        if self.sampling_tree not in SAMPLING_TREES:
-            raise ValueError(f"SpecConfig.sampling_tree must be one of {SAMPLING_TREES}, got {self.sampling_tree!r}")
+
+    def _check_values(self) -> None:
+        """Choices among the known ones, sizes within range, captured steps where they can run."""
+        for name, choices in (("drafter", DRAFTERS), ("path", PATHS), ("commit", COMMIT_STRATEGIES),
+                              ("sampling_tree", SAMPLING_TREES)):  # fmt: skip
+            if getattr(self, name) not in choices:
+                raise not_one_of(f"SpecConfig.{name}", getattr(self, name), choices)
         if self.num_draft_tokens is not None and not 0 <= self.num_draft_tokens <= MAX_DRAFT_NODES:
             raise ValueError(
                 f"SpecConfig.num_draft_tokens must be between 0 and {MAX_DRAFT_NODES} (draft depth per step), got "
@@ -210,9 +223,7 @@ class SpecConfig:
                 "SpecConfig.graphs captures static-shape steps; it cannot be combined with static_shapes=False"
             )
         if self.graphs and self.path == "generic":
-            raise ValueError(
-                "SpecConfig.graphs captures the seams' verify steps; the generic path (HF's cache) has none"
-            )
+            raise ValueError(GENERIC_GRAPHS)
         if self.verify_memory is not None and self.verify_memory < 1:
             raise ValueError(f"SpecConfig.verify_memory must be >= 1 (bytes) or None, got {self.verify_memory}")
         if self.tree_budget is not None and not 1 <= self.tree_budget <= MAX_DRAFT_NODES:

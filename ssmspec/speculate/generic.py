@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ssmspec import linear as packed_linear
-from ssmspec.errors import UnsupportedModelError
+from ssmspec.errors import PENDING_TREE, UnsupportedModelError
 from ssmspec.hf import features, tree_modules
 from ssmspec.hf import instance as hf_instance
 from ssmspec.hf.generic import HFState, Snapshot
@@ -268,7 +268,7 @@ class GenericRunner:
         in one forward (padding nodes, never accepted, read zeros); with the tree form, a tree's nodes in one
         forward."""
         if self._pending is not None:
-            raise RuntimeError("commit or discard the previous tree before verifying another")
+            raise RuntimeError(PENDING_TREE)
         tree = self.prepare(tree)
         out, feats = [], []
         for r, (row, ok) in enumerate(zip(self.rows, tree._acceptable_list)):

@@ -23,7 +23,7 @@ from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode
 from ssmspec.compile.graphs import StepGraph
 from ssmspec.compile.lower import StepCompiler
-from ssmspec.errors import CaptureError, UnsupportedModelError
+from ssmspec.errors import PENDING_TREE, CaptureError, UnsupportedModelError, batches_inexact, trees_inexact
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features
 from ssmspec.hf import instance as hf_instance
@@ -267,11 +267,7 @@ class ModelRunner:
         """Process the (padded) prompt with HF's own forward; returns the last position's logits [B, V] (every
         position's, [B, L, V], with `all_positions`)."""
         if input_ids.shape[0] > 1 and self.info is not None and not self.info.batches:
-            raise UnsupportedModelError(
-                type(self.model).__name__,
-                "speculative decoding of a batch is not exact for this model, only one prompt at a time (found at "
-                f"transform: {self.info.limits['batches']})",
-            )
+            raise UnsupportedModelError(type(self.model).__name__, batches_inexact(self.info.limits["batches"]))
         self.release()
         self.cache = SpecCache(self.model.config, commit=self.commit_strategy, state_dtype=self.dtype,
                                capacity=self.capacity, views=not self.static_shapes)  # fmt: skip
@@ -435,13 +431,9 @@ class ModelRunner:
     def verify(self, tree: TokenTree) -> torch.Tensor:
         """Logits [B, N, V] for every node of the tree; committed state is untouched until `commit`."""
         if self._pending is not None:
-            raise RuntimeError("commit or discard the previous tree before verifying another")
+            raise RuntimeError(PENDING_TREE)
         if not tree.depth_is_index and self.info is not None and not self.info.trees:
-            raise UnsupportedModelError(
-                type(self.model).__name__,
-                "tree verification is not exact for this model, only chains: use SpecConfig(tree=False) (found at "
-                f"transform: {self.info.limits['trees']})",
-            )
+            raise UnsupportedModelError(type(self.model).__name__, trees_inexact(self.info.limits["trees"]))
         decodes = self._decodes(tree)  # (may measure which path, on this cache, once per model)
         self.cache.reserve(tree.num_nodes)
         if self.graphs:
@@ -538,7 +530,7 @@ class ModelRunner:
         if not self.fuse_single_nodes:
             raise RuntimeError("greedy steps are compiled only on a CPU model whose steps are compiled")
         if self._pending is not None:
-            raise RuntimeError("commit or discard the previous tree before verifying another")
+            raise RuntimeError(PENDING_TREE)
         self.cache.reserve(tree.num_nodes)
         key = (tree.batch_size, tree.num_nodes, "greedy")
         entry = self._bucket(key)

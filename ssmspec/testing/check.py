@@ -201,110 +201,126 @@ def check_model(
         else (model_or_factory)
     )
     dtype = next(reference.parameters()).dtype
+    tie_tolerance, state_tolerance, logit_tolerance = _tolerances(
+        dtype, reference, decode_single_nodes, tie_tolerance, state_tolerance, logit_tolerance
+    )
+    target = transform(copy.deepcopy(reference))
+    eos, pad = eos_and_pad(reference.generation_config)
+    if eos_token_id is not None:
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    report = CheckReport(seams=sorted({s for seams in target.ssmspec_info.mixers.values() for s in seams}),
+                         path=target.ssmspec_info.path)  # fmt: skip
+    run = _Run(target, eos, pad, max_new_tokens, tie_tolerance, state_tolerance, report,
+               dict(decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
+                    generic=target.ssmspec_info.path == "generic"))  # fmt: skip
+    for input_ids, attention_mask in prompts:
+        ref_seq, ref_logits, ref_rows = _reference(reference, run, input_ids, attention_mask, logit_tolerance)
+        for commit in commits:
+            _check_commit(run, input_ids, attention_mask, ref_seq, ref_logits, ref_rows, commit,
+                          list(drafters or [lambda ref: NoDrafter()]), tree_budget, num_draft_tokens)  # fmt: skip
+        if default_call:
+            _check_default_call(target, input_ids, attention_mask, max_new_tokens, pad, eos, ref_seq, ref_logits,
+                                tie_tolerance, report)  # fmt: skip
+    return report
+
+
+def _tolerances(
+    dtype: torch.dtype, reference: nn.Module, decode_single_nodes: bool, tie: float | None, state: float | None,
+    logit: float | None,
+) -> tuple[float, float, float]:  # fmt: skip
+    """The tie, state and logit tolerances: those given, else the dtype's defaults (check_model's docstring)."""
     exact = dtype == torch.float64
     # bfloat16 / float16: rounding moves a logit or a state by a few units in the last place (bfloat16's is 0.8% of
     # the value), so their defaults are the engine's near-tie rule, 8 of them (near_tie_tolerance): at 1e-3 the check
     # failed on 18 of the 28 families, on differences of 1-2 units
     half = dtype in (torch.bfloat16, torch.float16)
-    if tie_tolerance is None:
-        tie_tolerance = 0.0 if exact else near_tie_tolerance(dtype) if half else 1e-3
-    if state_tolerance is None:  # HF's float32 casts (report.FLOAT32_IN_HF_CODE) round the states at ~1e-7
+    if tie is None:
+        tie = 0.0 if exact else near_tie_tolerance(dtype) if half else 1e-3
+    if state is None:  # HF's float32 casts (report.FLOAT32_IN_HF_CODE) round the states at ~1e-7
         if exact:
-            state_tolerance = 1e-6 if decode_single_nodes or computes_in_float32(reference) else 1e-9
+            state = 1e-6 if decode_single_nodes or computes_in_float32(reference) else 1e-9
         else:
-            state_tolerance = near_tie_tolerance(dtype) if half else 1e-3
-    logit_tolerance = (1e-10 if exact else 1e-4) if logit_tolerance is None else logit_tolerance
-    target = transform(copy.deepcopy(reference))
-    eos, pad = eos_and_pad(reference.generation_config)
-    if eos_token_id is not None:
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    drafters = list(drafters or [lambda ref: NoDrafter()])
-    generic = target.ssmspec_info.path == "generic"
-    report = CheckReport(seams=sorted({s for seams in target.ssmspec_info.mixers.values() for s in seams}),
-                         path=target.ssmspec_info.path)  # fmt: skip
-    for input_ids, attention_mask in prompts:
-        with torch.no_grad():
-            want = reference(input_ids=input_ids, attention_mask=attention_mask).logits
-            got = target(input_ids=input_ids, attention_mask=attention_mask).logits
-        diff = float((want - got).abs().max())
-        report.max_logit_diff = max(report.max_logit_diff, diff)
-        if diff > logit_tolerance:
-            raise EquivalenceError(f"plain forward logits of the transformed model differ by {diff:.3g}")
-        hf = reference.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-            pad_token_id=pad,
-            eos_token_id=eos or None,
-        )
-        ref_seq = hf.sequences
-        ref_logits = torch.stack(hf.logits, 1) if hf.logits else None  # [B, T, V]
-        mask = attention_mask.bool()
-        ref_rows = [
-            ref_seq[r, : input_ids.shape[1]][mask[r]].tolist() + ref_seq[r, input_ids.shape[1] :].tolist()
-            for r in range(ref_seq.shape[0])
+            state = near_tie_tolerance(dtype) if half else 1e-3
+    return tie, state, (1e-10 if exact else 1e-4) if logit is None else logit
+
+
+@dataclass
+class _Run:
+    """What every run of one check shares: the transformed model, EOS and pad, length, tolerances, the report, and
+    the runner settings the checks verify with."""
+
+    target: nn.Module
+    eos: list[int]
+    pad: int
+    max_new_tokens: int
+    tie_tolerance: float
+    state_tolerance: float
+    report: CheckReport
+    settings: dict
+
+
+def _reference(reference: nn.Module, run: _Run, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               logit_tolerance: float) -> tuple[torch.Tensor, torch.Tensor | None, list[list[int]]]:  # fmt: skip
+    """The transformed model's plain-forward logits checked against the original's, then HF greedy's output on the
+    untransformed model: (sequences, logits [B, T, V], each row's real tokens)."""
+    with torch.no_grad():
+        want = reference(input_ids=input_ids, attention_mask=attention_mask).logits
+        got = run.target(input_ids=input_ids, attention_mask=attention_mask).logits
+    diff = float((want - got).abs().max())
+    run.report.max_logit_diff = max(run.report.max_logit_diff, diff)
+    if diff > logit_tolerance:
+        raise EquivalenceError(f"plain forward logits of the transformed model differ by {diff:.3g}")
+    hf = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=run.max_new_tokens,
+                            do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=run.pad,
+                            eos_token_id=run.eos or None)  # fmt: skip
+    ref_seq = hf.sequences
+    ref_logits = torch.stack(hf.logits, 1) if hf.logits else None  # [B, T, V]
+    mask = attention_mask.bool()
+    ref_rows = [
+        ref_seq[r, : input_ids.shape[1]][mask[r]].tolist() + ref_seq[r, input_ids.shape[1] :].tolist()
+        for r in range(ref_seq.shape[0])
+    ]
+    return ref_seq, ref_logits, ref_rows
+
+
+def _check_commit(
+    run: _Run, input_ids: torch.Tensor, attention_mask: torch.Tensor, ref_seq: torch.Tensor,
+    ref_logits: torch.Tensor | None, ref_rows: list[list[int]], commit: str,
+    drafters: list[Callable[[list[list[int]]], Drafter]], tree_budget: int, num_draft_tokens: int,
+) -> None:  # fmt: skip
+    """ssmspec's plain decoding, then each adversarial drafter, with one commit strategy: outputs against HF's,
+    committed states against plain decoding's."""
+    report, prompt = run.report, input_ids.shape[1]
+    common = dict(max_new_tokens=run.max_new_tokens, eos_token_ids=run.eos, pad_token_id=run.pad, commit=commit,
+                  **run.settings)  # fmt: skip
+    ar_seq, _, ar_runner = speculative_generate(run.target, input_ids, attention_mask, drafter=NoDrafter(),
+                                                tree_budget=0, num_draft_tokens=0, **common)  # fmt: skip
+    _compare(ar_seq, ref_seq, ref_logits, prompt, run.tie_tolerance, report, "ssmspec autoregressive")
+    for make in drafters:
+        seq, stats, runner = speculative_generate(run.target, input_ids, attention_mask, drafter=make(ref_rows),
+                                                  tree_budget=tree_budget, num_draft_tokens=num_draft_tokens,
+                                                  **common)  # fmt: skip
+        report.runs += 1
+        report.mean_accepted_per_step.append(stats.mean_accepted_per_step)
+        flips = _compare(seq, ref_seq, ref_logits, prompt, run.tie_tolerance, report, "speculative")
+        if not torch.equal(seq, ar_seq) and not flips:
+            raise EquivalenceError(f"speculative output differs from ssmspec autoregressive ({commit})")
+        # rows that emitted what plain decoding did (after a counted tie flip a row's tokens, so its
+        # states, legitimately differ) and ran to the end: a row that stopped early keeps its K/V slots while
+        # the others go on, and its recurrent states step over pads as many times as the batch took steps
+        same = [
+            r
+            for r in range(seq.shape[0])
+            if int(runner.n_real[r]) == int(ar_runner.n_real[r])
+            and torch.equal(seq[r], ar_seq[r])
+            and not _held(runner, r)
+            and not _held(ar_runner, r)
         ]
-        for commit in commits:
-            ar_seq, _, ar_runner = speculative_generate(
-                target,
-                input_ids,
-                attention_mask,
-                max_new_tokens=max_new_tokens,
-                eos_token_ids=eos,
-                pad_token_id=pad,
-                drafter=NoDrafter(),
-                tree_budget=0,
-                num_draft_tokens=0,
-                commit=commit,
-                decode_single_nodes=decode_single_nodes,
-                static_shapes=static_shapes,
-                generic=generic,
-            )
-            _compare(ar_seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "ssmspec autoregressive")
-            for make in drafters:
-                seq, stats, runner = speculative_generate(
-                    target,
-                    input_ids,
-                    attention_mask,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_ids=eos,
-                    pad_token_id=pad,
-                    drafter=make(ref_rows),
-                    tree_budget=tree_budget,
-                    num_draft_tokens=num_draft_tokens,
-                    commit=commit,
-                    decode_single_nodes=decode_single_nodes,
-                    static_shapes=static_shapes,
-                    generic=generic,
-                )
-                report.runs += 1
-                report.mean_accepted_per_step.append(stats.mean_accepted_per_step)
-                flips = _compare(seq, ref_seq, ref_logits, input_ids.shape[1], tie_tolerance, report, "speculative")
-                if not torch.equal(seq, ar_seq) and not flips:
-                    raise EquivalenceError(f"speculative output differs from ssmspec autoregressive ({commit})")
-                # rows that emitted what plain decoding did (after a counted tie flip a row's tokens, so its
-                # states, legitimately differ) and ran to the end: a row that stopped early keeps its K/V slots while
-                # the others go on, and its recurrent states step over pads as many times as the batch took steps
-                same = [
-                    r
-                    for r in range(seq.shape[0])
-                    if int(runner.n_real[r]) == int(ar_runner.n_real[r])
-                    and torch.equal(seq[r], ar_seq[r])
-                    and not _held(runner, r)
-                    and not _held(ar_runner, r)
-                ]
-                sd = state_diff(runner, ar_runner, same)
-                report.max_state_diff = max(report.max_state_diff, sd)
-                if sd > state_tolerance:
-                    raise EquivalenceError(f"committed states after speculation differ by {sd:.3g} ({commit})")
-            _certified(report, f"adversarial drafters, {commit} commit")
-        if default_call:
-            _check_default_call(target, input_ids, attention_mask, max_new_tokens, pad, eos, ref_seq, ref_logits,
-                                tie_tolerance, report)  # fmt: skip
-    return report
+        sd = state_diff(runner, ar_runner, same)
+        report.max_state_diff = max(report.max_state_diff, sd)
+        if sd > run.state_tolerance:
+            raise EquivalenceError(f"committed states after speculation differ by {sd:.3g} ({commit})")
+    _certified(report, f"adversarial drafters, {commit} commit")
 
 
 def _certified(report: CheckReport, what: str) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ssmspec.errors import UnsupportedModelError, VocabMismatchError
+from ssmspec.errors import UnsupportedModelError, VocabMismatchError, not_one_of
 from ssmspec.hf.instance import Agreement
 from ssmspec.speculate.config import SAMPLING_TREES
 from ssmspec.speculate.drafters.base import Draft, Drafter
@@ -153,7 +153,7 @@ class DraftModelDrafter(Drafter):
         self.confidence_threshold = confidence_threshold
         self.branches = max(1, int(branches))
         if sampling_tree not in SAMPLING_TREES:
-            raise ValueError(f"sampling_tree must be one of {SAMPLING_TREES}, got {sampling_tree!r}")
+            raise not_one_of("sampling_tree", sampling_tree, SAMPLING_TREES)
         self.sampling_tree = sampling_tree
         self.tree = tree
         self.min_path_prob = min_path_prob

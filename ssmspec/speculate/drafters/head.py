@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ssmspec.errors import UnsupportedModelError
+from ssmspec.errors import UnsupportedModelError, not_one_of
 from ssmspec.hf import features as hf_features
 from ssmspec.hf import instance as hf_instance
 from ssmspec.speculate.config import SAMPLING_TREES
@@ -139,7 +139,7 @@ class HeadDrafter(Drafter):
         sampling_tree: str = "gumbel_top_k", min_path_prob: float = 0.02,
     ) -> None:  # fmt: skip
         if sampling_tree not in SAMPLING_TREES:
-            raise ValueError(f"sampling_tree must be one of {SAMPLING_TREES}, got {sampling_tree!r}")
+            raise not_one_of("sampling_tree", sampling_tree, SAMPLING_TREES)
         self.head = head
         self.target = target
         self.tree = tree
