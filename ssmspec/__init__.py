@@ -14,7 +14,7 @@ from ssmspec.hf.cache import SpecCache
 from ssmspec.speculate.calibration import kept as calibration_of
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.retrieval import SuffixIndex
-from ssmspec.transform import calibrate, transform
+from ssmspec.transform import calibrate, explain, transform
 from ssmspec.tree import TokenTree
 
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ __all__ = [
     "VocabMismatchError",
     "calibrate",
     "calibration_of",
+    "explain",
     "models",
     "transform",
 ]

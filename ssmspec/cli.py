@@ -233,16 +233,22 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    """Speculative generation from a prompt; prints the continuation (stats on stderr)."""
+def _generate_call(args: argparse.Namespace):
+    """`ssmspec generate`'s (and `plan`'s) call: (transformed model, tokenizer, what it is, prompt ids, generate's
+    keyword arguments)."""
     import ssmspec
 
     ref, tok, what = _load(args.model, args.family, DTYPES[args.dtype])
     if tok is None:
-        raise ValueError("`ssmspec generate` needs a model with a tokenizer (the embedded one, or --model PATH)")
+        raise ValueError(f"`ssmspec {args.command}` needs a model with a tokenizer (the embedded one, or --model PATH)")
     model = ssmspec.transform(ref)
     ids = tok(args.prompt, return_tensors="pt")["input_ids"]
-    kwargs = {"max_new_tokens": args.max_new_tokens, "return_dict_in_generate": True}
+    kwargs: dict = {"max_new_tokens": args.max_new_tokens, "return_dict_in_generate": True}
+    if args.sample:
+        kwargs.update(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
+                      top_p=1.0 if args.top_p is None else args.top_p)  # fmt: skip
+    elif args.temperature is not None or args.top_p is not None:
+        raise ValueError("--temperature and --top-p shape sampling: add --sample (greedy decoding reads neither)")
     if args.draft:
         from ssmspec import models
 
@@ -251,15 +257,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
             draft = load_pretrained(args.draft, DTYPES[args.dtype])[0]
         if args.draft_tokens is not None:
             kwargs["num_assistant_tokens"] = args.draft_tokens
-        out = model.generate(ids, assistant_model=draft, **kwargs)
+        kwargs["assistant_model"] = draft
     else:  # the default call (its drafter: the model's draft head or MTP layer where it has one, else n-grams)
         tree = False if args.chain else True if args.tree else None
-        spec = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree_budget=args.tree_budget, tree=tree)
-        out = model.generate(ids, speculation=spec, **kwargs)
+        kwargs["speculation"] = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree_budget=args.tree_budget,
+                                                   tree=tree)  # fmt: skip
+    return model, tok, what, ids, kwargs
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Speculative generation from a prompt; prints the continuation (stats, and with --explain the call's plan, on
+    stderr)."""
+    import ssmspec
+
+    model, tok, what, ids, kwargs = _generate_call(args)
+    if args.explain:
+        print(ssmspec.explain(model, ids, **kwargs), file=sys.stderr)
+    out = model.generate(ids, **kwargs)
     print(tok.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
     stats = out.spec_stats
     print(f"[{what}: {stats['emitted_tokens']} tokens in {stats['verify_steps']} verify steps, "
           f"{stats['mean_accepted_per_step']:.2f} per step]", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The plan `ssmspec generate` with the same arguments would run, and why, without generating."""
+    import ssmspec
+
+    model, _, _, ids, kwargs = _generate_call(args)
+    print(ssmspec.explain(model, ids, **kwargs))
     return 0
 
 
@@ -347,15 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
         default_model="a random-init tiny mamba2",
     )  # fmt: skip
     check.set_defaults(func=cmd_check)
-    gen = common(sub.add_parser("generate", help="speculative generation from a prompt"), "float32", 64)
-    gen.add_argument("prompt")
-    gen.add_argument("--draft-tokens", type=positive, help="draft depth at most (default: the default call's)")
-    gen.add_argument("--tree-budget", type=positive, help="drafted nodes per step (default: the default call's)")
-    shape = gen.add_mutually_exclusive_group()
-    shape.add_argument("--tree", action="store_true", help="draft trees (the default where the model verifies them)")
-    shape.add_argument("--chain", action="store_true", help="draft chains instead of trees")
-    gen.add_argument("--draft", help="draft model: 'embedded' (mamba2-draft) or a path / hub id")
-    gen.set_defaults(func=cmd_generate)
+    for name, about in (("generate", "speculative generation from a prompt"),
+                        ("plan", "print the plan a generate call would run, and why, without running it")):  # fmt: skip
+        gen = common(sub.add_parser(name, help=about), "float32", 64)
+        gen.add_argument("prompt")
+        gen.add_argument("--draft-tokens", type=positive, help="draft depth at most (default: the default call's)")
+        gen.add_argument("--tree-budget", type=positive, help="drafted nodes per step (default: the default call's)")
+        shape = gen.add_mutually_exclusive_group()
+        shape.add_argument("--tree", action="store_true", help="draft trees (default where the model verifies them)")
+        shape.add_argument("--chain", action="store_true", help="draft chains instead of trees")
+        gen.add_argument("--draft", help="draft model: 'embedded' (mamba2-draft) or a path / hub id")
+        gen.add_argument("--sample", action="store_true", help="sample (lossless) instead of greedy decoding")
+        gen.add_argument("--temperature", type=float, help="with --sample (default 1.0)")
+        gen.add_argument("--top-p", type=float, help="with --sample (default 1.0: off)")
+        if name == "generate":
+            gen.add_argument("--explain", action="store_true", help="print the call's plan on stderr first")
+        gen.set_defaults(func=cmd_generate if name == "generate" else cmd_plan)
 
     bench = add_arguments(sub.add_parser("bench", help="end-to-end tokens/s on held-out code (embedded target)"))
     bench.add_argument("--no-progress", action="store_true")

@@ -29,7 +29,7 @@ from transformers.utils import ModelOutput
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode, mode_and_options, region_options
 from ssmspec.compile.lower import StepCompiler
-from ssmspec.errors import UnsupportedModelError
+from ssmspec.errors import UnsupportedModelError, not_one_of
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features as hf_features
 from ssmspec.hf import instance as hf_instance
@@ -46,6 +46,7 @@ from ssmspec.speculate.drafters import check_vocab
 from ssmspec.speculate.drafters.head import WEIGHTS as HEAD_WEIGHTS
 from ssmspec.speculate.drafters.head import DraftHead, check_head, find_head
 from ssmspec.speculate.generic import CHAINS_ONLY, ROW_BY_ROW
+from ssmspec.speculate.plan import plan_call
 
 # module class names that say "this holds the recurrent state", strongest first: the module an error names
 _RECURRENT_NAMES = (
@@ -247,11 +248,27 @@ class SpecGenerationMixin:
             VocabMismatchError: the assistant model's vocabulary differs from the target's.
             TypeError: `speculation` is not a SpecConfig or a bool, or `assistant_model` is not a model.
         """
+        call = self._speculative_call(generation_config, prompt_lookup_num_tokens, assistant_model, speculation)
+        if call is not None:
+            with using_kernel_policy(getattr(self, "ssmspec_kernel_policy", None)):
+                try:
+                    return spec_generate.generate(self, inputs, generation_config, kwargs=kwargs, **call)
+                except spec_generate.NotSpeculated:  # refused before anything ran: HF's own decoding
+                    pass
+        return super().generate(inputs, generation_config, **kwargs)
+
+    def _speculative_call(
+        self, generation_config: GenerationConfig | None, prompt_lookup_num_tokens: int | None,
+        assistant_model: nn.Module | None, speculation: SpecConfig | bool | None,
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """`generate`'s arguments for speculation (ssmspec.speculate.generate / .plan: the draft model prepared, the
+        model's default config where the call asked for nothing, `fallback` then), or None for HF's own generate
+        (`speculation=False`)."""
         if speculation is False:
             if prompt_lookup_num_tokens is not None or assistant_model is not None:
                 raise ValueError("speculation=False (HF's own generate) with prompt_lookup_num_tokens= or "
                                  "assistant_model=: HF refuses both for stateful models; drop one")  # fmt: skip
-            return super().generate(inputs, generation_config, **kwargs)
+            return None
         asked = prompt_lookup_num_tokens is not None or assistant_model is not None or speculation is not None
         if speculation is True:  # the defaults, asked for: refusals raise
             speculation = None
@@ -267,18 +284,12 @@ class SpecGenerationMixin:
                     f"path)), got {type(assistant_model).__name__} {assistant_model!r:.60}"
                 )
             check_vocab(assistant_model, self.config.get_text_config().vocab_size)
-        draft = prepare_draft(assistant_model) if assistant_model is not None else None
-        with using_kernel_policy(getattr(self, "ssmspec_kernel_policy", None)):
-            try:
-                return spec_generate.generate(
-                    self, inputs, generation_config, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                    draft=draft, speculation=speculation, kwargs=kwargs, fallback=default,
-                    generic_exact=lambda batch: generic_allowed(self, batch),
-                    head=self.__dict__.get("ssmspec_draft_head"),
-                )  # fmt: skip
-            except spec_generate.NotSpeculated:  # refused before anything ran: HF's own decoding
-                pass
-        return super().generate(inputs, generation_config, **kwargs)
+        return {
+            "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+            "draft": prepare_draft(assistant_model) if assistant_model is not None else None,
+            "speculation": speculation, "fallback": default, "head": self.__dict__.get("ssmspec_draft_head"),
+            "generic_exact": lambda batch: generic_allowed(self, batch),
+        }  # fmt: skip
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """HF's save_pretrained, and the model's draft head beside the weights (`draft_head.safetensors` and
@@ -308,7 +319,7 @@ class SpecGenerationMixin:
         if kwargs.get("backend") == "ssmspec":  # checked first: a refused compile changes nothing
             option = (kwargs.get("options") or {}).get("kernels")
             if option not in _KERNEL_POLICIES:
-                raise ValueError(f"ssmspec backend: kernels must be one of {list(_KERNEL_POLICIES)}, got {option!r}")
+                raise not_one_of("ssmspec backend: kernels", option, _KERNEL_POLICIES)
             policy = _KERNEL_POLICIES[option]
         self.ssmspec_static_shapes = True
         self.ssmspec_compile_call = (args, dict(kwargs))  # to compile a copy alike (VocabTrim's trimmed draft)
@@ -575,6 +586,27 @@ def _warm_up(
                   speculation=spec)  # fmt: skip
         if plain:
             model.generate(ids, max_new_tokens=2, pad_token_id=0, speculation=SpecConfig(drafter="none"))
+
+
+def explain(
+    model: nn.Module, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *,
+    prompt_lookup_num_tokens: int | None = None, assistant_model: nn.Module | None = None,
+    speculation: SpecConfig | bool | None = None, **kwargs: Any,
+) -> str:  # fmt: skip
+    """What `model.generate(inputs, generation_config, ...)` with these arguments would run, and why (the call, the
+    drafter, its sizes, the path, the policy, how steps run), as lines of text, without running it: for users and bug
+    reports (`ssmspec plan` prints it). A call that speculation refuses raises as `generate` would; one that asked
+    for no speculation and that HF's own generate runs instead says so."""
+    if not isinstance(model, SpecGenerationMixin):
+        raise TypeError("ssmspec.explain expects a model transformed by ssmspec.transform")
+    call = model._speculative_call(generation_config, prompt_lookup_num_tokens, assistant_model, speculation)
+    if call is None:
+        return "HF's own generate (speculation=False)"
+    try:
+        plan = plan_call(model, inputs, generation_config, kwargs=kwargs, **call)
+    except spec_generate.NotSpeculated as e:
+        return f"HF's own generate: the call asked for no speculation, and speculation would refuse it: {e}"
+    return plan.describe()
 
 
 def calibrate(model: nn.Module, input_ids: torch.Tensor, **generate_kwargs: Any) -> torch.Tensor | ModelOutput:

@@ -182,7 +182,7 @@ def test_an_adaptive_calls_plain_steps_and_shadow_drafts_replay_the_one_node_ste
     monkeypatch.setattr(StepReport, "plain", classmethod(lambda cls, *a: reports.append(plain(cls, *a)) or reports[-1]))
     monkeypatch.setattr(ModelRunner, "decode", lambda self, t: decodes.append(1) or decode(self, t))
     oracle = OracleDrafter([w.tolist() for w in want], vocab_size=96)
-    monkeypatch.setattr("ssmspec.speculate.generate.build_drafter", lambda *a, **k: oracle)
+    monkeypatch.setattr("ssmspec.speculate.plan.build_drafter", lambda *a, **k: oracle)
     spec = SpecConfig(drafter="prompt_lookup", adaptive=True)
     out = model.generate(IDS[:1], max_new_tokens=30, eos_token_id=None, pad_token_id=0, speculation=spec,
                          return_dict_in_generate=True)  # fmt: skip
@@ -211,7 +211,7 @@ def test_plain_steps_the_policy_decided_ahead_run_back_to_back(monkeypatch):
     monkeypatch.setattr(policy.StepPolicy, "observe_plain",
                         lambda self, n, *a: runs.append(n) or observe_plain(self, n, *a))  # fmt: skip
     drafter = RandomDrafter(96, chain=True)
-    monkeypatch.setattr("ssmspec.speculate.generate.build_drafter", lambda *a, **k: drafter)
+    monkeypatch.setattr("ssmspec.speculate.plan.build_drafter", lambda *a, **k: drafter)
     spec = SpecConfig(drafter="prompt_lookup", adaptive=True)
     out = model.generate(IDS, max_new_tokens=30, eos_token_id=eos, pad_token_id=0, speculation=spec,
                          return_dict_in_generate=True)  # fmt: skip
@@ -249,7 +249,7 @@ def test_a_draft_heads_features_come_out_of_the_compiled_greedy_steps(monkeypatc
     verify_greedy = ModelRunner.verify_greedy
     monkeypatch.setattr(ModelRunner, "verify_greedy", lambda self, t: greedy.append(1) or verify_greedy(self, t))
     head = model.__dict__["ssmspec_draft_head"]
-    monkeypatch.setattr("ssmspec.speculate.generate.build_drafter", lambda *a, **k: Recording(head, model))
+    monkeypatch.setattr("ssmspec.speculate.plan.build_drafter", lambda *a, **k: Recording(head, model))
     ids = IDS[:1]
     want = ref.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
     oracle = Varying([w.tolist() for w in want], vocab_size=96)

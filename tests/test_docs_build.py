@@ -133,9 +133,9 @@ def _captures_steps() -> bool:
 
 
 def _default_drafts_with_mtp() -> bool:
-    from ssmspec.speculate import generate
+    from ssmspec.speculate import plan
 
-    return generate.MTP_MAX_SHARE > 0
+    return plan.MTP_MAX_SHARE > 0
 
 
 CONTRADICTIONS = [

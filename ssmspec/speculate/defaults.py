@@ -46,7 +46,7 @@ HEAD_GREEDY = SpecConfig(tree_budget=24, num_draft_tokens=8)
 # when sampling, three branches at the root were no faster: 1.35x and 1.42x HF's sampling at temperatures 0.7 and 1.0
 # against the chain's 1.41x and 1.50x in one side-by-side run, 1.48x and 1.37x against 1.37x and 1.44x in another)
 HEAD_SAMPLING = SpecConfig(tree_budget=4, num_draft_tokens=4)
-# a checkpoint's MTP layer (drafter "mtp", or "auto" on a model whose MTP layer is small: ssmspec.speculate.generate),
+# a checkpoint's MTP layer (drafter "mtp", or "auto" on a model whose MTP layer is small: ssmspec.speculate.plan),
 # as measured fastest on the embedded Nemotron-H (docs/data/mtp.json): greedy, the head's tree (each of its levels
 # costs a forward of the layer: fewer rounds, MTPDrafter.rounds); sampling, 3 branches at the root, 3 deep (the
 # layer fed its own outputs is accepted less at every level: a 4th level was accepted 0.25 of the times it was

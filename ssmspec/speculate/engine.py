@@ -5,16 +5,19 @@ stops."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from ssmspec.errors import UnsupportedModelError
+from ssmspec.errors import GENERIC_GRAPHS, UnsupportedModelError
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter
 from ssmspec.speculate.generic import GenericRunner
+from ssmspec.speculate.plan import LoopSettings
 from ssmspec.speculate.policy import StepPolicy
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.speculate.step import Proposal, StepReport
@@ -69,48 +72,32 @@ def speculative_generate(
     eos_token_ids: list[int],
     pad_token_id: int,
     drafter: Drafter,
-    tree_budget: int,
-    num_draft_tokens: int,
-    commit: str = "replay",
-    decode_single_nodes: bool | None = None,
-    schedule: str = "constant",
+    settings: LoopSettings | None = None,
     decoding: Decoding | None = None,
-    static_shapes: bool = False,
-    adaptive: bool = False,
-    generic: bool = False,
     model_inputs: dict | None = None,
-    verify_memory: int | None = None,
-    graphs: bool = False,
+    **fields: Any,
 ) -> tuple[torch.Tensor, SpecStats, ModelRunner | GenericRunner]:
     """Speculative decoding, greedy or (with `decoding.do_sample`) lossless sampling. Returns (sequences
     [B, L + T] as HF generate, stats, the target's runner holding the final committed cache); with
     `decoding.output_scores`/`output_logits` the per-token tensors are left in `decoding.scores`/`.logits`.
 
-    Each step drafts at most `tree_budget` nodes per row, at most `num_draft_tokens` deep. `schedule`
-    "heuristic" adapts the depth as HF's assisted generation does (+2 after a step that accepted every
-    drafted token, -1 otherwise). Steps that verify one node per row use HF's own decode path (True) or
-    the tree path (False); None: whichever the runner measured faster on this model (ModelRunner.single_node_path).
-    `decoding` carries HF's logits
-    processors (applied per node), stopping criteria (checked after every emitted token) and streamer.
+    `settings` (LoopSettings: a call's plan decides them, ssmspec.speculate.plan) say how the loop runs: each step
+    drafts at most `tree_budget` nodes per row, at most `num_draft_tokens` deep; the "heuristic" schedule adapts the
+    depth as HF's assisted generation does (+2 after a step that accepted every drafted token, -1 otherwise);
     `static_shapes` pads trees to power-of-two node counts (or to the largest possible tree, where smaller) and
-    commits fixed-length paths (the depth stays within `num_draft_tokens`, also under the heuristic schedule),
-    so a compiled verify step never recompiles. `graphs` (with `static_shapes`) captures each bucket's verify step
-    once and replays it (ssmspec.compile.graphs: CUDA graphs on a GPU, an op tape elsewhere).
-    `adaptive` picks each step's depth (0: plain decoding) for the best expected tokens per unit of cost
-    (ssmspec.speculate.adaptive).
-    `verify_memory` (bytes) cuts trees to the nodes per row whose verify buffers fit, as measured on earlier steps; a
-    verify step that runs out of memory is retried with half the nodes (down to one) whatever the budget.
-    `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, a batch row by row) instead of the
-    seams; its prefill also takes `model_inputs` (a multimodal prompt's pixel values, grids, token types)."""
+    commits fixed-length paths, so a compiled verify step never recompiles; `graphs` captures each bucket's step once
+    and replays it (ssmspec.compile.graphs); `adaptive` picks each step's depth (0: plain decoding) for the best
+    expected tokens per unit of cost (ssmspec.speculate.adaptive); `verify_memory` (bytes) cuts trees to the nodes
+    per row whose verify buffers fit, as measured on earlier steps (a verify step that runs out of memory is retried
+    with half the nodes); `generic` verifies through HF's own forward (ssmspec.speculate.generic: chains, a batch row
+    by row), whose prefill also takes `model_inputs` (a multimodal prompt's pixel values, grids, token types).
+    A call by hand (tests, the certifier) may give the settings' fields as keyword arguments instead.
+    `decoding` carries HF's logits processors (applied per node), stopping criteria (checked after every emitted
+    token) and streamer."""
+    settings = _settings(settings, fields)
     decoding = decoding if decoding is not None else Decoding()
-    # no draft deeper than the tree's nodes (a chain's budget is its depth); each step drafts no deeper than the tokens
-    # its rows have left (StepPolicy.plan)
-    num_draft_tokens = max(0, min(num_draft_tokens, tree_budget))
     proposer = Proposer(drafter)
-    runner = open_runner(model, generic=generic, commit=commit, decode_single_nodes=decode_single_nodes,
-                         static_shapes=static_shapes, max_new_tokens=max_new_tokens, tree_budget=tree_budget,
-                         num_draft_tokens=num_draft_tokens, capture_features=proposer.wants_features,
-                         graphs=graphs)  # fmt: skip
+    runner = open_runner(model, settings, max_new_tokens=max_new_tokens, capture_features=proposer.wants_features)
     stats = SpecStats(near_tie_tolerance=near_tie_tolerance(runner.dtype))
     if max_new_tokens <= 0:
         return input_ids.clone(), stats, runner
@@ -119,10 +106,7 @@ def speculative_generate(
     logits = runner.prefill(input_ids, attention_mask, all_positions=proposer.topk > 0, **extra)
     logits = proposer.start(runner, rows, attention_mask, logits)
     rows.first(logits, None if decoding.do_sample else near_ties(logits, stats.near_tie_tolerance))
-    policy = StepPolicy.for_call(
-        model, runner, drafter, decoding, tree_budget=tree_budget, num_draft_tokens=num_draft_tokens,
-        adaptive=adaptive, schedule=schedule, static_shapes=static_shapes, verify_memory=verify_memory,
-    )  # fmt: skip
+    policy = StepPolicy.for_call(model, runner, drafter, decoding, settings)
     verifier = Verifier(runner, stats)
     # greedy steps on a model whose steps are compiled, for a drafter that needs of the target no more than its tokens
     # and features: a plain step is one replay and one read of the argmax (the fused one-node step, `plain_step`),
@@ -134,13 +118,13 @@ def speculative_generate(
     chosen = None
     try:
         while not rows.finished:
-            if lean and num_draft_tokens == 0:
+            if lean and settings.num_draft_tokens == 0:
                 chosen = plain_step(runner, rows, chosen)
                 if chosen is not None:
                     continue
             plan = policy.plan(rows)
             proposal = None
-            if lean and num_draft_tokens and plan.depth == 0:  # (drafting none: tried above)
+            if lean and settings.num_draft_tokens and plan.depth == 0:  # (drafting none: tried above)
                 active = [r for r in range(rows.batch) if not rows.done[r]]
                 proposal = proposer.propose(plan, rows) if plan.shadow else None  # (the shadow's draft)
                 chosen = plain_step(runner, rows, chosen, proposer)
@@ -151,7 +135,7 @@ def speculative_generate(
                     continue
             chosen = None  # (a general step: the next plain step reads its input from the rows)
             proposal = proposal or proposer.propose(plan, rows)
-            if lean and verify_memory is None and not proposal.pads and proposal.nodes > 1:
+            if lean and settings.verify_memory is None and not proposal.pads and proposal.nodes > 1:
                 policy.observe(greedy_step(runner, rows, proposal, proposer))  # (accepted, committed in its graph)
                 continue
             verified = verifier.verify(proposal, rows)
@@ -217,17 +201,30 @@ def greedy_step(runner: ModelRunner, rows: Rows, proposal: Proposal, proposer: P
 
 
 def open_runner(
-    model: nn.Module, *, generic: bool, commit: str, decode_single_nodes: bool | None, static_shapes: bool,
-    max_new_tokens: int, tree_budget: int, num_draft_tokens: int, capture_features: bool, graphs: bool = False,
-) -> ModelRunner | GenericRunner:  # fmt: skip
-    """The target's runner for one call: the seams' (ModelRunner) or HF's own forward (GenericRunner), sized for
-    the call's largest tree and length; `capture_features`: its forwards keep the target's features for a drafter
-    that drafts from them; `graphs`: its verify steps captured and replayed (the seams' runner only)."""
-    if generic and graphs:
-        raise UnsupportedModelError(type(model).__name__, "the generic path (HF's own cache) cannot capture its steps")
-    extra = {"graphs": graphs} if graphs else {}
-    return (GenericRunner if generic else ModelRunner)(
-        model, commit=commit, decode_single_nodes=decode_single_nodes, static_shapes=static_shapes,
-        max_depth=num_draft_tokens, max_nodes=max(tree_budget, num_draft_tokens) + 1,
-        capacity=max_new_tokens + max(tree_budget, num_draft_tokens) + 2, capture_features=capture_features, **extra,
+    model: nn.Module, settings: LoopSettings, *, max_new_tokens: int, capture_features: bool
+) -> ModelRunner | GenericRunner:
+    """The target's runner for one call: the seams' (ModelRunner) or HF's own forward (GenericRunner, where
+    `settings.generic`), sized for the call's largest tree and length; `capture_features`: its forwards keep the
+    target's features for a drafter that drafts from them; `settings.graphs`: its steps captured and replayed (the
+    seams' runner only)."""
+    if settings.generic and settings.graphs:
+        raise UnsupportedModelError(type(model).__name__, GENERIC_GRAPHS)
+    extra = {"graphs": True} if settings.graphs else {}
+    widest = max(settings.tree_budget, settings.num_draft_tokens)
+    return (GenericRunner if settings.generic else ModelRunner)(
+        model, commit=settings.commit, decode_single_nodes=settings.decode_single_nodes,
+        static_shapes=settings.static_shapes, max_depth=settings.num_draft_tokens, max_nodes=widest + 1,
+        capacity=max_new_tokens + widest + 2, capture_features=capture_features, **extra,
     )  # fmt: skip
+
+
+def _settings(settings: LoopSettings | None, fields: dict[str, Any]) -> LoopSettings:
+    """The call's loop settings: `settings`, or LoopSettings of the keyword fields a call by hand gave (an unknown one
+    named); no draft deeper than the tree's nodes (a chain's budget is its depth)."""
+    if settings is not None and fields:
+        raise TypeError(f"speculative_generate: settings= with {', '.join(sorted(fields))} as well; give one")
+    names = {f.name for f in dataclasses.fields(LoopSettings)}
+    if unknown := sorted(set(fields) - names):
+        raise TypeError(f"speculative_generate got an unexpected keyword argument {unknown[0]!r}")
+    settings = settings if settings is not None else LoopSettings(**fields)
+    return dataclasses.replace(settings, num_draft_tokens=max(0, min(settings.num_draft_tokens, settings.tree_budget)))

@@ -20,6 +20,7 @@ from ssmspec.speculate.adaptive import Acceptance, Goodput, best_depth, depth_ga
 from ssmspec.speculate.calibration import Calibration
 from ssmspec.speculate.decoding import Decoding
 from ssmspec.speculate.drafters import Drafter
+from ssmspec.speculate.plan import LoopSettings
 from ssmspec.speculate.step import Runner, StepPlan, StepReport
 from ssmspec.speculate.step.emit import Rows
 
@@ -95,16 +96,15 @@ class StepPolicy:
 
     @classmethod
     def for_call(
-        cls, model: nn.Module, runner: Runner, drafter: Drafter, decoding: Decoding, *, tree_budget: int,
-        num_draft_tokens: int, adaptive: bool, schedule: str = "constant", static_shapes: bool = False,
-        verify_memory: int | None = None,
-    ) -> StepPolicy:  # fmt: skip
-        """The policy of one generate call on `model` (its runner prefilled): with `adaptive`, priced with the model's
-        calibration (ssmspec.speculate.calibration) and the acceptance the last greedy call with this drafter and tree
-        shape measured (`AdaptiveDepth`). The calibration also chooses the runner's one-node path and linears per tree
-        size; it is measured further between steps, or completed now by a call that samples, a sharded model or a
-        compiled model warming up (`calibration.complete_before`)."""
+        cls, model: nn.Module, runner: Runner, drafter: Drafter, decoding: Decoding, settings: LoopSettings
+    ) -> StepPolicy:
+        """The policy of one generate call on `model` (its runner prefilled), as its `settings` say: with `adaptive`,
+        priced with the model's calibration (ssmspec.speculate.calibration) and the acceptance the last greedy call
+        with this drafter and tree shape measured (`AdaptiveDepth`). The calibration also chooses the runner's one-node
+        path and linears per tree size; it is measured further between steps, or completed now by a call that samples,
+        a sharded model or a compiled model warming up (`calibration.complete_before`)."""
         calibration = calibrations.for_runner(model, runner)
+        adaptive, tree_budget, num_draft_tokens = settings.adaptive, settings.tree_budget, settings.num_draft_tokens
         if not (adaptive or calibration.ways != (None,) or calibration.paths != (None,)):
             calibration = None  # nothing this call would use it for
         spent = 0.0
@@ -117,8 +117,9 @@ class StepPolicy:
         if adaptive:
             depth = AdaptiveDepth.for_call(model, runner, drafter, decoding, calibration, tree_budget=tree_budget,
                                            num_draft_tokens=num_draft_tokens)  # fmt: skip
-        policy = cls(tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, schedule=schedule,
-                     static_shapes=static_shapes, verify_memory=verify_memory, batch=int(runner.n_real.shape[0]),
+        policy = cls(tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, schedule=settings.schedule,
+                     static_shapes=settings.static_shapes, verify_memory=settings.verify_memory,
+                     batch=int(runner.n_real.shape[0]),
                      adaptive=depth, calibration=calibration, runner=runner)  # fmt: skip
         policy.calibration_seconds = spent
         if calibration is not None and calibration.out_of_memory is not None:  # a size measured did not fit

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ssmspec
-import ssmspec.speculate.generate as spec_generate
+import ssmspec.speculate.plan as spec_plan
 from ssmspec.speculate import calibration
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.testing.drafters import OracleDrafter
@@ -27,7 +27,7 @@ def _run(family, monkeypatch, verify=None, **spec):
     ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(1))
     want = ref.generate(ids, max_new_tokens=20, do_sample=False)
     oracle = OracleDrafter([r.tolist() for r in want], vocab_size=96, distractors=2)
-    monkeypatch.setattr(spec_generate, "build_drafter", lambda *a, **k: oracle)
+    monkeypatch.setattr(spec_plan, "build_drafter", lambda *a, **k: oracle)
     spec = {"adaptive": False, **spec}
     config = ssmspec.SpecConfig(drafter="prompt_lookup", tree_budget=12, num_draft_tokens=6, **spec)
     out = model.generate(ids, max_new_tokens=20, speculation=config, return_dict_in_generate=True)

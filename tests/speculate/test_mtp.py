@@ -65,7 +65,7 @@ def test_auto_drafts_with_a_small_mtp_layer_only(checkpoint, monkeypatch):
     """drafter "draft_head" drafts with the MTP layer the checkpoint ships; "auto" does where the layer is small against
     the model (MTP_MAX_SHARE of its parameters; a tiny model's one layer of a few is not: n-gram lookup drafts); every
     call gives HF's output."""
-    from ssmspec.speculate import generate as spec_generate
+    from ssmspec.speculate import plan as spec_plan
 
     family, ref, model = checkpoint
     ids = PROMPTS[0][:1]
@@ -78,8 +78,8 @@ def test_auto_drafts_with_a_small_mtp_layer_only(checkpoint, monkeypatch):
 
     assert drafter_stats(speculation=ssmspec.SpecConfig(drafter="draft_head")).get("mtp") == hf_mtp.family_of(model)
     share = hf_mtp.size_share(model.__dict__["ssmspec_draft_head"], model)
-    assert share > spec_generate.MTP_MAX_SHARE and "mtp" not in drafter_stats()
-    monkeypatch.setattr(spec_generate, "MTP_MAX_SHARE", share)
+    assert share > spec_plan.MTP_MAX_SHARE and "mtp" not in drafter_stats()
+    monkeypatch.setattr(spec_plan, "MTP_MAX_SHARE", share)
     assert drafter_stats().get("mtp") == hf_mtp.family_of(model)
 
 

@@ -177,13 +177,14 @@ def test_both_runners_provide_the_runner_contract(family):
 
     import ssmspec
     from ssmspec.speculate.engine import open_runner
+    from ssmspec.speculate.plan import LoopSettings
     from ssmspec.speculate.step import Runner
     from ssmspec.testing.strategies import cached_tiny_model
 
     model = ssmspec.transform(copy.deepcopy(cached_tiny_model(family)))
     generic = family == "rwkv"
-    runner = open_runner(model, generic=generic, commit="replay", decode_single_nodes=None, static_shapes=False,
-                         max_new_tokens=8, tree_budget=4, num_draft_tokens=2, capture_features=False)  # fmt: skip
+    settings = LoopSettings(tree_budget=4, num_draft_tokens=2, generic=generic)
+    runner = open_runner(model, settings, max_new_tokens=8, capture_features=False)
     ids = torch.tensor([[5, 6, 7, 8]])
     runner.prefill(ids, torch.ones_like(ids))
     assert isinstance(runner, Runner)

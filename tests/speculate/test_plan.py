@@ -1,0 +1,121 @@
+"""A call's plan (ssmspec.speculate.plan): one immutable record of what `model.generate(...)` runs and why, the loop
+run from it alone; `ssmspec.explain` and `ssmspec plan` print it without running the call."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import ssmspec
+from ssmspec.cli import main
+from ssmspec.errors import UnsupportedSettingError
+from ssmspec.speculate import plan as spec_plan
+from ssmspec.speculate.drafters.head import DraftHead
+from ssmspec.speculate.engine import speculative_generate
+from ssmspec.speculate.plan import LoopSettings
+from ssmspec.testing.strategies import cached_tiny_model
+
+IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 7]])
+
+
+def _model(family: str = "mamba2", head: bool = False):
+    ref = cached_tiny_model(family)
+    draft_head = None
+    if head:
+        hidden = ref.config.get_text_config().hidden_size
+        draft_head = DraftHead(hidden, hidden, ref.config.get_text_config().vocab_size)
+    return ref, ssmspec.transform(copy.deepcopy(ref), draft_head=draft_head)
+
+
+def _plan(model, **kwargs):
+    call = model._speculative_call(None, kwargs.pop("prompt_lookup_num_tokens", None), None,
+                                   kwargs.pop("speculation", None))  # fmt: skip
+    return spec_plan.plan_call(model, IDS, None, kwargs=kwargs, **call)
+
+
+def test_the_loop_runs_the_plans_settings_and_the_plan_cannot_change(monkeypatch):
+    """generate hands the engine the plan's LoopSettings (nothing read of the model on the way), the output is HF's;
+    a plan is frozen."""
+    ref, model = _model(head=True)
+    plan = _plan(model, max_new_tokens=12)
+    assert (plan.spec.drafter, plan.settings.adaptive, plan.settings.generic) == ("draft_head", True, False)
+    assert (plan.settings.tree_budget, plan.settings.num_draft_tokens) == (plan.spec.tree_budget,
+                                                                          plan.spec.num_draft_tokens)  # fmt: skip
+    seen = []
+
+    def recording(*args, settings, **kwargs):
+        seen.append(settings)
+        return speculative_generate(*args, settings=settings, **kwargs)
+
+    monkeypatch.setattr("ssmspec.speculate.generate.speculative_generate", recording)
+    out = model.generate(IDS, max_new_tokens=12)
+    assert torch.equal(out, ref.generate(IDS, max_new_tokens=12, do_sample=False))
+    assert seen == [plan.settings]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.settings = LoopSettings()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.settings.tree_budget = 1  # type: ignore[misc]
+
+
+def test_the_plan_says_what_runs_and_why():
+    """Each choice of the call has a line, its value the one the loop runs: drafter, sizes, path, policy, steps."""
+    _, model = _model(head=True)
+    lines = dict(_plan(model, max_new_tokens=12).reasons)
+    assert set(lines) == {"call", "drafter", "sizes", "path", "policy", "steps"}
+    assert lines["drafter"].startswith("draft_head: the model's draft head")
+    assert "24 nodes, 8 deep (measured fastest" in lines["sizes"] and lines["path"].startswith("seams")
+    assert lines["policy"].startswith("adaptive") and lines["steps"].startswith("eager (inference_mode)")
+    sampled = dict(_plan(model, max_new_tokens=12, do_sample=True).reasons)
+    assert "4 nodes, 4 deep" in sampled["sizes"] and sampled["call"].endswith("sampling")
+    lookup = dict(_plan(model, max_new_tokens=12, prompt_lookup_num_tokens=3).reasons)
+    assert "3 deep (prompt_lookup_num_tokens deep" in lookup["sizes"]
+    plain = dict(_plan(model, max_new_tokens=12, speculation=ssmspec.SpecConfig(drafter="none")).reasons)
+    assert plain["drafter"].startswith("none: asked for") and "sizes" not in plain
+    assert plain["policy"].startswith("plain decoding")
+    _, without = _model()
+    assert dict(_plan(without, max_new_tokens=12).reasons)["drafter"].startswith("prompt_lookup: n-gram lookup")
+
+
+def test_explain_prints_the_plan_refuses_as_generate_and_names_hfs_own_generate():
+    _, model = _model()
+    text = ssmspec.explain(model, IDS, max_new_tokens=8)
+    assert text.splitlines()[0].startswith("call") and "drafter  prompt_lookup" in text
+    assert ssmspec.explain(model, IDS, max_new_tokens=8, num_beams=2).startswith("HF's own generate: ")
+    assert ssmspec.explain(model, IDS, speculation=False) == "HF's own generate (speculation=False)"
+    with pytest.raises(UnsupportedSettingError, match="num_beams"):
+        ssmspec.explain(model, IDS, max_new_tokens=8, num_beams=2, speculation=True)
+    with pytest.raises(UnsupportedSettingError, match="num_beams"):
+        model.generate(IDS, max_new_tokens=8, num_beams=2, speculation=True)
+    with pytest.raises(TypeError, match="transformed"):
+        ssmspec.explain(cached_tiny_model("mamba2"), IDS)
+
+
+def test_the_engine_takes_settings_or_their_fields_by_name():
+    _, model = _model()
+    kw = dict(max_new_tokens=4, eos_token_ids=[], pad_token_id=0, drafter=ssmspec.speculate.drafters.NoDrafter())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tree_size'"):
+        speculative_generate(model, IDS, torch.ones_like(IDS), tree_size=4, **kw)
+    with pytest.raises(TypeError, match="give one"):
+        speculative_generate(model, IDS, torch.ones_like(IDS), settings=LoopSettings(), tree_budget=4, **kw)
+    by_name, _, _ = speculative_generate(model, IDS, torch.ones_like(IDS), tree_budget=0, **kw)
+    given, _, _ = speculative_generate(model, IDS, torch.ones_like(IDS), settings=LoopSettings(), **kw)
+    assert torch.equal(by_name, given)
+
+
+def test_ssmspec_plan_and_generate_explain(capsys):
+    """`ssmspec plan` prints the default call's plan and generates nothing; `generate --explain` prints it on stderr
+    before the continuation; sampling options without --sample are a usage error."""
+    assert main(["plan", "def add(a, b):\n", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines()[1].startswith("drafter  draft_head") and "verify steps" not in out.err
+    assert main(["plan", "def f():\n", "--sample", "--temperature", "0.7", "--chain"]) == 0
+    out = capsys.readouterr().out
+    assert "sampling" in out.splitlines()[0] and "a chain of" in out
+    assert main(["generate", "def f():\n", "--max-new-tokens", "6", "--explain"]) == 0
+    out = capsys.readouterr()
+    assert "drafter  draft_head" in out.err and "verify steps" in out.err and out.out.strip()
+    assert main(["plan", "def f():\n", "--top-p", "0.9"]) == 2
+    assert "add --sample" in capsys.readouterr().err
