@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ssmspec.compile.graphs import static
 from ssmspec.errors import InvalidTreeError
+from ssmspec.static import static
 
 _NO_ROOT = "a token tree needs at least its root node"
 

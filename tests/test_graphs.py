@@ -11,11 +11,12 @@ import torch
 
 import ssmspec
 from ssmspec import SpecConfig
-from ssmspec.compile.graphs import StepGraph, capturing
+from ssmspec.compile.graphs import StepGraph
 from ssmspec.errors import CaptureError, UnsupportedModelError
 from ssmspec.hf import cache as hf_cache
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.speculate.runner import bucket
+from ssmspec.static import capturing
 from ssmspec.testing.configs import _MOE_FAMILIES, SUPPORTED_FAMILIES
 from ssmspec.testing.drafters import OracleDrafter
 from ssmspec.testing.strategies import cached_tiny_model

@@ -84,3 +84,61 @@ def test_the_rules_see_what_they_check(tmp_path):
     )
     assert dict(_functions(tmp_path))["a.py:1 long"] == MAX_FUNCTION_LINES + 1
     assert _repeated(tmp_path) == {"a setting must be positive here, got {}": ["b.py:2", "b.py:6"]}
+
+
+def test_the_package_version_is_the_projects():
+    """`ssmspec.__version__` (kept in ssmspec/_version.py, which calibrations on disk are keyed by) is pyproject's."""
+    import re
+
+    pyproject = (SOURCE.parent / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == ssmspec.__version__
+
+
+# the package's layers, lowest first: a module imports only from layers below its own (docs: How it works)
+LAYERS = (
+    ("errors", "_version", "static", "models", "linear"),
+    ("ops", "tree"),
+    ("kernels", "verification"),
+    ("compile", "hf"),
+    ("speculate",),
+    ("probe",),
+    ("transform",),
+    ("ssmspec",),  # the package's own __init__: its public names
+    ("bench", "testing"),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a module name: the top-level module or package under ssmspec, or "ssmspec" itself."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "ssmspec"
+    name = parts[1]
+    return name if (SOURCE / name).is_dir() or (SOURCE / f"{name}.py").exists() else "ssmspec"
+
+
+def _imports(root: Path = SOURCE):
+    """(importing unit, imported unit, where) for every import of ssmspec inside ssmspec, functions' own included."""
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(("ssmspec", *path.relative_to(root).with_suffix("").parts))
+        source = _unit(module.removesuffix(".__init__"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("ssmspec"):
+                names = [node.module] if node.module != "ssmspec" else [f"ssmspec.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "ssmspec"]
+            for name in names:
+                if _unit(name) != source:
+                    yield source, _unit(name), f"{path.relative_to(root)}:{node.lineno}"
+
+
+def test_imports_point_down_the_layers():
+    floor = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    units = {_unit(f"ssmspec.{p.stem}") for p in SOURCE.iterdir() if p.suffix == ".py" or p.is_dir()}
+    units -= {"ssmspec", "__init__", "__pycache__"}
+    assert units <= set(floor), f"modules without a layer: {sorted(units - set(floor))}"
+    up = [(a, b, where) for a, b, where in _imports() if floor[b] >= floor[a]]
+    assert not up, f"imports that do not point down: {up}"

@@ -27,9 +27,9 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ssmspec.errors import CaptureError
+from ssmspec.static import CaptureMode
 
 # ops that read a device value on the host: a captured step may not depend on one (CUDA refuses them while capturing)
 HOST_READS = frozenset(
@@ -54,7 +54,7 @@ def _refuse_host_read(func) -> None:
         )
 
 
-class _Tape(TorchDispatchMode):
+class _Tape(CaptureMode):
     """Records every op a step runs (CPU capture)."""
 
     def __init__(self) -> None:
@@ -148,19 +148,6 @@ def _caller() -> str:
     torch_dir = os.path.dirname(torch.__file__)
     frames = [f for f in traceback.extract_stack() if not f.filename.startswith(torch_dir)][:-3]  # (the refusal's own)
     return " <- ".join(f"{f.filename}:{f.lineno} ({f.name})" for f in reversed(frames[-3:]))
-
-
-def capturing() -> bool:
-    """Whether the current code runs inside a step capture (CUDA stream capture or the CPU op tape): code that keeps
-    Python-side caches or reads the host takes its tensor-only path then, as under torch.compile."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return True
-    return isinstance(_get_current_dispatch_mode(), _Tape)
-
-
-def static() -> bool:
-    """Whether code must keep to tensor-only paths now: compiling (Dynamo) or capturing a step."""
-    return torch.compiler.is_compiling() or capturing()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

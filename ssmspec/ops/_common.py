@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ssmspec.compile.graphs import capturing
+from ssmspec.static import capturing
 
 # "ssmspec::<op>" -> the plain PyTorch function behind that custom op
 _REFERENCES: dict[str, Callable] = {}

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ssmspec.compile.graphs import static
 from ssmspec.ops._common import (
     Record,
     SeamCall,
@@ -26,6 +25,7 @@ from ssmspec.ops._common import (
     seam_adapter,
     stacked,
 )
+from ssmspec.static import static
 
 _ACTIVATIONS = {None: None, "": None, "identity": None, "silu": F.silu, "swish": F.silu}
 

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ssmspec.compile.graphs import static
 from ssmspec.ops._common import (
     Record,
     SeamCall,
@@ -30,6 +29,7 @@ from ssmspec.ops._common import (
     seam_adapter,
     stacked,
 )
+from ssmspec.static import static
 
 
 def _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, cd):

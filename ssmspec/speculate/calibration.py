@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ssmspec._version import __version__
 from ssmspec.speculate.step import Runner
 from ssmspec.tree import TokenTree
 
@@ -426,8 +427,6 @@ def signature(model: nn.Module, runner: Runner) -> str | None:
     one taken from disk would leave the buckets to compile on a user's first call)."""
     if runner.agreement.sharded or runner.static_shapes:
         return None
-    import ssmspec  # (the version)
-
     config = model.config.to_dict()
     for name in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash"):
         config.pop(name, None)
@@ -436,7 +435,7 @@ def signature(model: nn.Module, runner: Runner) -> str | None:
     about = {
         "model": type(model).__name__, "config": config, "dtype": str(runner.dtype), "device": device.type,
         "machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "ssmspec": ssmspec.__version__, "packed": bool(runner.prepack),
+        "ssmspec": __version__, "packed": bool(runner.prepack),
         "compiled": repr(getattr(model, "ssmspec_compile_options", None)),
         "kernels": repr(getattr(model, "ssmspec_kernel_policy", None)), "static": bool(runner.static_shapes),
     }  # fmt: skip
