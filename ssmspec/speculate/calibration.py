@@ -288,7 +288,7 @@ def _time(runner: Runner, item: tuple) -> float:
     greedy step as greedy calls run it (one replay and one read: `ModelRunner.decode`, `.verify_greedy`; a sampled
     step's separate verify and commit cost more, unmeasured)."""
     kind, key, way = item
-    batch, device = runner.cache.n_real.shape[0], runner.cache.n_real.device
+    batch, device = runner.n_real.shape[0], runner.n_real.device
     if way is not None:
         runner.choose(packed_sizes={1 if kind == "node" else key: way})
     if kind == "node" and key is not None:
@@ -353,7 +353,7 @@ def for_runner(model: nn.Module, runner: Runner) -> Calibration:
     if calibration is None or (calibration.fixed is None and (calibration.ways, calibration.paths) != (ways, paths)):
         calibration = _load(model, runner, key)
         if calibration is None or (calibration.ways, calibration.paths) != (ways, paths):
-            calibration = Calibration(ways, paths, int(runner.cache.n_real.shape[0]))
+            calibration = Calibration(ways, paths, int(runner.n_real.shape[0]))
         kept[key] = calibration
     calibration.want(call_sizes(runner))
     return calibration
@@ -389,7 +389,7 @@ def complete_before(model: nn.Module, runner: Runner, sampling: bool) -> bool:
 def _key(runner: Runner) -> tuple:
     """What a calibration is kept under on the model: batch size and device; HF's forward on the generic path has
     calibrations of its own."""
-    return _key_of(int(runner.cache.n_real.shape[0]), runner.cache.n_real.device.type, runner.path)
+    return _key_of(int(runner.n_real.shape[0]), runner.n_real.device.type, runner.path)
 
 
 def _key_of(batch: int, device: str, path: str = "seams") -> tuple:

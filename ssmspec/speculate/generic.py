@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from types import EllipsisType
 
 import torch
@@ -44,13 +43,6 @@ ONE_PROMPT = (
     "at a time"
 )
 ROW_BY_ROW = "the generic path (HF's own forward, no kernel seam) verifies a batch row by row (one forward per row)"
-
-
-@dataclass
-class _Progress:
-    """What the engine reads of a runner's cache: tokens processed per row."""
-
-    n_real: torch.Tensor
 
 
 class _Row:
@@ -178,7 +170,7 @@ class GenericRunner:
         # no tokens carried into the next forward)
         self.steps = tree_modules.installed(model) if trees and not as_hf else []
         self.rows: list[_Row] = []
-        self.cache: _Progress | None = None
+        self._n_real: torch.Tensor | None = None  # tokens processed per row (after a prefill)
         self._pending: TokenTree | None = None
         self._discardable = False  # one-node verifies take a snapshot (`tree_path`)
         # accepted tokens not fed yet: a partial commit goes back to the snapshot and leaves the root and the
@@ -222,7 +214,7 @@ class GenericRunner:
         return None if self._features is None or not self.capture_features else self._features[:, -n:]
 
     def _sync(self) -> None:
-        self.cache.n_real.copy_(torch.tensor([row.n_real for row in self.rows]))
+        self._n_real.copy_(torch.tensor([row.n_real for row in self.rows]))
 
     @torch.no_grad()
     def prefill(
@@ -241,14 +233,15 @@ class GenericRunner:
             logits.append(self._forward(state, None))
             feats.append(self._row_features(logits[-1].shape[1]))
         self.features = torch.cat(feats) if self.capture_features else None
-        self.cache = _Progress(torch.zeros(len(self.rows), dtype=torch.long, device=self.device))
+        self._n_real = torch.zeros(len(self.rows), dtype=torch.long, device=self.device)
         self._sync()
         logits = torch.cat(logits)
         return logits if all_positions else logits[:, -1]
 
     @property
     def n_real(self) -> torch.Tensor:
-        return self.cache.n_real
+        """Tokens processed per row [B] (HF's cache keeps its own state; this is what the loop reads of it)."""
+        return self._n_real
 
     def padded_size(self, nodes: int) -> int:
         return nodes

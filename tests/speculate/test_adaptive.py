@@ -210,7 +210,7 @@ class _FakeRunner:
     """A runner for `measure_cost` that only keeps time (subclasses say how long a verify takes): one row, nothing
     to roll back."""
 
-    cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
+    n_real = torch.zeros(1, dtype=torch.long)
     agreement = SimpleNamespace(seconds=list)  # one process: the times as measured
     # (the runner contract's choices, ssmspec.speculate.step.Runner: none of them here)
     graphs = fuse_single_nodes = chooses_packing = chooses_single_node_path = prepack = False

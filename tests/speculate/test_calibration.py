@@ -31,7 +31,7 @@ class _Clock:
 class _FakeRunner:
     """Verifies chains in `cost[n]` fake seconds (n nodes); nothing to roll back; one process."""
 
-    cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
+    n_real = torch.zeros(1, dtype=torch.long)
     agreement = SimpleNamespace(seconds=list, sharded=False)
     packed_sizes = None
     # (the runner contract's choices, ssmspec.speculate.step.Runner: none of them here)

@@ -98,7 +98,7 @@ def test_calibration_rolls_back_a_measurement_that_runs_out_of_memory():
     rolled = []
 
     class Runner:
-        cache = SimpleNamespace(n_real=torch.zeros(1, dtype=torch.long))
+        n_real = torch.zeros(1, dtype=torch.long)
         agreement = SimpleNamespace(seconds=list)
         # (the runner contract's choices, ssmspec.speculate.step.Runner: none of them here)
         graphs = fuse_single_nodes = chooses_packing = chooses_single_node_path = prepack = False

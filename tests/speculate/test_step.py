@@ -194,5 +194,6 @@ def test_both_runners_provide_the_runner_contract(family):
                  "capture_features", "prepack", "chooses_packing", "chooses_single_node_path"):  # fmt: skip
         assert hints[name] is bool and isinstance(getattr(runner, name), bool), name
     assert runner.n_real.shape == (1,) and runner.padded_size(3) >= 3
+    assert not generic or not hasattr(runner, "cache")  # (HF's forward keeps its own cache: no stand-in for one)
     missing = type("Missing", (), {"path": "seams"})()
     assert not isinstance(missing, Runner)  # (a runner without the contract's members is not one)

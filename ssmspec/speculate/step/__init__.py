@@ -48,10 +48,10 @@ class Runner(Protocol):
     packed_sizes: dict[int, bool] | None
     chooses_single_node_path: bool  # may take HF's decode path for one-node steps, as calibrated
     agreement: object  # the processes' agreement on timings (ssmspec.hf.instance.Agreement)
-    cache: object  # the committed state (its `n_real` [B]: each row's real tokens)
 
     @property
-    def n_real(self) -> torch.Tensor: ...
+    def n_real(self) -> torch.Tensor:
+        """Each row's real tokens processed so far [B] (after a prefill)."""
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs) -> torch.Tensor: ...
 
