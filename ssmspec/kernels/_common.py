@@ -1,9 +1,35 @@
-"""Shared Triton helpers: numerically careful softplus/log1p, block sizes."""
+"""Shared Triton helpers: numerically careful softplus/log1p, block sizes, and `kernel_op`, which registers a kernel
+with its reference op's schema."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
+import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op
+
+from ssmspec.ops._common import reference_impl
+
+
+def kernel_op(reference: torch._ops.OpOverload) -> Callable[[Callable], Callable]:
+    """Register a function as the Triton kernel of a reference op (ssmspec.ops): `ssmspec_kernels::<name>` with the
+    reference's own argument and return types, so that an op's signature is declared once, on the reference (which
+    its fake and the prefill path use too). The kernel takes the same arguments by the same names in the same order:
+    a difference is a TypeError at import."""
+    typed = reference_impl(reference)
+    names = list(inspect.signature(typed).parameters)
+
+    def register(fn: Callable) -> Callable:
+        params = list(inspect.signature(fn).parameters)
+        if params != names:
+            raise TypeError(f"kernel of {reference._schema.name}: takes {params}, the reference op takes {names}")
+        fn.__annotations__ = dict(typed.__annotations__)  # (triton_op infers the schema from them)
+        return triton_op(f"ssmspec_kernels::{reference._opname}", fn, mutates_args=())
+
+    return register
 
 
 def block(n: int, minimum: int = 16) -> int:

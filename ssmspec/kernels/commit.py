@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
+
+from ssmspec.kernels._common import kernel_op
 
 
 @triton.jit
@@ -29,10 +31,8 @@ def _conv_window_kernel(
     tl.store(out_ptr + b * sob + c * soc + j * sos, val, mask=cm)
 
 
-@triton_op("ssmspec_kernels::conv_window", mutates_args=())
-def conv_window(
-    committed: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
-) -> torch.Tensor:
+@kernel_op(torch.ops.ssmspec.conv_window.default)
+def conv_window(committed, nodes, path, lengths):
     """Triton version of ssmspec::conv_window."""
     b, c, s = committed.shape
     out = torch.empty_like(committed)
@@ -53,8 +53,8 @@ def _gather_kernel(src_ptr, last_ptr, out_ptr, inner, ssb, ssn, sob, BLOCK: tl.c
     tl.store(out_ptr + b * sob + offs, tl.load(src_ptr + b * ssb + node * ssn + offs, mask=m), mask=m)
 
 
-@triton_op("ssmspec_kernels::gather_states", mutates_args=())
-def gather_states(states: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+@kernel_op(torch.ops.ssmspec.gather_states.default)
+def gather_states(states, last):
     """Triton version of ssmspec::gather_states (materialize commit)."""
     states = states.contiguous()
     b, n = states.shape[:2]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
+from ssmspec.kernels._common import kernel_op
 from ssmspec.kernels.ssd import _tl_dtype
 from ssmspec.ops._common import compute_dtype
 from ssmspec.ops.conv import _check_activation, _check_state
@@ -37,10 +38,8 @@ def _tree_conv_kernel(
     tl.store(out_ptr + b * sob + c * soc + n * son, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
-@triton_op("ssmspec_kernels::tree_causal_conv1d", mutates_args=())
-def tree_causal_conv1d(
-    x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ancestors: torch.Tensor, activation: str
-) -> torch.Tensor:
+@kernel_op(torch.ops.ssmspec.tree_causal_conv1d.default)
+def tree_causal_conv1d(x_ext, weight, bias, ancestors, activation):
     """Triton version of ssmspec::tree_causal_conv1d (x_ext [B,C,S+N], weight [C,K], ancestors [B,N,K])."""
     act = activation or None
     _check_activation(act)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from ssmspec.kernels._common import block
+from ssmspec.kernels._common import block, kernel_op
 from ssmspec.kernels.ssd import _tl_dtype
 from ssmspec.ops._common import compute_dtype
 
@@ -58,19 +58,8 @@ def _tree_delta_kernel(
         tl.store(o_ptr + b * sob + t * son + h * soh + vv * sov, o.to(o_ptr.dtype.element_ty), mask=vm)
 
 
-@triton_op("ssmspec_kernels::tree_delta_rule", mutates_args=())
-def tree_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    h0: torch.Tensor | None,
-    parents: torch.Tensor,
-    depth: torch.Tensor,
-    use_qk_l2norm: bool,
-    return_states: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@kernel_op(torch.ops.ssmspec.tree_delta_rule.default)
+def tree_delta_rule(q, k, v, g, beta, h0, parents, depth, use_qk_l2norm, return_states):
     """Triton version of ssmspec::tree_delta_rule."""
     b, n, hk, kd = k.shape
     h, vd = v.shape[2], v.shape[3]

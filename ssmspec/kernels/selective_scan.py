@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from ssmspec.kernels._common import block, softplus
+from ssmspec.kernels._common import block, kernel_op, softplus
 from ssmspec.kernels.ssd import _tl_dtype
 from ssmspec.ops._common import compute_dtype
 
@@ -58,22 +58,8 @@ def _tree_scan_kernel(
         tl.store(y_ptr + b * syb + d * syd + t * syn, y.to(y_ptr.dtype.element_ty), mask=dm)
 
 
-@triton_op("ssmspec_kernels::tree_selective_scan", mutates_args=())
-def tree_selective_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    Bm: torch.Tensor,
-    Cm: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    h0: torch.Tensor | None,
-    parents: torch.Tensor,
-    depth: torch.Tensor,
-    dt_softplus: bool,
-    return_states: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@kernel_op(torch.ops.ssmspec.tree_selective_scan.default)
+def tree_selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, h0, parents, depth, dt_softplus, return_states):  # noqa: N803
     """Triton version of ssmspec::tree_selective_scan."""
     b, d, n = x.shape
     s = A.shape[-1]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from ssmspec.kernels._common import block, softplus
+from ssmspec.kernels._common import block, kernel_op, softplus
 from ssmspec.ops._common import compute_dtype
 
 MAX_NODES = 256
@@ -75,22 +75,8 @@ def _tl_dtype(dt: torch.dtype):
     return tl.float64 if dt == torch.float64 else tl.float32
 
 
-@triton_op("ssmspec_kernels::tree_ssd", mutates_args=())
-def tree_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    Bm: torch.Tensor,
-    Cm: torch.Tensor,
-    D: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    h0: torch.Tensor | None,
-    ancestor_mask: torch.Tensor,
-    dt_softplus: bool,
-    dt_min: float,
-    dt_max: float,
-    return_states: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@kernel_op(torch.ops.ssmspec.tree_ssd.default)
+def tree_ssd(x, dt, A, Bm, Cm, D, dt_bias, h0, ancestor_mask, dt_softplus, dt_min, dt_max, return_states):  # noqa: N803
     """Triton version of ssmspec::tree_ssd. Node states (materialize strategy) come from the reference."""
     b, n, h, p = x.shape
     g, s = Bm.shape[2], Bm.shape[3]
@@ -158,19 +144,8 @@ def _state_at_kernel(
              mask=pm[:, None] & sm[None, :])  # fmt: skip
 
 
-@triton_op("ssmspec_kernels::ssd_state_at", mutates_args=())
-def ssd_state_at(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    Bm: torch.Tensor,
-    dt_bias: torch.Tensor | None,
-    h0: torch.Tensor | None,
-    path_mask: torch.Tensor,
-    dt_softplus: bool,
-    dt_min: float,
-    dt_max: float,
-) -> torch.Tensor:
+@kernel_op(torch.ops.ssmspec.ssd_state_at.default)
+def ssd_state_at(x, dt, A, Bm, dt_bias, h0, path_mask, dt_softplus, dt_min, dt_max):  # noqa: N803
     """Triton version of ssmspec::ssd_state_at (replay commit along one path per row; A, dt_bias [H] or
     [B, H])."""
     b, n, h, p = x.shape

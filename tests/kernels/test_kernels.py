@@ -134,3 +134,20 @@ def test_tree_too_large_for_one_block_is_an_error():
     with pytest.raises(ValueError, match="nodes"):
         K.tree_ssd(x, x[..., 0], torch.zeros(1, device=DEVICE), x, x, None, None, None,
                    torch.ones(1, n, n, dtype=torch.bool, device=DEVICE), True, 0.0, 1.0, False)  # fmt: skip
+
+
+def test_each_kernel_has_its_reference_ops_schema_declared_once():
+    """A kernel op's arguments (names, types, order, defaults) and outputs are its reference op's: `kernel_op` takes
+    them from the reference, and refuses at registration a kernel whose parameters differ."""
+    from ssmspec.kernels import KERNELS
+    from ssmspec.kernels._common import kernel_op
+
+    for reference, kernel in KERNELS.items():
+        assert str(kernel._schema).removeprefix(kernel._schema.name) == str(reference._schema).removeprefix(
+            reference._schema.name
+        ), reference
+    with pytest.raises(TypeError, match=r"takes \['states', 'index'\], the reference op takes \['states', 'last'\]"):
+
+        @kernel_op(torch.ops.ssmspec.gather_states.default)
+        def gather(states, index):  # (a renamed argument: a call by keyword would miss it)
+            return states
