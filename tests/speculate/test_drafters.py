@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ssmspec.speculate.drafters import PromptLookupDrafter
+from ssmspec.speculate.drafters import Drafter, PromptLookupDrafter
 from ssmspec.speculate.drafters.ngram import _weighted_draft
 from ssmspec.speculate.retrieval import ContextIndex
 
@@ -138,3 +138,76 @@ def test_context_index_holds_a_fixed_number_of_collected_containers_and_finds_en
         want = [i for i in range(len(toks) - 1, m - 2, -1) if toks[i - m + 1 : i + 1] == ngram]
         assert list(index.ends(ngram)) == want and want
     assert list(index.ends([1, 2, 3, 4])) == [] and list(index.ends([])) == []
+
+
+class _Recording(Drafter):
+    """Records every hook the engine calls; asks for the target's features, history and top-3."""
+
+    target_features = True
+    target_history = True
+    target_topk = 3
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.scored: list = []  # (no dynamic tree: FusedDrafter prunes nothing)
+
+    def propose(self, contexts, max_nodes, max_depth):
+        self.calls.append("propose")
+        return [([c[-1]], [-1]) for c in contexts]
+
+    def set_decoding(self, decoding) -> None:
+        super().set_decoding(decoding)
+        self.calls.append("set_decoding")
+
+    def start(self, input_ids, attention_mask) -> None:
+        self.calls.append("start")
+
+    def ahead(self, contexts, drafts, max_nodes, max_depth) -> None:
+        self.calls.append("ahead")
+
+    def finish(self, stats) -> None:
+        self.calls.append("finish")
+
+    def observe_features(self, row, feature) -> None:
+        self.calls.append("observe_features")
+
+    def observe_history(self, row, features) -> None:
+        self.calls.append("observe_history")
+
+    def observe_prompt(self, row, tokens, tops) -> None:
+        self.calls.append(f"observe_prompt:{len(tops[0][0])}")
+
+    def observe(self, row, context, draft, tops, emitted) -> None:
+        self.calls.append(f"observe:{len(tops[0][0])}")
+
+
+def test_wrappers_pass_every_hook_on_to_the_drafters_they_wrap():
+    """A wrapper (fused, drafting ahead) cannot forget a hook: every hook of the interface (base.HOOKS) is either
+    its own or `Wrapper`'s, which hands it to each wrapped drafter that asks for it (the flags: any of theirs)."""
+    import torch
+
+    from ssmspec.speculate.decoding import Decoding
+    from ssmspec.speculate.drafters import AheadDrafter, DraftAheadDrafter, FusedDrafter
+    from ssmspec.speculate.drafters.base import FLAGS, HOOKS, Wrapper
+    from ssmspec.speculate.engine import SpecStats
+
+    for kind in (FusedDrafter, AheadDrafter, DraftAheadDrafter):
+        assert issubclass(kind, Wrapper)
+        for name in (*HOOKS, *FLAGS):
+            assert getattr(kind, name) is not getattr(Drafter, name), (kind.__name__, name)
+    inner = _Recording()
+    fused = FusedDrafter(inner, PromptLookupDrafter(2, tree=True))
+    assert fused.target_features and fused.target_history and fused.target_topk == 3
+    ids = torch.tensor([[1, 2, 3]])
+    fused.set_decoding(Decoding())
+    fused.start(ids, torch.ones_like(ids))
+    draft = fused.propose([[1, 2, 3]], 4, 2)[0]
+    fused.ahead([[1, 2, 3]], [draft], 4, 2)
+    fused.observe_features(0, torch.zeros(4))
+    fused.observe_history(0, torch.zeros(1, 4))
+    tops = [([5, 6, 7, 8], [0.4, 0.3, 0.2, 0.1])]
+    fused.observe_prompt(0, [1], tops)
+    fused.observe(0, [1, 2, 3], draft, tops, [4])
+    fused.finish(SpecStats())
+    assert inner.calls == ["set_decoding", "start", "propose", "ahead", "observe_features", "observe_history",
+                           "observe_prompt:3", "observe:3", "finish"]  # fmt: skip

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ssmspec.errors import UnsupportedSettingError
-from ssmspec.speculate.drafters.base import Drafter, accepted_path
+from ssmspec.speculate.drafters.base import Drafter, Wrapper, accepted_path
 from ssmspec.speculate.drafters.draft_model import DraftModelDrafter
 from ssmspec.speculate.drafters.fused import FusedDrafter
 from ssmspec.speculate.drafters.ngram import PromptLookupDrafter
@@ -34,7 +34,7 @@ from ssmspec.speculate.recycling import Calibration
 _REPORTED = ("proposals", "hits", "prepared", "miss_s", "waited_s", "thread_s")
 
 
-class _Background(Drafter):
+class _Background(Wrapper):
     """What both Saguaro drafters share: the drafter they wrap, one background job per step (joined at the next
     proposal), and the counters `finish` reports.
 
@@ -50,6 +50,7 @@ class _Background(Drafter):
         if fanout < 1:
             raise ValueError(f"ahead drafting needs fanout >= 1, got {fanout}")
         self.base = base
+        self.inner = (base,)
         self.fanout = int(fanout)
         self._thread_name = thread_name
         self._thread_per_step = thread_per_step
@@ -60,14 +61,10 @@ class _Background(Drafter):
         self._job: Future | None = None
         self.counters = {"proposals": 0, "hits": 0, "prepared": 0, "miss_s": 0.0, "waited_s": 0.0, "thread_s": 0.0}
 
-    def set_decoding(self, decoding) -> None:
-        super().set_decoding(decoding)
-        self.base.set_decoding(decoding)
-
     def start(self, input_ids, attention_mask):
         self._join()
         self._reset()
-        self.base.start(input_ids, attention_mask)
+        super().start(input_ids, attention_mask)
 
     def _submit(self, fn, *args) -> None:
         """Run this step's background job."""
@@ -98,7 +95,7 @@ class _Background(Drafter):
             self._join()
         finally:
             self._close()
-            self.base.finish(stats)
+            super().finish(stats)
         c = self.counters
         misses = c["proposals"] - c["hits"]
         stats.drafter.update(

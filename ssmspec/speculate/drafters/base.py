@@ -94,6 +94,74 @@ class Drafter:
         emitted (the accepted drafts, then the bonus token). Default: nothing."""
 
 
+# every hook the engine calls on a drafter, and the flags it reads (a test checks that each wrapper handles them all)
+HOOKS = ("set_decoding", "start", "propose", "ahead", "finish", "size_by_goodput", "observe_features",
+         "observe_history", "observe_prompt", "observe")  # fmt: skip
+FLAGS = ("target_features", "target_history", "target_topk")
+
+
+class Wrapper(Drafter):
+    """A drafter built around others (`inner`: the drafters it wraps): every hook reaches each of them unless the
+    wrapper overrides it, and each flag is what they ask together, so that a wrapper cannot forget one (a hook a
+    new drafter needs reaches it through every wrapper). `propose` is the wrapper's own; `size_by_goodput` stays
+    False (a wrapper sizes what it asks of each drafter itself)."""
+
+    inner: tuple[Drafter, ...] = ()
+
+    def set_decoding(self, decoding: Decoding) -> None:
+        super().set_decoding(decoding)
+        for d in self.inner:
+            d.set_decoding(decoding)
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        for d in self.inner:
+            d.start(input_ids, attention_mask)
+
+    def ahead(self, contexts, drafts, max_nodes: int, max_depth: int) -> None:
+        for d in self.inner:
+            d.ahead(contexts, drafts, max_nodes, max_depth)
+
+    def finish(self, stats) -> None:
+        for d in self.inner:
+            d.finish(stats)
+
+    def size_by_goodput(self, cost: Callable[[int], float]) -> bool:
+        return False  # (the wrapper splits the budget it is given between the drafters it wraps)
+
+    @property
+    def target_features(self) -> bool:
+        return any(d.target_features for d in self.inner)
+
+    def observe_features(self, row: int, feature: torch.Tensor) -> None:
+        for d in self.inner:
+            if d.target_features:
+                d.observe_features(row, feature)
+
+    @property
+    def target_history(self) -> bool:
+        return any(d.target_history for d in self.inner)
+
+    def observe_history(self, row: int, features: torch.Tensor) -> None:
+        for d in self.inner:
+            if d.target_history:
+                d.observe_history(row, features)
+
+    @property
+    def target_topk(self) -> int:
+        return max((d.target_topk for d in self.inner), default=0)
+
+    def observe_prompt(self, row: int, tokens, tops) -> None:
+        for d in self.inner:
+            if d.target_topk:
+                d.observe_prompt(row, tokens, [(ids[: d.target_topk], ps[: d.target_topk]) for ids, ps in tops])
+
+    def observe(self, row: int, context, draft: Draft, tops, emitted) -> None:
+        for d in self.inner:
+            if d.target_topk:
+                d.observe(row, context, draft, [(ids[: d.target_topk], ps[: d.target_topk]) for ids, ps in tops],
+                          emitted)  # fmt: skip
+
+
 def accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> tuple[list[int], dict]:
     """Walk a verified draft along the tokens its step emitted: (the accepted nodes, root first; each node's
     children in node order). The walk stops at the first emitted token no child has (the bonus token)."""

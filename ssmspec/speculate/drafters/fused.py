@@ -6,14 +6,13 @@ import math
 
 import torch
 
-from ssmspec.speculate.decoding import Decoding
-from ssmspec.speculate.drafters.base import Draft, Drafter
+from ssmspec.speculate.drafters.base import Draft, Wrapper
 from ssmspec.speculate.drafters.draft_model import DraftModelDrafter
 from ssmspec.speculate.drafters.head import HeadDrafter
 from ssmspec.speculate.drafters.ngram import PromptLookupDrafter
 
 
-class FusedDrafter(Drafter):
+class FusedDrafter(Wrapper):
     """RASD-style fusion of a draft model's (or a draft head's) tree with a retrieval tree: both drafters propose for
     every row, the retrieval tree is pruned with the draft model's probabilities, and what is left is merged into
     the draft's tree by longest-prefix matching (a retrieved path that starts like a drafted one continues it; the
@@ -41,39 +40,17 @@ class FusedDrafter(Drafter):
     ) -> None:  # fmt: skip
         self.draft = draft
         self.retrieval = retrieval
+        self.inner = (draft, retrieval)
         self.draft_share = draft_share
         self.prune_below = prune_below
         self.pruned = 0  # retrieved branches pruned in this generate call
 
-    @property
-    def target_features(self) -> bool:
-        """Whether the engine hands the draft the target's features (a draft head drafts from them)."""
-        return self.draft.target_features
-
-    def observe_features(self, row: int, feature: torch.Tensor) -> None:
-        self.draft.observe_features(row, feature)
-
-    @property
-    def target_history(self) -> bool:
-        """Whether the engine hands the draft the target's features at every committed position (an MTP layer)."""
-        return self.draft.target_history
-
-    def observe_history(self, row: int, features: torch.Tensor) -> None:
-        self.draft.observe_history(row, features)
-
-    def set_decoding(self, decoding: Decoding) -> None:
-        super().set_decoding(decoding)
-        self.draft.set_decoding(decoding)
-        self.retrieval.set_decoding(decoding)
-
     def start(self, input_ids, attention_mask):
         self.pruned = 0
-        self.draft.start(input_ids, attention_mask)
-        self.retrieval.start(input_ids, attention_mask)
+        super().start(input_ids, attention_mask)
 
     def finish(self, stats) -> None:
-        self.draft.finish(stats)
-        self.retrieval.finish(stats)
+        super().finish(stats)
         stats.drafter["pruned"] = self.pruned
 
     def propose(self, contexts, max_nodes, max_depth):
