@@ -128,38 +128,42 @@ class Wrapper(Drafter):
     def size_by_goodput(self, cost: Callable[[int], float]) -> bool:
         return False  # (the wrapper splits the budget it is given between the drafters it wraps)
 
+    def _asking(self, flag: str) -> list[Drafter]:
+        """The wrapped drafters that ask for what `flag` names (the target's features, history or top-k)."""
+        return [d for d in self.inner if getattr(d, flag)]
+
     @property
     def target_features(self) -> bool:
-        return any(d.target_features for d in self.inner)
+        return bool(self._asking("target_features"))
 
     def observe_features(self, row: int, feature: torch.Tensor) -> None:
-        for d in self.inner:
-            if d.target_features:
-                d.observe_features(row, feature)
+        for d in self._asking("target_features"):
+            d.observe_features(row, feature)
 
     @property
     def target_history(self) -> bool:
-        return any(d.target_history for d in self.inner)
+        return bool(self._asking("target_history"))
 
     def observe_history(self, row: int, features: torch.Tensor) -> None:
-        for d in self.inner:
-            if d.target_history:
-                d.observe_history(row, features)
+        for d in self._asking("target_history"):
+            d.observe_history(row, features)
 
     @property
     def target_topk(self) -> int:
         return max((d.target_topk for d in self.inner), default=0)
 
     def observe_prompt(self, row: int, tokens, tops) -> None:
-        for d in self.inner:
-            if d.target_topk:
-                d.observe_prompt(row, tokens, [(ids[: d.target_topk], ps[: d.target_topk]) for ids, ps in tops])
+        for d in self._asking("target_topk"):
+            d.observe_prompt(row, tokens, _first(tops, d.target_topk))
 
     def observe(self, row: int, context, draft: Draft, tops, emitted) -> None:
-        for d in self.inner:
-            if d.target_topk:
-                d.observe(row, context, draft, [(ids[: d.target_topk], ps[: d.target_topk]) for ids, ps in tops],
-                          emitted)  # fmt: skip
+        for d in self._asking("target_topk"):
+            d.observe(row, context, draft, _first(tops, d.target_topk), emitted)
+
+
+def _first(tops, k: int) -> list[tuple[list[int], list[float]]]:
+    """Each position's top-k successors cut to the first k (a drafter that asked for fewer than another)."""
+    return [(ids[:k], probs[:k]) for ids, probs in tops]
 
 
 def accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> tuple[list[int], dict]:
