@@ -1,6 +1,7 @@
 """Chunked prefill from an initial state (reference): a prompt continued from a committed state.
 
-A chain is a tree, so each chunk is one tree op call on a chain; the state is carried across chunks by the
+A chain is a tree, so each chunk is one tree op call on a chain (its arguments by name: the op's signature is
+declared once, on the op); the state is carried across chunks by the
 replay-commit form (`ssd_state_at` for SSD, the chain's last node state for the level-wise recurrences).
 Memory per chunk is O(chunk^2) for SSD and O(chunk * state) for the others.
 """
@@ -41,11 +42,13 @@ def ssd_chunked_prefill(
     """Mamba2 SSD over a [B, L, H, P] sequence from state h0, chunk by chunk. Returns (y, final state)."""
     b, length = x.shape[:2]
     ys, state = [], h0
+    lo, hi = dt_limit
     for sl, _, _, anc in _chunks(length, chunk_size, b, x.device):
-        args = (x[:, sl], dt[:, sl], A, Bm[:, sl])
-        y, _ = tree_ssd(*args, Cm[:, sl], D, dt_bias, state, anc, dt_softplus, *dt_limit, False)
+        common = dict(x=x[:, sl], dt=dt[:, sl], A=A, Bm=Bm[:, sl], dt_bias=dt_bias, h0=state, dt_softplus=dt_softplus,
+                      dt_min=lo, dt_max=hi)  # fmt: skip
+        y, _ = tree_ssd(**common, Cm=Cm[:, sl], D=D, ancestor_mask=anc, return_states=False)
         ys.append(y)
-        state = ssd_state_at(*args, dt_bias, state, anc[:, -1], dt_softplus, *dt_limit)
+        state = ssd_state_at(**common, path_mask=anc[:, -1])
     return torch.cat(ys, dim=1), state
 
 
@@ -67,10 +70,10 @@ def selective_scan_chunked_prefill(
     b, length = x.shape[0], x.shape[-1]
     ys, state = [], h0
     for sl, parents, depth, _ in _chunks(length, chunk_size, b, x.device):
-        zz = z[..., sl] if z is not None else None
         y, states = tree_selective_scan(
-            x[..., sl], dt[..., sl], A, Bm[..., sl], Cm[..., sl], D, zz, dt_bias, state, parents, depth,
-            dt_softplus, True,
+            x=x[..., sl], dt=dt[..., sl], A=A, Bm=Bm[..., sl], Cm=Cm[..., sl], D=D,
+            z=z[..., sl] if z is not None else None, dt_bias=dt_bias, h0=state, parents=parents, depth=depth,
+            dt_softplus=dt_softplus, return_states=True,
         )  # fmt: skip
         ys.append(y)
         state = states[:, -1]
@@ -93,8 +96,9 @@ def delta_rule_chunked_prefill(
     ys, state = [], h0
     for sl, parents, depth, _ in _chunks(length, chunk_size, b, q.device):
         y, states = tree_delta_rule(
-            q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, parents, depth, use_qk_l2norm, True
-        )
+            q=q[:, sl], k=k[:, sl], v=v[:, sl], g=g[:, sl], beta=beta[:, sl], h0=state, parents=parents, depth=depth,
+            use_qk_l2norm=use_qk_l2norm, return_states=True,
+        )  # fmt: skip
         ys.append(y)
         state = states[:, -1]
     return torch.cat(ys, dim=1), state
