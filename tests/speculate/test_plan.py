@@ -119,3 +119,20 @@ def test_ssmspec_plan_and_generate_explain(capsys):
     assert "drafter  draft_head" in out.err and "verify steps" in out.err and out.out.strip()
     assert main(["plan", "def f():\n", "--top-p", "0.9"]) == 2
     assert "add --sample" in capsys.readouterr().err
+
+
+def test_a_model_with_compiled_steps_plans_captured_steps_and_n_grams():
+    """On a model whose steps are captured and compiled (`transform(compile=True)` on a CPU: here its recorded graphs
+    without Inductor), the plan captures and replays every step under no_grad with static shapes, and drafter "auto"
+    keeps n-grams though the model has a head, saying why."""
+    from ssmspec.compile.lower import StepCompiler
+
+    ref, model = _model(head=True)
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    model.ssmspec_graphs = True
+    plan = _plan(model, max_new_tokens=12)
+    assert plan.settings.graphs and plan.settings.static_shapes and not plan.inference
+    lines = dict(plan.reasons)
+    assert lines["drafter"].startswith("prompt_lookup: a compiled model drafts with n-grams")
+    assert lines["steps"].startswith("captured and compiled whole, replayed (no_grad)")
+    assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
