@@ -96,7 +96,7 @@ def test_the_package_version_is_the_projects():
 
 # the package's layers, lowest first: a module imports only from layers below its own (docs: How it works)
 LAYERS = (
-    ("errors", "_version", "static", "models", "linear"),
+    ("errors", "_version", "static", "compiled", "models", "linear"),
     ("ops", "tree"),
     ("kernels", "verification"),
     ("compile", "hf"),

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ssmspec.compiled import compiled_as
 from ssmspec.errors import UnsupportedModelError
 
 _LOCAL = threading.local()
@@ -75,8 +76,9 @@ def enable(model: nn.Module) -> None:
     """Make the model's forwards able to hand over their features (`install`); a model compiled before its LM head had
     the hook (a default call drafts with n-grams on a compiled model) is compiled anew, as it was
     (`model.ssmspec_compile_call`): its graphs would never call the hook."""
-    if install(model) and getattr(model, "ssmspec_compile_call", None) is not None:
-        args, kwargs = model.ssmspec_compile_call
+    call = compiled_as(model).call
+    if install(model) and call is not None:
+        args, kwargs = call
         model.compile(*args, **kwargs)
 
 

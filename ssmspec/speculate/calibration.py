@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ssmspec._version import __version__
+from ssmspec.compiled import compiled_as
 from ssmspec.speculate.step import Runner
 from ssmspec.tree import TokenTree
 
@@ -436,7 +437,7 @@ def signature(model: nn.Module, runner: Runner) -> str | None:
         "model": type(model).__name__, "config": config, "dtype": str(runner.dtype), "device": device.type,
         "machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "ssmspec": __version__, "packed": bool(runner.prepack),
-        "compiled": repr(getattr(model, "ssmspec_compile_options", None)),
+        "compiled": repr(compiled_as(model).options),
         "kernels": repr(getattr(model, "ssmspec_kernel_policy", None)), "static": bool(runner.static_shapes),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(about, sort_keys=True, default=str).encode()).hexdigest()[:32]

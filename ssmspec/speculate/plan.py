@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from ssmspec.compiled import compiled_as
 from ssmspec.errors import (
     GENERIC_GRAPHS,
     UnsupportedModelError,
@@ -171,11 +172,6 @@ def _resolve(model: nn.Module, inputs: torch.Tensor | None, generation_config, k
     return call
 
 
-def _compiled(model: nn.Module) -> bool:
-    """Compiled: by Dynamo (`model.compile`), or its steps captured and compiled whole (`transform(compile=True)`)."""
-    return getattr(model, "ssmspec_compile_call", None) is not None or "_ssmspec_step_compiler" in model.__dict__
-
-
 def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, head, reasons: list) -> SpecConfig:
     """The SpecConfig the call runs (defaults.spec_for), and why its drafter and sizes."""
     info = getattr(model, "ssmspec_info", None)
@@ -186,7 +182,7 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     # Benchmarks). A checkpoint's MTP layer counts as a head where it is small against the model (MTP_MAX_SHARE): the
     # embedded Nemotron-H's holds 9% of its parameters, and its default call drafts with it (docs/data/mtp.json)
     small = isinstance(head, DraftHead) or (isinstance(head, MTPModule) and size_share(head, model) <= MTP_MAX_SHARE)
-    compiled, sampling = _compiled(model), bool(call.config.do_sample)
+    compiled, sampling = compiled_as(model).compiled, bool(call.config.do_sample)
     spec = spec_for(speculation, call.config, draft, trees=(info is None or bool(info.trees)) and not chains,
                     head=small and not compiled, sampling=sampling, user_set=call.user_set,
                     head_kind="mtp" if isinstance(head, MTPModule) else "draft_head")  # fmt: skip
@@ -307,17 +303,17 @@ def _settings(
     policy)."""
     drafts = spec.drafter != "none"
     # captured steps: asked for, or by default on a model compiled for them where the seams verify
-    graphs = spec.graphs if spec.graphs is not None else bool(getattr(model, "ssmspec_graphs", False)) and not generic
+    found = compiled_as(model)
+    graphs = spec.graphs if spec.graphs is not None else found.graphs and not generic
     if graphs and generic:
         raise UnsupportedModelError(type(model).__name__, GENERIC_GRAPHS)
-    static = graphs or (spec.static_shapes if spec.static_shapes is not None
-                        else bool(getattr(model, "ssmspec_static_shapes", False)))  # fmt: skip
+    static = graphs or (spec.static_shapes if spec.static_shapes is not None else found.static_shapes)
     # an eager call runs under inference mode: no autograd bookkeeping on any op (version counters, view tracking),
     # which an overhead-bound step pays for on every op (the embedded Nemotron-H's 4-node verify step: 7.1 ms against
     # 8.1 under no_grad). A compiled model or a captured step keeps no_grad, as its graphs were made and are guarded
     # under it; what the call returns is copied out as ordinary tensors
-    compiled = _compiled(model)
-    inference = not graphs and not compiled and getattr(draft, "ssmspec_compile_call", None) is None
+    compiled = found.compiled
+    inference = not graphs and not compiled and compiled_as(draft).call is None
     schedule = call.config.num_assistant_tokens_schedule if spec.drafter == "draft_model" else "constant"
     settings = LoopSettings(
         # (plain decoding drafts nothing: its runner is sized for one-node steps, and nothing larger is measured)

@@ -23,6 +23,7 @@ from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode
 from ssmspec.compile.graphs import StepGraph
 from ssmspec.compile.lower import StepCompiler
+from ssmspec.compiled import compiled_as
 from ssmspec.errors import PENDING_TREE, CaptureError, UnsupportedModelError, batches_inexact, trees_inexact
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features
@@ -65,7 +66,7 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 def step_compiler(model: nn.Module) -> StepCompiler | None:
     """The compiler of a model whose captured steps are compiled on a CPU (`transform(compile=True)` sets it), or None:
     their steps are recorded on the op tape."""
-    return model.__dict__.get("_ssmspec_step_compiler")
+    return compiled_as(model).step_compiler
 
 
 def compiled_fold(model: nn.Module):
@@ -74,7 +75,7 @@ def compiled_fold(model: nn.Module):
     host read. None for a model that was not compiled. Runners use it on CUDA only: on a CPU the eager commit
     (in place, all layers' states stacked, paths walked on the host) costs less than the compiled graph's
     guards and call (about 0.5 against 1.1 ms on the embedded target)."""
-    options = getattr(model, "ssmspec_compile_options", None)
+    options = compiled_as(model).options
     if options is None:
         return None
     fold = model.__dict__.get("_ssmspec_compiled_commit")
@@ -151,8 +152,9 @@ class ModelRunner:
         # a compiled model's prefill runs eagerly on a CPU: compiled for any prompt length it took 87-124 s a graph
         # to compile (211 of a 266 s warm-up on the embedded model) and ran no faster (20.2 against 20.5 ms for 128
         # tokens, 159 against 111 ms for 1,024); decode and verify steps, static, stay compiled
-        self.eager_prefill = self.device.type == "cpu" and getattr(model, "ssmspec_compile_call", None) is not None
-        mode = compile_mode(getattr(model, "ssmspec_compile_options", None) or {})
+        compiled = compiled_as(model)
+        self.eager_prefill = self.device.type == "cpu" and compiled.call is not None
+        mode = compile_mode(compiled.options or {})
         self.in_place_single_nodes = not (self.device.type == "cuda" and mode in CUDA_GRAPH_MODES)
         self.info = getattr(model, "ssmspec_info", None)
         # a batch's trees laid out level by level (positions read from cache slots); None: as the model's probe found

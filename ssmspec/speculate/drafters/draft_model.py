@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ssmspec.compiled import compiled_as
 from ssmspec.errors import UnsupportedModelError, VocabMismatchError, not_one_of
 from ssmspec.hf.instance import Agreement
 from ssmspec.speculate.config import SAMPLING_TREES
@@ -57,7 +58,7 @@ def trim_vocab(draft: nn.Module, keep: torch.Tensor) -> nn.Module:
     clone = copy.copy(draft)
     clone._modules = dict(draft._modules)
     clone._modules[name] = TrimmedHead(head, keep)
-    call = getattr(draft, "ssmspec_compile_call", None)
+    call = compiled_as(draft).call
     if call is not None:  # a compiled draft's compiled forward is bound to the draft (its full head): compile the copy
         clone.compile(*call[0], **call[1])
     return clone
@@ -131,7 +132,7 @@ class DraftModelDrafter(Drafter):
         check_vocab(draft_model, target_vocab_size)
         if getattr(draft_model, "ssmspec_info", None) is None:
             raise TypeError("DraftModelDrafter needs a transformed draft: pass ssmspec.transform(copy of the draft)")
-        compiled = getattr(draft_model, "ssmspec_compile_call", None) is not None
+        compiled = compiled_as(draft_model).call is not None
         generic = getattr(draft_model.ssmspec_info, "path", "seams") == "generic"
         if static_shapes is None:
             static_shapes = compiled
