@@ -220,11 +220,8 @@ def open_runner(
 
 def _settings(settings: LoopSettings | None, fields: dict[str, Any]) -> LoopSettings:
     """The call's loop settings: `settings`, or LoopSettings of the keyword fields a call by hand gave (an unknown one
-    named); no draft deeper than the tree's nodes (a chain's budget is its depth)."""
+    is LoopSettings' TypeError, naming it); no draft deeper than the tree's nodes (a chain's budget is its depth)."""
     if settings is not None and fields:
         raise TypeError(f"speculative_generate: settings= with {', '.join(sorted(fields))} as well; give one")
-    names = {f.name for f in dataclasses.fields(LoopSettings)}
-    if unknown := sorted(set(fields) - names):
-        raise TypeError(f"speculative_generate got an unexpected keyword argument {unknown[0]!r}")
     settings = settings if settings is not None else LoopSettings(**fields)
     return dataclasses.replace(settings, num_draft_tokens=max(0, min(settings.num_draft_tokens, settings.tree_budget)))

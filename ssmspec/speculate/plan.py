@@ -198,7 +198,8 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     elif head is not None and not small:
         why = f"the model's MTP layer holds over {MTP_MAX_SHARE:.0%} of its parameters: n-gram lookup"
     else:
-        why = "n-gram lookup over the prompt and the output (the model has no draft head)"
+        why = "n-gram lookup over the prompt and the output"
+        why += " (the model has no draft head)" if head is None else ""
     reasons.append(("drafter", f"{spec.drafter}: {why}"))
     if spec.drafter != "none":
         if speculation is not None and (speculation.tree_budget, speculation.num_draft_tokens) != (None, None):
