@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +25,9 @@ def write_outputs(
 ) -> None:
     """The scripts' --json / --plot: the result as JSON (docs/data/ renders tables from it), a PNG."""
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+        from ssmspec.bench import write_json
+
+        write_json(result, json_path)
     if plot_path:
         plot(result, plot_path)
 

@@ -26,13 +26,8 @@ def median_time(fn: Callable[[], object], repeats: int, *, warmup: int = 0) -> f
     return statistics.median(times)
 
 
-def provenance(command: str) -> dict[str, str]:
-    """How a data file was measured: the machine's CPU, today's date, the command and the code revision."""
-    import subprocess
-    from datetime import date
+def provenance(command: str | None = None) -> dict[str, str]:
+    """How a data file was measured (ssmspec.bench.provenance: date, machine, versions, revision, command)."""
+    from ssmspec.bench import provenance as measured
 
-    from ssmspec.speculate.calibration import _cpu_name
-
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return {"machine": _cpu_name(), "date": date.today().isoformat(), "command": command,
-            "revision": revision.stdout.strip()}  # fmt: skip
+    return measured(command)

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
-from pathlib import Path
 
 import torch
 from _timing import median_time
 from transformers import BambaConfig, BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 
 import ssmspec
+from ssmspec.bench import write_json
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
 
@@ -98,7 +97,7 @@ def main() -> None:
                          "eager_over_compiled": e[what] / c[what], "compile_and_warmup_s": compile_s})  # fmt: skip
         print(f"{kind:>7} {'(compile+warm-up s)':>15} {compile_s:>9.0f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+        write_json({"setup": setup, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from pathlib import Path
 
 import torch
 
 import ssmspec
-from ssmspec.bench import add_arguments, report_sampling, run_sampling
+from ssmspec.bench import add_arguments, report_sampling, run_sampling, write_json
 from ssmspec.testing.distribution import DRAFTS, WARPS, case_kwargs, sampling_p_value, tiny_sampling_setup
 
 DATA = Path(__file__).resolve().parent.parent / "docs" / "data"
@@ -53,11 +52,11 @@ def main() -> None:
         p.error("--batch and --device: batched throughput is `ssmspec bench --batch`")
     torch.set_num_threads(2)
     if not args.skip_tests:
-        (DATA / "sampling_tests.json").write_text(json.dumps(distribution_tests(args.samples), indent=2))
+        write_json(distribution_tests(args.samples), DATA / "sampling_tests.json")
     if not args.skip_speed:
         result = run_sampling(args)
         report_sampling(result)
-        (DATA / "sampling.json").write_text(json.dumps(result, indent=2))
+        write_json(result, DATA / "sampling.json")
 
 
 if __name__ == "__main__":

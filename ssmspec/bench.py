@@ -506,6 +506,52 @@ def generated_tokens(new: torch.Tensor, generation_config) -> int:
     return total
 
 
+def command_line() -> str:
+    """The command this process was started with, as a user would type it (`ssmspec ...` or `python FILE ...`)."""
+    import shlex
+    import sys
+
+    program = Path(sys.argv[0])
+    head = ["ssmspec"] if program.name == "ssmspec" else ["python", _relative(program)]
+    return shlex.join([*head, *sys.argv[1:]])
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def provenance(command: str | None = None) -> dict[str, str]:
+    """How a data file was measured: date, machine, threads, torch / transformers / ssmspec versions, the code
+    revision (git, where the code is a checkout) and the command (this process's own unless given)."""
+    import subprocess
+    from datetime import date
+
+    import transformers
+
+    from ssmspec._version import __version__
+    from ssmspec.speculate.calibration import _cpu_name
+
+    git = ["git", "-C", str(Path(__file__).parent.parent)]
+    try:
+        revision = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run([*git, "status", "--porcelain", "--", "ssmspec", "benchmarks"], capture_output=True,
+                                 text=True).stdout.strip()  # fmt: skip
+    except OSError:
+        revision, changed = "", ""
+    revision += "+uncommitted" if revision and changed else ""
+    return {"date": date.today().isoformat(), "machine": _cpu_name(), "threads": str(torch.get_num_threads()),
+            "torch": torch.__version__, "transformers": transformers.__version__, "ssmspec": __version__,
+            "revision": revision or f"ssmspec {__version__}", "command": command or command_line()}  # fmt: skip
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    """Write a benchmark's result to `path` with its provenance (kept where the result already records it)."""
+    Path(path).write_text(json.dumps({**provenance(), **result}, indent=2) + "\n")
+
+
 def report_batched(result: dict, args: argparse.Namespace) -> None:
     """Print the batched-throughput table; write JSON when asked."""
     print(result["setup"])
@@ -518,7 +564,7 @@ def report_batched(result: dict, args: argparse.Namespace) -> None:
             )
     print("best plain decoding:", ", ".join(f"batch {b}: {name}" for b, name in result["best_plain"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(result, args.json)
 
 
 # the options only one mode of the benchmark reads: batched throughput (--batch) or the per-prompt methods
@@ -616,4 +662,4 @@ def report(result: dict, args: argparse.Namespace) -> None:
     if "sampling" in result:
         report_sampling(result["sampling"])
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(result, args.json)
