@@ -278,17 +278,18 @@ def test_commit_ops():
 
 
 def test_chunked_prefill_from_initial_state_matches_hf_and_one_chunk():
-    from ssmspec.ops.prefill import delta_rule_chunked_prefill, selective_scan_chunked_prefill, ssd_chunked_prefill
+    from ssmspec.ops.prefill import chunked_prefill
 
     g = torch.Generator().manual_seed(9)
     b, n = 2, 11
     x, dt, A, Bm, Cm, D, bias, h0 = _ssd_inputs(g, b, n)
     y_hf, final = mamba2_chunk_scan(x, dt, A, Bm, Cm, 4, D=D, dt_bias=bias, initial_states=h0, dt_softplus=True,
                                     return_final_states=True)  # fmt: skip
-    y, state = ssd_chunked_prefill(x, dt, A, Bm, Cm, D, bias, h0, chunk_size=4)
+    ssd = dict(x=x, dt=dt, A=A, Bm=Bm, Cm=Cm, D=D, dt_bias=bias, dt_softplus=True, dt_min=0.0, dt_max=float("inf"))
+    y, state = chunked_prefill("ssd", h0, chunk_size=4, **ssd)
     torch.testing.assert_close(y.float(), y_hf.float(), rtol=1e-4, atol=1e-4)  # HF computes in float32
     torch.testing.assert_close(state.float(), final.float(), rtol=1e-4, atol=1e-4)
-    y1, state1 = ssd_chunked_prefill(x, dt, A, Bm, Cm, D, bias, h0, chunk_size=64)
+    y1, state1 = chunked_prefill("ssd", h0, chunk_size=64, **ssd)
     torch.testing.assert_close(y, y1, rtol=0, atol=1e-12)
     torch.testing.assert_close(state, state1, rtol=0, atol=1e-12)
 
@@ -297,8 +298,9 @@ def test_chunked_prefill_from_initial_state_matches_hf_and_one_chunk():
     As = -torch.rand(d, s, generator=g, dtype=D64)
     Bs, Cs = torch.randn(b, s, n, generator=g, dtype=D64), torch.randn(b, s, n, generator=g, dtype=D64)
     h0s = torch.randn(b, d, s, generator=g, dtype=D64)
-    ya, sa = selective_scan_chunked_prefill(xs, dts, As, Bs, Cs, None, zs, None, h0s, chunk_size=4)
-    yb, sb = selective_scan_chunked_prefill(xs, dts, As, Bs, Cs, None, zs, None, h0s, chunk_size=64)
+    scan = dict(x=xs, dt=dts, A=As, Bm=Bs, Cm=Cs, D=None, z=zs, dt_bias=None, dt_softplus=True)
+    ya, sa = chunked_prefill("selective_scan", h0s, chunk_size=4, **scan)
+    yb, sb = chunked_prefill("selective_scan", h0s, chunk_size=64, **scan)
     torch.testing.assert_close(ya, yb, rtol=0, atol=1e-12)
     torch.testing.assert_close(sa, sb, rtol=0, atol=1e-12)
 
@@ -307,7 +309,9 @@ def test_chunked_prefill_from_initial_state_matches_hf_and_one_chunk():
     beta, hd = torch.rand(b, n, 2, generator=g), torch.randn(b, 2, 4, 3, generator=g)
     o_hf, last = torch_recurrent_gated_delta_rule(q, k, v, gate, beta, initial_state=hd, output_final_state=True,
                                                   use_qk_l2norm_in_kernel=True)  # fmt: skip
-    o, st = delta_rule_chunked_prefill(q, k, v, gate, beta, hd, chunk_size=4)
+    o, st = chunked_prefill("delta_rule", hd, chunk_size=4, q=q, k=k, v=v, g=gate, beta=beta, use_qk_l2norm=True)
+    with pytest.raises(ValueError, match="op must be one of ssd, selective_scan, delta_rule"):
+        chunked_prefill("conv", hd, q=q)
     torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st, last, rtol=1e-5, atol=1e-5)
 
