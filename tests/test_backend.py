@@ -277,16 +277,17 @@ def test_a_compiled_model_commits_through_its_compiled_fold_on_cuda_only():
     """The commit between verifications (every layer's state replay) runs as one compiled function per
     compiled model on CUDA, made with the model's own backend and options; it leaves the same committed states
     as the eager commit. On a CPU, and for an eager model, the eager commit runs (cheaper there)."""
+    from ssmspec.compiled import compiled_as
     from ssmspec.speculate.runner import ModelRunner, compiled_fold
     from ssmspec.tree import TokenTree
 
     torch._dynamo.reset()
     ref = cached_tiny_model("mamba2")
     model = ssmspec.transform(copy.deepcopy(ref))
-    assert compiled_fold(model) is None
+    assert compiled_fold(model, compiled_as(model).options) is None
     model.compile(backend="ssmspec", options={"inductor": False})
-    fold = compiled_fold(model)
-    assert fold is not None and compiled_fold(model) is fold
+    fold = compiled_fold(model, compiled_as(model).options)
+    assert fold is not None and compiled_fold(model, compiled_as(model).options) is fold
     calls = []
 
     def spy(*args):

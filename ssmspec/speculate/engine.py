@@ -209,7 +209,7 @@ def open_runner(
     seams' runner only)."""
     if settings.generic and settings.graphs:
         raise UnsupportedModelError(type(model).__name__, GENERIC_GRAPHS)
-    extra = {"graphs": True} if settings.graphs else {}
+    extra = {} if settings.generic else {"graphs": settings.graphs, "compiled": settings.compiled}
     widest = max(settings.tree_budget, settings.num_draft_tokens)
     return (GenericRunner if settings.generic else ModelRunner)(
         model, commit=settings.commit, decode_single_nodes=settings.decode_single_nodes,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from ssmspec.compiled import compiled_as
+from ssmspec.compiled import CompiledAs, compiled_as
 from ssmspec.errors import (
     GENERIC_GRAPHS,
     UnsupportedModelError,
@@ -50,7 +50,8 @@ class LoopSettings:
     or "heuristic"); `adaptive` prices each step's depth (0: a plain step); `generic` verifies through HF's own
     forward instead of the seams; `static_shapes` pads trees to fixed buckets; `graphs` captures each step once and
     replays it; `verify_memory` caps a verify step's buffers (bytes); `decode_single_nodes` takes HF's decode path
-    (True) or the tree path (False) for one-node steps, None: as measured."""
+    (True) or the tree path (False) for one-node steps, None: as measured; `compiled`: how the target was compiled,
+    as the plan found it (what its runner compiles or captures; None: the runner reads it from the model)."""
 
     tree_budget: int = 0
     num_draft_tokens: int = 0
@@ -62,6 +63,7 @@ class LoopSettings:
     graphs: bool = False
     verify_memory: int | None = None
     decode_single_nodes: bool | None = None
+    compiled: CompiledAs | None = None
 
 
 class NotSpeculated(Exception):
@@ -321,7 +323,7 @@ def _settings(
         tree_budget=(spec.tree_budget if spec.tree else spec.num_draft_tokens) if drafts else 0,
         num_draft_tokens=spec.num_draft_tokens if drafts else 0, commit=spec.commit, schedule=schedule or "constant",
         adaptive=spec.adaptive and drafts, generic=generic, static_shapes=static, graphs=graphs,
-        verify_memory=spec.verify_memory,
+        verify_memory=spec.verify_memory, compiled=found,
     )  # fmt: skip
     if not drafts:
         policy = "plain decoding: one token a step"

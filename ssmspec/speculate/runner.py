@@ -22,8 +22,7 @@ from torch import nn
 from ssmspec import linear as packed_linear
 from ssmspec.compile.backend import CUDA_GRAPH_MODES, compile_mode
 from ssmspec.compile.graphs import StepGraph
-from ssmspec.compile.lower import StepCompiler
-from ssmspec.compiled import compiled_as
+from ssmspec.compiled import CompiledAs, compiled_as
 from ssmspec.errors import PENDING_TREE, CaptureError, UnsupportedModelError, batches_inexact, trees_inexact
 from ssmspec.hf import attention as hf_attention
 from ssmspec.hf import features
@@ -63,19 +62,12 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
-def step_compiler(model: nn.Module) -> StepCompiler | None:
-    """The compiler of a model whose captured steps are compiled on a CPU (`transform(compile=True)` sets it), or None:
-    their steps are recorded on the op tape."""
-    return compiled_as(model).step_compiler
-
-
-def compiled_fold(model: nn.Module):
-    """A compiled model's commit: `fold_states` compiled with the model's own backend, mode and options, once
-    per model (kept on it), so that committing all layers is one compiled graph (one CUDA graph) without a
-    host read. None for a model that was not compiled. Runners use it on CUDA only: on a CPU the eager commit
-    (in place, all layers' states stacked, paths walked on the host) costs less than the compiled graph's
-    guards and call (about 0.5 against 1.1 ms on the embedded target)."""
-    options = compiled_as(model).options
+def compiled_fold(model: nn.Module, options: dict | None):
+    """A compiled model's commit: `fold_states` compiled with the model's own backend, mode and options (`options`,
+    as `compiled_as` found them), once per model (kept on it), so that committing all layers is one compiled graph
+    (one CUDA graph) without a host read. None for a model that was not compiled. Runners use it on CUDA only: on a
+    CPU the eager commit (in place, all layers' states stacked, paths walked on the host) costs less than the
+    compiled graph's guards and call (about 0.5 against 1.1 ms on the embedded target)."""
     if options is None:
         return None
     fold = model.__dict__.get("_ssmspec_compiled_commit")
@@ -132,7 +124,7 @@ class ModelRunner:
         static_shapes: bool = False, max_depth: int = 0, max_nodes: int | None = None, capacity: int | None = None,
         vocab: torch.Tensor | None = None, agreement: hf_instance.Agreement | None = None,
         static_kv: bool | None = None, capture_features: bool = False, graphs: bool = False,
-        level_aligned: bool | None = None,
+        level_aligned: bool | None = None, compiled: CompiledAs | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
@@ -152,7 +144,8 @@ class ModelRunner:
         # a compiled model's prefill runs eagerly on a CPU: compiled for any prompt length it took 87-124 s a graph
         # to compile (211 of a 266 s warm-up on the embedded model) and ran no faster (20.2 against 20.5 ms for 128
         # tokens, 159 against 111 ms for 1,024); decode and verify steps, static, stay compiled
-        compiled = compiled_as(model)
+        # how the model was compiled: as the call's plan found it (`compiled`), or read from the model
+        self.compiled = compiled = compiled if compiled is not None else compiled_as(model)
         self.eager_prefill = self.device.type == "cpu" and compiled.call is not None
         mode = compile_mode(compiled.options or {})
         self.in_place_single_nodes = not (self.device.type == "cuda" and mode in CUDA_GRAPH_MODES)
@@ -173,7 +166,7 @@ class ModelRunner:
         # models with sliding-window layers (HF's layout keeps only the window, the buffers every slot): HF's layout.
         # `static_kv` False: HF's layout whatever the model (the probe, which finds whether it reads cache slots)
         self.capacity = None if self.level_aligned or static_kv is False else (capacity or 256)
-        self.fold = compiled_fold(model) if self.device.type == "cuda" else None  # None: the eager commit
+        self.fold = compiled_fold(model, compiled.options) if self.device.type == "cuda" else None  # None: eager commit
         # logits of ids outside `vocab` read -inf (VocabTrim on a compiled draft, whose head is not swapped)
         self.dropped_ids: torch.Tensor | None = None
         if vocab is not None:
@@ -183,7 +176,7 @@ class ModelRunner:
         # the forwards of this runner run the model's prepacked linears (ssmspec.linear), where it has them: every
         # forward until `packed_sizes` says per tree size which of them and F.linear measured faster on this CPU
         # (measured with the cost curve, ssmspec.speculate.calibration.measure_cost)
-        self.prepack = packed_linear.is_packed(model) and step_compiler(model) is None  # (compiled: Inductor's)
+        self.prepack = packed_linear.is_packed(model) and compiled.step_compiler is None  # (compiled: Inductor's)
         self.packed_sizes: dict[int, bool] | None = None
         # whether packed linears or F.linear may be chosen per tree size (the calibration measures which): eager, on
         # a CPU model with packed linears big enough to pack
@@ -206,7 +199,7 @@ class ModelRunner:
         self.captures = 0  # steps captured by this runner
         # on a CPU, the steps of a model compiled for them (`transform(compile=True)`) are compiled (one Inductor graph
         # each, ssmspec.compile.lower); otherwise the op tape records them
-        self.compiler = step_compiler(model) if graphs and self.device.type != "cuda" else None
+        self.compiler = self.compiled.step_compiler if graphs and self.device.type != "cuda" else None
         # a one-node step's verify and commit as one captured step (its tree is always accepted: verified in place),
         # where a capture runs the step once (a CUDA capture runs it twice: a warm-up and the capture)
         self.fuse_single_nodes = self.compiler is not None

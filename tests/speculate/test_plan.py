@@ -136,3 +136,23 @@ def test_a_model_with_compiled_steps_plans_captured_steps_and_n_grams():
     assert lines["drafter"].startswith("prompt_lookup: a compiled model drafts with n-grams")
     assert lines["steps"].startswith("captured and compiled whole, replayed (no_grad)")
     assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
+
+
+def test_the_runner_compiles_as_the_plan_found_the_model_compiled():
+    """How the target was compiled is read once, by the plan: the runner it opens compiles its captured steps with
+    the plan's step compiler, and one opened with settings that say "not compiled" records them on the op tape,
+    whatever the model's attributes say."""
+    from ssmspec.compile.lower import StepCompiler
+    from ssmspec.compiled import CompiledAs
+    from ssmspec.speculate.engine import open_runner
+
+    _, model = _model(head=True)
+    compiler = model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    model.ssmspec_graphs = True
+    plan = _plan(model, max_new_tokens=12)
+    assert plan.settings.compiled.step_compiler is compiler
+    runner = open_runner(model, plan.settings, max_new_tokens=12, capture_features=False)
+    assert runner.compiler is compiler and not runner.prepack
+    tape = dataclasses.replace(plan.settings, compiled=CompiledAs())
+    runner = open_runner(model, tape, max_new_tokens=12, capture_features=False)
+    assert runner.compiler is None and not runner.fuse_single_nodes
