@@ -190,6 +190,7 @@ def test_wrappers_pass_every_hook_on_to_the_drafters_they_wrap():
     from ssmspec.speculate.drafters import AheadDrafter, DraftAheadDrafter, FusedDrafter
     from ssmspec.speculate.drafters.base import FLAGS, HOOKS, Wrapper
     from ssmspec.speculate.engine import SpecStats
+    from ssmspec.speculate.step.propose import Proposer
 
     for kind in (FusedDrafter, AheadDrafter, DraftAheadDrafter):
         assert issubclass(kind, Wrapper)
@@ -198,6 +199,10 @@ def test_wrappers_pass_every_hook_on_to_the_drafters_they_wrap():
     inner = _Recording()
     fused = FusedDrafter(inner, PromptLookupDrafter(2, tree=True))
     assert fused.target_features and fused.target_history and fused.target_topk == 3
+    # a plain step asks a drafter nothing unless one it wraps works on every step (Saguaro's)
+    assert not fused.works_ahead and not Proposer(fused).calls_every_step
+    saguaro = FusedDrafter(_Recording(), AheadDrafter(PromptLookupDrafter(2, tree=True), fanout=2))
+    assert saguaro.works_ahead and Proposer(saguaro).calls_every_step
     ids = torch.tensor([[1, 2, 3]])
     fused.set_decoding(Decoding())
     fused.start(ids, torch.ones_like(ids))

@@ -156,3 +156,32 @@ def test_the_runner_compiles_as_the_plan_found_the_model_compiled():
     tape = dataclasses.replace(plan.settings, compiled=CompiledAs())
     runner = open_runner(model, tape, max_new_tokens=12, capture_features=False)
     assert runner.compiler is None and not runner.fuse_single_nodes
+
+
+def test_a_default_calls_plain_steps_ask_the_drafter_nothing(monkeypatch):
+    """A plain step of the default call (a head fused with n-grams; the adaptive policy chose depth 0 and no shadow)
+    asks its drafter for nothing: only the steps that draft, and shadow drafts, call `propose` and `ahead`."""
+    from ssmspec.speculate.drafters.fused import FusedDrafter
+    from ssmspec.speculate.step.propose import Proposer
+
+    ref, model = _model(head=True)
+    ids = torch.randint(1, 50, (4, 9), generator=torch.Generator().manual_seed(0))
+    steps, drafting, asked = [], [], []
+    step, propose, ahead = Proposer.propose, FusedDrafter.propose, FusedDrafter.ahead
+
+    def counted(self, plan, rows):
+        steps.append(plan)
+        before = len(asked)
+        out = step(self, plan, rows)
+        if len(asked) > before:
+            drafting.append(plan)
+        return out
+
+    monkeypatch.setattr(Proposer, "propose", counted)
+    monkeypatch.setattr(FusedDrafter, "propose", lambda self, *a: asked.append("propose") or propose(self, *a))
+    monkeypatch.setattr(FusedDrafter, "ahead", lambda self, *a: asked.append("ahead") or ahead(self, *a))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24)
+    assert torch.equal(out, ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False))
+    plain = [p for p in steps if p.depth == 0 and not p.shadow]
+    assert plain, "the policy took no plain step: nothing checked"
+    assert all(p.depth > 0 or p.shadow for p in drafting), "a plain step asked the drafter"

@@ -46,6 +46,8 @@ class _Background(Wrapper):
             team of its own while it lives, which slows the verifying thread's ops).
     """
 
+    works_ahead = True  # (each step's `ahead` starts the next step's job)
+
     def __init__(self, base: Drafter, fanout: int, thread_name: str, thread_per_step: bool = False) -> None:
         if fanout < 1:
             raise ValueError(f"ahead drafting needs fanout >= 1, got {fanout}")

@@ -19,6 +19,9 @@ class Drafter:
     Drafts never change the output, only the speed: verification keeps exactly the target's tokens."""
 
     decoding: Decoding | None = None
+    # it works on every step, a plain one too: `propose` and `ahead` are called though the step drafts nothing (Saguaro
+    # prepares the next proposals in `ahead`); False: a plain step calls neither (the step's tree is its root alone)
+    works_ahead: bool = False
 
     def set_decoding(self, decoding: Decoding) -> None:
         """Called once per generate call, before `start`: how the target chooses tokens (processors, sampling).
@@ -97,7 +100,7 @@ class Drafter:
 # every hook the engine calls on a drafter, and the flags it reads (a test checks that each wrapper handles them all)
 HOOKS = ("set_decoding", "start", "propose", "ahead", "finish", "size_by_goodput", "observe_features",
          "observe_history", "observe_prompt", "observe")  # fmt: skip
-FLAGS = ("target_features", "target_history", "target_topk")
+FLAGS = ("target_features", "target_history", "target_topk", "works_ahead")
 
 
 class Wrapper(Drafter):
@@ -147,6 +150,10 @@ class Wrapper(Drafter):
     def observe_history(self, row: int, features: torch.Tensor) -> None:
         for d in self._asking("target_history"):
             d.observe_history(row, features)
+
+    @property
+    def works_ahead(self) -> bool:
+        return bool(self._asking("works_ahead"))
 
     @property
     def target_topk(self) -> int:

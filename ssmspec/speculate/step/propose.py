@@ -34,7 +34,7 @@ class Proposer:
         self.history = bool(drafter.target_history)  # every committed position's features (an MTP layer)
         self.wants_features = bool(drafter.target_features) or self.history
         self.topk = int(drafter.target_topk)
-        self.calls_every_step = type(drafter).ahead is not Drafter.ahead
+        self.calls_every_step = bool(drafter.works_ahead)
         # the target's features at the last step's commit, not yet handed to the drafter: (features [B, N, H], the
         # committed node per row, the rows to tell); deferred to the next drafting call, so a run of plain steps (a
         # batch where speculation does not pay) pays for none of it
@@ -99,8 +99,9 @@ class Proposer:
             proposal = proposal.capped(plan.cap)
         if self.calls_every_step:  # a drafter that prepares the next proposal now (Saguaro's)
             self._hand_features()
-        self.drafter.ahead(contexts, [None if rows.done[r] else t for r, t in enumerate(proposal.trees)],
-                           plan.budget, depth)  # fmt: skip
+        if depth or self.calls_every_step:  # (a plain step asks the others nothing)
+            self.drafter.ahead(contexts, [None if rows.done[r] else t for r, t in enumerate(proposal.trees)],
+                               plan.budget, depth)  # fmt: skip
         return proposal
 
     def observe(self, verified: Verified, accepted: Accepted, rows: Rows) -> None:
