@@ -27,7 +27,7 @@ DATA = ROOT / "docs" / "data"
 PROVENANCE = ("date", "machine", "revision", "command")
 
 # cut-offs: the last commit that changed what a group of files measures
-LOOP = "0ab3843"  # the speculative call's policy (plain runs, pricing pauses, shadow repricing)
+LOOP = "9306ed9"  # the speculative call (a plain step asks the drafter nothing)
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 COMPILED_STEP = "2901092"  # a compiled greedy step as one graph
 SAMPLING = "c0fd194"  # the sampled call's acceptance as the certifier checks it

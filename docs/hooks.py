@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import html
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -238,14 +239,65 @@ def machine(data: dict) -> str:
     return hw or "machine not recorded"
 
 
+@functools.cache
+def _registry():
+    """benchmarks/all.py: each data file's command, cut-off revision and the hardware it needs."""
+    spec = importlib.util.spec_from_file_location("ssmspec_benchmarks_all", ROOT / "benchmarks" / "all.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _older_than_cutoff(name: str, data: dict) -> bool:
+    """Whether docs/data/NAME.json was measured on code without its cut-off commit (git ancestry; where the
+    history is not at hand, its date before the cut-off's)."""
+    registry = _registry()
+    cutoff = registry.FILES[name].cutoff
+    found = registry.includes(str(data.get("revision", "")), cutoff)
+    if found is None:
+        import subprocess
+
+        day = subprocess.run(["git", "-C", str(ROOT), "show", "-s", "--format=%as", cutoff], capture_output=True,
+                             text=True).stdout.strip()  # fmt: skip
+        found = not day or str(data.get("date", "")) >= day
+    return not found
+
+
+def check_data() -> None:
+    """Every file in docs/data is listed in benchmarks/all.py and records its provenance, and was measured on code
+    that includes its cut-off; a file only a CUDA GPU can measure may be older (its pages say so)."""
+    registry = _registry()
+    problems = []
+    for path in sorted(DATA.glob("*.json")):
+        entry = registry.FILES.get(path.stem)
+        if entry is None:
+            problems.append(f"{path.name}: not listed in benchmarks/all.py (its command and cut-off)")
+        elif registry.missing(path.stem):
+            lacking = ", ".join(registry.missing(path.stem))
+            problems.append(f"{path.name}: records no {lacking} (rerun `{entry.command}`)")
+        elif entry.needs != "cuda" and _older_than_cutoff(path.stem, registry.recorded(path.stem)):
+            problems.append(f"{path.name}: measured on code older than {entry.cutoff}, the last change to {entry.why} "
+                            f"(rerun `python benchmarks/all.py --only {path.stem}`)")  # fmt: skip
+    if problems:
+        raise ValueError("docs/data: " + "; ".join(problems))
+
+
 def provenance(name: str, data: dict | None = None) -> str:
     """What docs/data/NAME.json records of how it was measured; 'not recorded' for what it does not."""
     data = data if data is not None else load(name)
+    data = data.get("_provenance", data)  # families.json: the report's families, its provenance aside
     parts = [f"`docs/data/{name}.json`", machine(data), data.get("date") or "date not recorded"]
+    if data.get("torch"):
+        parts.append(f"torch {data['torch']}, transformers {data.get('transformers', 'not recorded')}")
     if data.get("command"):
         parts.append(f"`{data['command']}`")
     if data.get("revision"):
         parts.append(f"revision `{data['revision']}`")
+    entry = _registry().FILES.get(name)
+    if entry is not None and data.get("revision") and _older_than_cutoff(name, data):
+        parts.append(f"**measured on code older than `{entry.cutoff}`, the last change to {entry.why}: rerunning it "
+                     f"needs {'a CUDA GPU' if entry.needs == 'cuda' else entry.needs}**")  # fmt: skip
     return ", ".join(parts)
 
 
@@ -1073,3 +1125,4 @@ def check_readme(blocks: tuple[str, ...] = tuple(_README_BLOCKS)) -> None:
 def on_pre_build(config) -> None:
     sys.path.insert(0, str(ROOT))
     check_readme()
+    check_data()

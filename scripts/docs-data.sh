@@ -8,4 +8,13 @@ export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 export SSMSPEC_FAMILY_REPORT="$PWD/docs/data/families.json"
 rm -f "$SSMSPEC_FAMILY_REPORT"
 python -m pytest -q -W ignore::DeprecationWarning tests/property
-python -c "import json; d=json.load(open('$SSMSPEC_FAMILY_REPORT')); print(f'{len(d)} families in docs/data/families.json')"
+python - "$SSMSPEC_FAMILY_REPORT" <<'EOF'
+import json, sys
+from ssmspec.bench import provenance
+from ssmspec.testing.report import PROVENANCE
+path = sys.argv[1]
+report = json.load(open(path))
+report[PROVENANCE] = provenance("bash scripts/docs-data.sh")
+open(path, "w").write(json.dumps(report, indent=1, sort_keys=True))
+print(f"{len(report) - 1} families in docs/data/families.json")
+EOF

@@ -234,3 +234,52 @@ def test_the_history_check_reads_rendered_pages_too():
     assert hooks.rendered_history(f"<p>Measured in one {word} of the GPU.</p>")
     assert not hooks.rendered_history(f'<a class="{word}-x" href="#">a link</a><p>Measured on the GPU.</p>')
     assert not hooks.rendered_history(f"<script>var {word} = 1;</script><p>text</p>")
+
+
+def _data_dir(tmp_path, monkeypatch, **files: dict) -> None:
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    monkeypatch.setattr(hooks, "DATA", tmp_path)
+    monkeypatch.setattr(hooks._registry(), "DATA", tmp_path)
+
+
+def test_every_data_file_is_listed_with_its_command_and_cutoff():
+    registry = hooks._registry()
+    assert {p.stem for p in (DOCS / "data").glob("*.json")} == set(registry.FILES)
+    for name, entry in registry.FILES.items():
+        assert entry.needs in ("cpu", "cuda", "llama.cpp"), name
+        assert registry.includes(entry.cutoff, entry.cutoff) is not False, f"{name}: cut-off {entry.cutoff} unknown"
+
+
+def test_the_data_check_fails_on_a_file_without_provenance_or_older_than_its_cutoff(tmp_path, monkeypatch):
+    registry = hooks._registry()
+    head = registry.subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                   text=True).stdout.strip()  # fmt: skip
+    fresh = {"date": "2026-11-28", "machine": "a CPU", "command": "python benchmarks/x.py", "revision": head}
+    before = registry.subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", registry.LOOP + "~1"],
+                                     capture_output=True, text=True).stdout.strip()  # fmt: skip
+    _data_dir(tmp_path, monkeypatch, e2e=fresh)
+    hooks.check_data()  # a fresh file passes
+    _data_dir(tmp_path, monkeypatch, e2e={k: v for k, v in fresh.items() if k != "revision"})
+    with pytest.raises(ValueError, match="e2e.json: records no revision"):
+        hooks.check_data()
+    _data_dir(tmp_path, monkeypatch, e2e={**fresh, "revision": before})
+    with pytest.raises(ValueError, match=f"e2e.json: measured on code older than {registry.LOOP}"):
+        hooks.check_data()
+    (tmp_path / "e2e.json").unlink()
+    _data_dir(tmp_path, monkeypatch, unlisted=fresh)
+    with pytest.raises(ValueError, match="unlisted.json: not listed in benchmarks/all.py"):
+        hooks.check_data()
+
+
+def test_a_gpu_file_older_than_its_cutoff_passes_only_saying_so_on_its_page(tmp_path, monkeypatch):
+    registry = hooks._registry()
+    assert registry.FILES["batched_gpu"].needs == "cuda"
+    old = {"date": "2026-11-26", "machine": "NVIDIA H100", "command": "ssmspec bench --device cuda",
+           "revision": "3d8db7b"}  # fmt: skip
+    _data_dir(tmp_path, monkeypatch, batched_gpu=old)
+    hooks.check_data()
+    line = hooks.provenance("batched_gpu", old)
+    assert f"measured on code older than `{registry.LOOP}`" in line and "needs a CUDA GPU" in line
+    fresh_line = hooks.provenance("e2e", {**old, "revision": registry.LOOP})
+    assert "older" not in fresh_line

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 ENV_VAR = "SSMSPEC_FAMILY_REPORT"
+PROVENANCE = "_provenance"  # the key under which docs/data/families.json records how it was measured
 
 # HF code of these families casts data-dependent values to float32 even in a float64 model (a gate or an
 # MoE router), so the same token processed in a differently shaped batch (a tree vs one token) can round
@@ -98,8 +99,8 @@ def _lock(file) -> None:
 
 
 def load(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """Read a saved report."""
-    return json.loads(Path(path).read_text())
+    """Read a saved report's families (without the `_provenance` that scripts/docs-data.sh adds)."""
+    return {k: v for k, v in json.loads(Path(path).read_text()).items() if k != PROVENANCE}
 
 
 def stale_families(report: dict[str, dict[str, Any]], families: list[str] | tuple[str, ...]) -> list[str]:
