@@ -135,7 +135,7 @@ def _captures_steps() -> bool:
 def _default_drafts_with_mtp() -> bool:
     from ssmspec.speculate import plan
 
-    return plan.MTP_MAX_SHARE > 0
+    return plan.HEAD_MAX_SHARE > 0
 
 
 CONTRADICTIONS = [
@@ -283,3 +283,18 @@ def test_a_gpu_file_older_than_its_cutoff_passes_only_saying_so_on_its_page(tmp_
     assert f"measured on code older than `{registry.LOOP}`" in line and "needs a CUDA GPU" in line
     fresh_line = hooks.provenance("e2e", {**old, "revision": registry.LOOP})
     assert "older" not in fresh_line
+
+
+def test_a_rendered_table_cell_without_a_value_fails_the_build():
+    """A table cell that shows a blank, a dash or None where a value belongs fails the build (a default that is None
+    in code is a value); the tables the hooks render say what a missing value means ("not measured")."""
+    page = ("<table><thead><tr><th>field</th><th>default</th><th>x HF</th></tr></thead><tbody>"
+            "<tr><td>a</td><td><code>None</code></td><td>1.20x</td></tr>"
+            "<tr><td>b</td><td>None</td><td>–</td></tr><tr><td>c</td><td></td><td>not measured</td></tr>"
+            "</tbody></table>")  # fmt: skip
+    assert hooks.rendered_blanks(page) == ["b: default", "b: x HF", "c: default"]
+    assert hooks.fmt(None) == "not measured"
+    table = hooks._bench("e2e")
+    assert "| – |" not in table and "|  |" not in table
+    hf_row = next(line for line in table.splitlines() if line.startswith("| HF greedy |"))
+    assert "one token a step" in hf_row

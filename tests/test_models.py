@@ -74,11 +74,11 @@ def test_the_mtp_example_drafts_with_its_layer_by_default():
     """nemotron-mtp's MTP layer is found in its checkpoint by from_pretrained + transform, is small enough for the
     default call to draft with it (as released checkpoints' are), and its drafts keep the output HF's (float64)."""
     from ssmspec.hf.mtp import size_share
-    from ssmspec.speculate.plan import MTP_MAX_SHARE
+    from ssmspec.speculate.plan import HEAD_MAX_SHARE
 
     ref = AutoModelForCausalLM.from_pretrained(models.path("nemotron-mtp"), dtype=torch.float64).eval()
     model = ssmspec.transform(copy.deepcopy(ref))
-    assert size_share(model.ssmspec_draft_head, model) <= MTP_MAX_SHARE
+    assert size_share(model.ssmspec_draft_head, model) <= HEAD_MAX_SHARE
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     want = ref.generate(ids, max_new_tokens=24, do_sample=False)
     out = model.generate(ids, max_new_tokens=24, return_dict_in_generate=True)

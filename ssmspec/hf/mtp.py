@@ -275,9 +275,9 @@ def build(model: nn.Module, tensors: dict[str, torch.Tensor]) -> MTPModule:
     return module.to(device=execution_device(head), dtype=head.weight.dtype).eval()
 
 
-def size_share(module: MTPModule, model: nn.Module) -> float:
-    """The MTP layer's parameters as a share of the model's (what one drafted level costs against a decode step,
-    roughly: the layer runs once per level, the model's every layer once per step)."""
+def size_share(module: nn.Module, model: nn.Module) -> float:
+    """A head's (an MTP layer's, a draft head's) parameters as a share of the model's (what one drafted level costs
+    against a decode step, roughly: the head runs once per level, the model's every layer once per step)."""
     return sum(p.numel() for p in module.parameters()) / max(1, sum(p.numel() for p in model.parameters()))
 
 

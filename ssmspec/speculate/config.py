@@ -33,9 +33,9 @@ class SpecConfig:
             head on the target's own features, trained for the target and attached by
             `ssmspec.transform(model, draft_head=...)` (ssmspec.speculate.drafters.head), its tree fused with prompt
             lookup's (and the corpus's); the model's MTP layer where its checkpoint ships one (ssmspec.hf.mtp) is its
-            draft head ("auto" takes it where it is small against the model: MTP_MAX_SHARE in
-            ssmspec.speculate.plan); "mtp": that MTP layer, refused where the model has none; "none": plain
-            decoding through ssmspec's engine.
+            draft head ("auto" takes a head where it is small against the model, HEAD_MAX_SHARE in
+            ssmspec.speculate.plan, and a trained draft head for a sampled call whatever its size); "mtp": that
+            MTP layer, refused where the model has none; "none": plain decoding through ssmspec's engine.
         num_draft_tokens: maximum draft depth per step (a chain has this many drafted nodes), 1 to MAX_DRAFT_NODES;
             a call drafts no deeper than the tokens it has left and its tree budget. None (default): the drafter's
             measured depth (n-gram lookup 8; a draft head 8 greedy, 4 sampling; an MTP layer 8 greedy, 3 sampling; a

@@ -35,9 +35,14 @@ from ssmspec.speculate.drafters.head import DraftHead
 from ssmspec.speculate.generic import CHAINS_ONLY, ONE_PROMPT, ROW_BY_ROW
 from ssmspec.speculate.retrieval import corpus_index
 
-# drafter "auto" drafts with a checkpoint's MTP layer where it holds at most this share of the model's parameters
-# (released checkpoints: one layer of dozens; a layer that is a large share costs that share of a step per level)
-MTP_MAX_SHARE = 0.1
+# drafter "auto" drafts greedily with the model's head (a trained draft head, or a checkpoint's MTP layer: one layer of
+# dozens in released checkpoints) where it holds at most this share of the model's parameters: each drafted level runs
+# it once, so a head that is a large share costs that share of a step per level. On the embedded 3M target, whose head
+# holds 13%, greedy n-gram trees ran at 2.12x HF on held-out code against 1.86x with the head (accepting 2.7 against
+# 3.6 tokens a step); the 19.6M Nemotron-H's head (8%) pays. A sampled call drafts with a trained draft head whatever
+# its share: n-gram drafts are seldom accepted by sampled tokens (the 3M target at temperature 0.7: 1.39x HF with its
+# head, 1.29x without; docs/data/e2e_defaults.json)
+HEAD_MAX_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -181,10 +186,13 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     # drafter "auto" drafts with the model's head on an eager target; a compiled one keeps n-grams (on the compiled
     # embedded target n-grams measured 1.24x ssmspec's compiled plain decoding at batch 1, the head's trees 1.13-1.15x;
     # at batch 4, 1.08x against 0.96x; steps compiled whole: 587 against 656 tok/s on held-out code, 707 plain; docs:
-    # Benchmarks). A checkpoint's MTP layer counts as a head where it is small against the model (MTP_MAX_SHARE): the
-    # embedded Nemotron-H's holds 9% of its parameters, and its default call drafts with it (docs/data/mtp.json)
-    small = isinstance(head, DraftHead) or (isinstance(head, MTPModule) and size_share(head, model) <= MTP_MAX_SHARE)
+    # Benchmarks). A head drafts where it is small against the model (HEAD_MAX_SHARE; sampling: a trained draft head
+    # whatever its size): the embedded Nemotron-H's MTP layer holds 9% of its parameters, and its default call drafts
+    # with it (docs/data/mtp.json)
     compiled, sampling = compiled_as(model).compiled, bool(call.config.do_sample)
+    small = head is not None and (
+        size_share(head, model) <= HEAD_MAX_SHARE or (sampling and isinstance(head, DraftHead))
+    )
     spec = spec_for(speculation, call.config, draft, trees=(info is None or bool(info.trees)) and not chains,
                     head=small and not compiled, sampling=sampling, user_set=call.user_set,
                     head_kind="mtp" if isinstance(head, MTPModule) else "draft_head")  # fmt: skip
@@ -198,7 +206,8 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     elif head is not None and compiled:
         why = "a compiled model drafts with n-grams (its head's trees measured slower there)"
     elif head is not None and not small:
-        why = f"the model's MTP layer holds over {MTP_MAX_SHARE:.0%} of its parameters: n-gram lookup"
+        kind = "MTP layer" if isinstance(head, MTPModule) else "draft head"
+        why = f"the model's {kind} holds over {HEAD_MAX_SHARE:.0%} of its parameters: n-gram lookup"
     else:
         why = "n-gram lookup over the prompt and the output"
         why += " (the model has no draft head)" if head is None else ""

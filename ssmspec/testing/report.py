@@ -141,7 +141,7 @@ def families_markdown(report: dict[str, dict[str, Any]], families: list[str] | t
     rows = []
     for fam in families:
         r = report[fam]
-        f32 = f"{r['n_tie_flips']} / {r['n_float32_tokens']}" if "n_float32_tokens" in r else "–"
+        f32 = f"{r['n_tie_flips']} / {r['n_float32_tokens']}" if "n_float32_tokens" in r else "not drawn"
         rows.append(f"| {fam} | {_exact(r)} | {r['n_examples']} | {r.get('n_tokens', 0)} | {f32} |")
     return head + "\n".join(rows) + "\n"
 

@@ -112,17 +112,19 @@ def test_a_few_failures_do_not_collapse_the_next_calls_deeper_levels():
 
 
 def test_a_collapsed_profile_recovers_on_the_embedded_model():
-    """End to end: the default starting from a collapsed profile on a held-out prompt of repeated code (where trees
-    accept about 8 tokens a step) drafts deep again in that call; the earlier code stayed near 3 tokens a step."""
+    """End to end: the adaptive policy starting from a collapsed profile on a held-out prompt of repeated code (where
+    the head's trees accept about 8 tokens a step) drafts deep again in that call; the earlier code stayed near 3
+    tokens a step."""
     from ssmspec import bench, models
 
     ref, tok = models.load("mamba2-target")
     target = ssmspec.transform(ref)
     ids = bench.held_out_prompts(tok, 12, 96)[5]
-    target.generate(ids, max_new_tokens=8)  # the cost curve and the profile's key
+    head = SpecConfig(drafter="draft_head")  # (the default's greedy drafter where the head is small)
+    target.generate(ids, max_new_tokens=8, speculation=head)  # the cost curve and the profile's key
     (key,) = target._ssmspec_acceptance
     target._ssmspec_acceptance[key] = [0.65, 0.67, 0.11]
-    out = target.generate(ids, max_new_tokens=128, return_dict_in_generate=True)
+    out = target.generate(ids, max_new_tokens=128, return_dict_in_generate=True, speculation=head)
     assert out.spec_stats["mean_accepted_per_step"] > 5.0
     assert len(target._ssmspec_acceptance[key]) > 3
 

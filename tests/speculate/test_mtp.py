@@ -63,7 +63,7 @@ def test_mtp_drafts_exactly_in_every_family(checkpoint, tree):
 
 def test_auto_drafts_with_a_small_mtp_layer_only(checkpoint, monkeypatch):
     """drafter "draft_head" drafts with the MTP layer the checkpoint ships; "auto" does where the layer is small against
-    the model (MTP_MAX_SHARE of its parameters; a tiny model's one layer of a few is not: n-gram lookup drafts); every
+    the model (HEAD_MAX_SHARE of its parameters; a tiny model's one layer of a few is not: n-gram lookup drafts); every
     call gives HF's output."""
     from ssmspec.speculate import plan as spec_plan
 
@@ -78,8 +78,8 @@ def test_auto_drafts_with_a_small_mtp_layer_only(checkpoint, monkeypatch):
 
     assert drafter_stats(speculation=ssmspec.SpecConfig(drafter="draft_head")).get("mtp") == hf_mtp.family_of(model)
     share = hf_mtp.size_share(model.__dict__["ssmspec_draft_head"], model)
-    assert share > spec_plan.MTP_MAX_SHARE and "mtp" not in drafter_stats()
-    monkeypatch.setattr(spec_plan, "MTP_MAX_SHARE", share)
+    assert share > spec_plan.HEAD_MAX_SHARE and "mtp" not in drafter_stats()
+    monkeypatch.setattr(spec_plan, "HEAD_MAX_SHARE", share)
     assert drafter_stats().get("mtp") == hf_mtp.family_of(model)
 
 

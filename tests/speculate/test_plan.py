@@ -30,13 +30,19 @@ def _model(family: str = "mamba2", head: bool = False):
     return ref, ssmspec.transform(copy.deepcopy(ref), draft_head=draft_head)
 
 
+@pytest.fixture
+def small_heads(monkeypatch):
+    """The tiny models' draft heads count as small (they hold more of a tiny model than HEAD_MAX_SHARE)."""
+    monkeypatch.setattr(spec_plan, "HEAD_MAX_SHARE", 1.0)
+
+
 def _plan(model, **kwargs):
     call = model._speculative_call(None, kwargs.pop("prompt_lookup_num_tokens", None), None,
                                    kwargs.pop("speculation", None))  # fmt: skip
     return spec_plan.plan_call(model, IDS, None, kwargs=kwargs, **call)
 
 
-def test_the_loop_runs_the_plans_settings_and_the_plan_cannot_change(monkeypatch):
+def test_the_loop_runs_the_plans_settings_and_the_plan_cannot_change(monkeypatch, small_heads):
     """generate hands the engine the plan's LoopSettings (nothing read of the model on the way), the output is HF's;
     a plan is frozen."""
     ref, model = _model(head=True)
@@ -60,7 +66,7 @@ def test_the_loop_runs_the_plans_settings_and_the_plan_cannot_change(monkeypatch
         plan.settings.tree_budget = 1  # type: ignore[misc]
 
 
-def test_the_plan_says_what_runs_and_why():
+def test_the_plan_says_what_runs_and_why(small_heads):
     """Each choice of the call has a line, its value the one the loop runs: drafter, sizes, path, policy, steps."""
     _, model = _model(head=True)
     lines = dict(_plan(model, max_new_tokens=12).reasons)
@@ -77,6 +83,26 @@ def test_the_plan_says_what_runs_and_why():
     assert plain["policy"].startswith("plain decoding")
     _, without = _model()
     assert dict(_plan(without, max_new_tokens=12).reasons)["drafter"].startswith("prompt_lookup: n-gram lookup")
+
+
+def test_a_large_head_drafts_only_when_sampling():
+    """drafter "auto" drafts greedily with a head only where it is small against the model (HEAD_MAX_SHARE: a level
+    costs about that share of a step) and says why not; a sampled call drafts with a trained draft head whatever its
+    size (n-gram drafts are seldom accepted by sampled tokens); asked for, the head drafts greedily too."""
+    from ssmspec.hf.mtp import size_share
+
+    ref, model = _model(head=True)
+    assert size_share(model.ssmspec_draft_head, model) > spec_plan.HEAD_MAX_SHARE
+    greedy = _plan(model, max_new_tokens=12)
+    assert greedy.spec.drafter == "prompt_lookup"
+    assert dict(greedy.reasons)["drafter"] == (
+        f"prompt_lookup: the model's draft head holds over {spec_plan.HEAD_MAX_SHARE:.0%} of its parameters: n-gram "
+        "lookup"
+    )
+    assert _plan(model, max_new_tokens=12, do_sample=True).spec.drafter == "draft_head"
+    asked = ssmspec.SpecConfig(drafter="draft_head")
+    assert _plan(model, max_new_tokens=12, speculation=asked).spec.drafter == "draft_head"
+    assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
 
 
 def test_explain_prints_the_plan_refuses_as_generate_and_names_hfs_own_generate():
@@ -109,14 +135,15 @@ def test_ssmspec_plan_and_generate_explain(capsys):
     """`ssmspec plan` prints the default call's plan and generates nothing; `generate --explain` prints it on stderr
     before the continuation; sampling options without --sample are a usage error."""
     assert main(["plan", "def add(a, b):\n", "--max-new-tokens", "8"]) == 0
-    out = capsys.readouterr()
-    assert out.out.splitlines()[1].startswith("drafter  draft_head") and "verify steps" not in out.err
+    out = capsys.readouterr()  # (the embedded target's head holds 13% of it: greedy, n-gram lookup drafts)
+    assert out.out.splitlines()[1].startswith("drafter  prompt_lookup: the model's draft head holds over 10%")
+    assert "verify steps" not in out.err
     assert main(["plan", "def f():\n", "--sample", "--temperature", "0.7", "--chain"]) == 0
     out = capsys.readouterr().out
     assert "sampling" in out.splitlines()[0] and "a chain of" in out
     assert main(["generate", "def f():\n", "--max-new-tokens", "6", "--explain"]) == 0
     out = capsys.readouterr()
-    assert "drafter  draft_head" in out.err and "verify steps" in out.err and out.out.strip()
+    assert "drafter  prompt_lookup" in out.err and "verify steps" in out.err and out.out.strip()
     assert main(["plan", "def f():\n", "--top-p", "0.9"]) == 2
     assert "add --sample" in capsys.readouterr().err
 
@@ -138,7 +165,7 @@ def test_a_model_with_compiled_steps_plans_captured_steps_and_n_grams():
     assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
 
 
-def test_the_runner_compiles_as_the_plan_found_the_model_compiled():
+def test_the_runner_compiles_as_the_plan_found_the_model_compiled(small_heads):
     """How the target was compiled is read once, by the plan: the runner it opens compiles its captured steps with
     the plan's step compiler, and one opened with settings that say "not compiled" records them on the op tape,
     whatever the model's attributes say."""
@@ -158,7 +185,7 @@ def test_the_runner_compiles_as_the_plan_found_the_model_compiled():
     assert runner.compiler is None and not runner.fuse_single_nodes
 
 
-def test_a_default_calls_plain_steps_ask_the_drafter_nothing(monkeypatch):
+def test_a_default_calls_plain_steps_ask_the_drafter_nothing(monkeypatch, small_heads):
     """A plain step of the default call (a head fused with n-grams; the adaptive policy chose depth 0 and no shadow)
     asks its drafter for nothing: only the steps that draft, and shadow drafts, call `propose` and `ahead`."""
     from ssmspec.speculate.drafters.fused import FusedDrafter
