@@ -27,7 +27,7 @@ DATA = ROOT / "docs" / "data"
 PROVENANCE = ("date", "machine", "revision", "command")
 
 # cut-offs: the last commit that changed what a group of files measures
-LOOP = "9306ed9"  # the speculative call (a plain step asks the drafter nothing)
+LOOP = "5388010"  # the speculative call (drafter auto: a head where small; a plain step asks the drafter nothing)
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 COMPILED_STEP = "2901092"  # a compiled greedy step as one graph
 SAMPLING = "c0fd194"  # the sampled call's acceptance as the certifier checks it
@@ -190,8 +190,8 @@ def can_run(entry: DataFile) -> bool:
         import torch
 
         return torch.cuda.is_available()
-    if entry.needs == "llama.cpp":
-        return (Path("/tmp/llama") / "build").exists()
+    if entry.needs == "llama.cpp":  # (a build benchmarks/llamacpp.py made under its --work folder, /tmp/llama)
+        return any(Path("/tmp/llama").glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"))
     return True
 
 

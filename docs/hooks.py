@@ -129,7 +129,7 @@ def fmt(value, spec: str = "") -> str:
 
     def one(v) -> str:
         if v is None:
-            return "–"
+            return "not measured"
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return str(v)
         if not numspec:
@@ -309,7 +309,7 @@ def _source_line(names: list[str]) -> str:
 
 # (what was measured, data file, path of the speed-up, its baseline, the speed-up over the fastest plain decoder
 # measured in the same run: its path, or (the run's methods, the method, its plain decoders) where the file records
-# only rates, or None); every figure is the embedded 3M-parameter Mamba2 target on held-out Python files, outputs
+# only rates); every figure is the embedded 3M-parameter Mamba2 target on held-out Python files, outputs
 # identical to HF's
 SPEED_SUMMARY = (
     ("Default call, greedy (the model's draft head)", "e2e_defaults", "methods/ssmspec default/speedup_vs_hf",
@@ -330,7 +330,7 @@ SPEED_SUMMARY = (
      "models/[model=mamba2-target]/rows/[method=ssmspec default (compiled)]/x_best_ssmspec_plain"),
     ("Plain decoding, compiled, decoding rate", "llamacpp",
      "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp",
-     "llama.cpp f32 (llama-bench)", None),
+     "llama.cpp f32 (llama-bench)", "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp"),
     ("Default call on a GPU, batches of 1 to 32, eager (nothing compiled in that run)", "batched_gpu",
      "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_hf", "HF greedy, eager",
      "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_best_plain"),
@@ -357,7 +357,7 @@ def speed_summary() -> str:
              "|---|---|---|---|---|"]  # fmt: skip
     for what, name, path, base, best in SPEED_SUMMARY:
         data = load(name)
-        cells = [what, f"**{fmt(lookup(data, path), 'x')}**", base, fmt(over_plain(data, best), "x") if best else "–"]
+        cells = [what, f"**{fmt(lookup(data, path), 'x')}**", base, fmt(over_plain(data, best), "x")]
         cells.append(f"`{name}.json`: {machine(data)}, {data.get('date') or 'date not recorded'}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -435,7 +435,7 @@ def _overview() -> str:
     from ssmspec.testing.mtp import MTP_FAMILIES
 
     def native(fam: str) -> str:  # the drafter the family's checkpoints ship (guides/mtp.md)
-        return "MTP layer" if fam in MTP_FAMILIES else "MTP layer: refused" if fam in hf_mtp.REFUSED else "–"
+        return "MTP layer" if fam in MTP_FAMILIES else "MTP layer: refused" if fam in hf_mtp.REFUSED else "none shipped"
 
     data = _family_report()
     lines = ["| family | path | what verifies it | exact for | native drafter |", "|---|---|---|---|---|"]
@@ -445,7 +445,7 @@ def _overview() -> str:
     for fam, _, _, exact in _generic_families():
         lines.append(f"| {fam} | generic | HF's own forward and cache (no kernel seam) | {exact} | {native(fam)} |")
     for fam, why in _refused_families():  # without the measured differences: the table states what, not how much
-        lines.append(f"| {fam} | refused | {_cell(_MEASURED.sub('', why))} | – | {native(fam)} |")
+        lines.append(f"| {fam} | refused | {_cell(_MEASURED.sub('', why))} | nothing (refused) | {native(fam)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -710,8 +710,24 @@ def _bench(name: str) -> str:
         cols += [c for c in r if c not in cols and not isinstance(r[c], (list, dict))]
     lines = [f"*{setup}*", "", "| " + " | ".join(c.replace("_", " ") for c in cols) + " |",
              "|" + "---|" * len(cols)]  # fmt: skip
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    plain = data.get("methods", {}).get("ssmspec autoregressive", {}).get("tokens_per_s")
+    lines += ["| " + " | ".join(_bench_cell(r, c, plain) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n\n" + _source_line([name])
+
+
+def _bench_cell(row: dict, column: str, plain: float | None) -> str:
+    """A cell of a benchmark table: the row's value, else what its data implies (a rate's ratio to ssmspec's plain
+    decoding's; one token a step for HF's decoding; HF greedy against itself), else "not measured"."""
+    method = str(row.get("method", ""))
+    if row.get(column) is not None:
+        return fmt(row[column])
+    if column == "speedup_vs_ssmspec_ar" and plain and row.get("tokens_per_s"):
+        return fmt(row["tokens_per_s"] / plain)
+    if column == "mean_accepted_per_step" and method.startswith("HF "):
+        return "one token a step"
+    if column == "worst_prompt_speedup_vs_hf" and method == "HF greedy":
+        return fmt(1.0)
+    return "not measured"
 
 
 def _batched_table(batches: dict, methods: list[str], best: str | None) -> list[str]:
@@ -719,7 +735,7 @@ def _batched_table(batches: dict, methods: list[str], best: str | None) -> list[
     lines = [head + (f" | {best} over the best plain decoder | accepted / step |" if best else " |")]
     lines.append("|---:" * (len(methods) + 1 + (2 if best else 0)) + "|")
     for b, row in batches.items():
-        cells = [f"{row[m]['tokens_per_s']:,.0f} ({row[m]['speedup_vs_hf']:.2f}x)" if m in row else "–"
+        cells = [f"{row[m]['tokens_per_s']:,.0f} ({row[m]['speedup_vs_hf']:.2f}x)" if m in row else "not measured"
                  for m in methods]  # fmt: skip
         if best:
             r = row.get(best, {})
@@ -744,8 +760,8 @@ def _batched_gpu() -> str:
              "| code | command | " + " | ".join(f"batch {b}" for b in sizes) + " |",
              "|---|---|" + "---:|" * len(sizes)]  # fmt: skip
     for run in data["runs"]:
-        cells = [fmt(run["batches"].get(str(b), {}).get("ssmspec default", {}).get("speedup_vs_best_plain"), "x")
-                 for b in sizes]  # fmt: skip
+        cells = [fmt(run["batches"][str(b)]["ssmspec default"]["speedup_vs_best_plain"], "x")
+                 if str(b) in run["batches"] else "not measured" for b in sizes]  # fmt: skip
         lines.append(f"| `{run['code']}` | `{run['command']}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + _source_line(["batched_gpu"])
 
@@ -1026,7 +1042,20 @@ def _mtp() -> str:
     return "\n".join(rows)
 
 
+def _data_files() -> str:
+    """Every file in docs/data: the command that writes it, its cut-off (benchmarks/all.py) and what it records."""
+    registry = _registry()
+    rows = ["| data file | command | cut-off: the last change to | measured (revision) |", "|---|---|---|---|"]
+    for name, entry in registry.FILES.items():
+        found = registry.recorded(name)
+        needs = {"cuda": " (needs a CUDA GPU)", "llama.cpp": " (needs a llama.cpp build)"}.get(entry.needs, "")
+        rows.append(f"| `{name}.json` | `{_cell(entry.command)}`{needs} | `{entry.cutoff}`, {entry.why} | "
+                    f"{found.get('date', 'not recorded')} (`{found.get('revision', 'not recorded')}`) |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 _RENDERERS = {
+    "data-files": _data_files,
     "mtp": _mtp,
     "families-table": _overview,
     "families": _families,
@@ -1078,10 +1107,34 @@ def rendered_history(html: str) -> list[str]:
     return history_words(re.sub(r"<[^>]+>", " ", text))
 
 
+# what a table cell may not show where a value belongs (a cell that means "nothing" says so in words)
+_BLANK_CELLS = {"", "None", "none", "nan", "null", "–", "—", "-", "?"}
+
+
+def rendered_blanks(html_text: str) -> list[str]:
+    """The table cells of a rendered page that show a blank, a dash or None (outside code: a default that is None
+    in code is a value), as `row: column` of each."""
+    found = []
+    for table in re.findall(r"<table.*?</table>", html_text, flags=re.S):
+        head = [_text(c) for c in re.findall(r"<th[^>]*>(.*?)</th>", table, flags=re.S)]
+        for row in re.findall(r"<tr>(.*?)</tr>", table, flags=re.S):
+            cells = re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)
+            found += [f"{_text(cells[0])[:40]}: {column}" for column, cell in zip(head, cells)
+                      if _text(cell) in _BLANK_CELLS and "<code>" not in cell]  # fmt: skip
+    return found
+
+
+def _text(cell: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+
+
 def on_post_page(output: str, page, config) -> str:
     hits = rendered_history(output)
     if hits:
         raise ValueError(f"{page.file.src_uri}, as rendered: words about the project's history: " + "; ".join(hits))
+    blanks = rendered_blanks(output)
+    if blanks:
+        raise ValueError(f"{page.file.src_uri}, as rendered: table cells without a value: " + "; ".join(blanks))
     return output
 
 
