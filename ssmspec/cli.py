@@ -126,6 +126,20 @@ def _load(model: str | None, family: str | None, dtype: torch.dtype):
     )
 
 
+def _drafter_of(model, ids: torch.Tensor, spec, kwargs: dict) -> str:
+    """The drafter `model.generate(ids, speculation=spec, **kwargs)` drafts with, as its plan chose it, in words."""
+    from ssmspec.hf.mtp import MTPModule
+    from ssmspec.speculate.plan import plan_call
+
+    call = model._speculative_call(None, None, None, spec)
+    chosen = plan_call(model, ids, None, kwargs=dict(kwargs), **call).spec
+    head = model.ssmspec_draft_head
+    name = f"the {head.family} MTP layer" if isinstance(head, MTPModule) else "the draft head"
+    if chosen.drafter in ("draft_head", "mtp"):
+        return f"{name} + prompt lookup" if chosen.tree else name
+    return "prompt lookup" if chosen.drafter == "prompt_lookup" else chosen.drafter
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Greedy vs speculative generation on one prompt: text, tokens/s of both, acceptance, identity."""
     import ssmspec
@@ -158,13 +172,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"prompt ids:   {ids[0].tolist()}")
         print(f"output ids:   {out.sequences[0, ids.shape[1] :].tolist()}")
-    from ssmspec.hf.mtp import MTPModule
-
-    head = model.ssmspec_draft_head
-    name = f"the {head.family} MTP layer" if isinstance(head, MTPModule) else "the draft head"
-    drafter = (
-        f"{name} + prompt lookup" if head is not None and tree else name if head is not None else "prompt lookup"
-    )  # drafter "auto"
+    drafter = _drafter_of(model, ids, spec, kwargs)  # (as the call's plan chose it)
     kind = (f"tree, {drafter}, up to {args.tree_budget} nodes, depth {args.draft_tokens}" if tree
             else f"chain, {drafter}, up to {args.draft_tokens} draft tokens")  # fmt: skip
     print(f"HF greedy:    {new / t_base:8.1f} tokens/s")
@@ -258,7 +266,7 @@ def _generate_call(args: argparse.Namespace):
         if args.draft_tokens is not None:
             kwargs["num_assistant_tokens"] = args.draft_tokens
         kwargs["assistant_model"] = draft
-    else:  # the default call (its drafter: the model's draft head or MTP layer where it has one, else n-grams)
+    else:  # the default call (its drafter: the model's draft head or MTP layer where small, else n-grams)
         tree = False if args.chain else True if args.tree else None
         kwargs["speculation"] = ssmspec.SpecConfig(num_draft_tokens=args.draft_tokens, tree_budget=args.tree_budget,
                                                    tree=tree)  # fmt: skip
