@@ -30,7 +30,7 @@ PROVENANCE = ("date", "machine", "revision", "command")
 LOOP = "5388010"  # the speculative call (drafter auto: a head where small; a plain step asks the drafter nothing)
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 COMPILED_STEP = "2901092"  # a compiled greedy step as one graph
-SAMPLING = "c0fd194"  # the sampled call's acceptance as the certifier checks it
+SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 
 
@@ -54,7 +54,7 @@ def _verify(name: str, options: str, cutoff: str = VERIFY) -> DataFile:
 
 
 _DEFAULTS = '--methods "HF greedy" "ssmspec default" "tree draft head + n-gram" "ssmspec autoregressive"'
-_E2E = "python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 --repeats 2 --compiled"
+_E2E = "python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 --repeats 1 --compiled"
 
 FILES: dict[str, DataFile] = {
     "e2e": DataFile(f"{_E2E} --json docs/data/e2e.json", LOOP, "every drafter's call"),
@@ -80,7 +80,9 @@ FILES: dict[str, DataFile] = {
     "batched_prose": _bench("batched_prose", "--batch 1 4 8 16 32 --prompt-set prose --repeats 2"),
     "batched_compiled": _bench("batched_compiled", "--batch 1 4 8 16 32 --compiled --repeats 2"),
     "sampling": DataFile("python benchmarks/sampling.py --skip-tests", LOOP, "the sampled call"),
-    "sampling_tests": DataFile("python benchmarks/sampling.py --skip-speed", SAMPLING, "the sampled distribution"),
+    "sampling_tests": DataFile(
+        "python benchmarks/sampling.py --skip-speed --samples 5000", SAMPLING, "the sampled distribution"
+    ),
     "tree_vs_chain": DataFile(
         "python benchmarks/tree_vs_chain.py --budgets 2 4 8 16 32 --recycle 4 --rounds 2 "
         "--json docs/data/tree_vs_chain.json",
@@ -144,7 +146,7 @@ FILES: dict[str, DataFile] = {
     "verify_cost_recurrent_gemma_12x768": _verify(
         "verify_cost_recurrent_gemma_12x768", "--family recurrent_gemma --layers 12 --nodes 1 2 4 8 16"
     ),  # fmt: skip
-    "families": DataFile("bash scripts/docs-data.sh", SAMPLING, "the property suites' per-family report"),
+    "families": DataFile("bash scripts/docs-data.sh", LOOP, "the property suites' per-family report"),
     "gpu": DataFile("python benchmarks/gpu.py --json docs/data/gpu.json", TRACED, "the GPU", "cuda"),
     "batched_gpu": DataFile(
         "ssmspec bench --batch 1 4 8 16 32 --device cuda --repeats 2 --json docs/data/batched_gpu.json",

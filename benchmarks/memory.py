@@ -19,7 +19,6 @@ import json
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 RUNS = ("hf", "plain", "default")
@@ -102,14 +101,13 @@ def main() -> None:
     print(f"medians: default / HF plain: {spec / max(plain, 1e-9):.2f}x ({spec:+.1f} against {plain:+.1f} MiB; the "
           f"bound 1.25x + 10 MiB is {bound:.1f} MiB: {'within' if spec <= bound else 'OVER'})")  # fmt: skip
     if args.json:
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        revision = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+        from ssmspec.bench import provenance
+
         result = {"setup": f"embedded {args.model}, float32, CPU, batch {args.batch} of different held-out prompts x "
                   f"{args.prompt_tokens} tokens, {args.tokens} new tokens per row, no EOS; peak resident growth "
                   "(VmHWM reset before the call) over the resident set before it, after a warm-up call",
-                  "date": str(date.today()), "revision": revision,
-                  "command": f"python benchmarks/memory.py --model {args.model} --batch {args.batch} "
-                  f"--tokens {args.tokens} --rounds {args.rounds}", "rows": list(rows.values()),
+                  **provenance(f"python benchmarks/memory.py --model {args.model} --batch {args.batch} "
+                               f"--tokens {args.tokens} --rounds {args.rounds}"), "rows": list(rows.values()),
                   "bound_mib": bound}  # fmt: skip
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
