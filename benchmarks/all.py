@@ -32,6 +32,9 @@ VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup pe
 COMPILED_STEP = "2901092"  # a compiled greedy step as one graph
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
+# each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
+DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", COMPILED_STEP: "2026-11-28", SAMPLING: "2026-11-28",
+         TRACED: "2026-11-23"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,10 @@ def test_every_data_file_is_listed_with_its_command_and_cutoff():
     assert {p.stem for p in (DOCS / "data").glob("*.json")} == set(registry.FILES)
     for name, entry in registry.FILES.items():
         assert entry.needs in ("cpu", "cuda", "llama.cpp"), name
-        assert registry.includes(entry.cutoff, entry.cutoff) is not False, f"{name}: cut-off {entry.cutoff} unknown"
+        assert entry.cutoff in registry.DATES, f"{name}: cut-off {entry.cutoff} has no date"
+        day = registry.subprocess.run(["git", "-C", str(ROOT), "show", "-s", "--format=%as", entry.cutoff],
+                                      capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert day in ("", registry.DATES[entry.cutoff]), f"{entry.cutoff} is dated {day} in the history"
 
 
 def test_the_data_check_fails_on_a_file_without_provenance_or_older_than_its_cutoff(tmp_path, monkeypatch):
@@ -263,7 +266,7 @@ def test_the_data_check_fails_on_a_file_without_provenance_or_older_than_its_cut
     _data_dir(tmp_path, monkeypatch, e2e={k: v for k, v in fresh.items() if k != "revision"})
     with pytest.raises(ValueError, match="e2e.json: records no revision"):
         hooks.check_data()
-    _data_dir(tmp_path, monkeypatch, e2e={**fresh, "revision": before})
+    _data_dir(tmp_path, monkeypatch, e2e={**fresh, "revision": before, "date": "2026-11-01"})
     with pytest.raises(ValueError, match=f"e2e.json: measured on code older than {registry.LOOP}"):
         hooks.check_data()
     (tmp_path / "e2e.json").unlink()
