@@ -267,11 +267,11 @@ def check_data() -> None:
     problems = []
     for path in sorted(DATA.glob("*.json")):
         entry = registry.FILES.get(path.stem)
+        lacking = registry.missing(path.stem) if entry is not None else []
         if entry is None:
             problems.append(f"{path.name}: not listed in benchmarks/all.py (its command and cut-off)")
-        elif registry.missing(path.stem):
-            lacking = ", ".join(registry.missing(path.stem))
-            problems.append(f"{path.name}: records no {lacking} (rerun `{entry.command}`)")
+        elif lacking:
+            problems.append(f"{path.name}: records no {', '.join(lacking)} (rerun `{entry.command}`)")
         elif entry.needs != "cuda" and _older_than_cutoff(path.stem, registry.recorded(path.stem)):
             problems.append(f"{path.name}: measured on code older than {entry.cutoff}, the last change to {entry.why} "
                             f"(rerun `python benchmarks/all.py --only {path.stem}`)")  # fmt: skip
