@@ -17,14 +17,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from _timing import provenance
 
 import ssmspec
 from ssmspec import models
-from ssmspec.bench import held_out_prompts
+from ssmspec.bench import held_out_prompts, write_json
 from ssmspec.compile import graphs
 from ssmspec.speculate.runner import ModelRunner
 from ssmspec.tree import TokenTree
@@ -158,7 +157,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from _timing import provenance
 
 import ssmspec
 from ssmspec import models
-from ssmspec.bench import batch_prompts
+from ssmspec.bench import batch_prompts, write_json
 from ssmspec.speculate import calibration
 
 
@@ -83,7 +81,7 @@ def main() -> None:
         batches = " ".join(map(str, args.batch))
         command = f"python benchmarks/first_call.py --batch {batches} --tokens {args.tokens}"
         result = {"setup": setup, **provenance(command), "rows": rows}
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

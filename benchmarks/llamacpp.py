@@ -37,7 +37,7 @@ from _timing import provenance
 
 import ssmspec
 from ssmspec import models
-from ssmspec.bench import best_time, held_out_prompts
+from ssmspec.bench import best_time, held_out_prompts, write_json
 from ssmspec.speculate.ties import near_ties
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -339,7 +339,7 @@ def main() -> None:
                 f"{lc:>21}  {r['identical']}"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json)
 
 
 def _cold(row: dict) -> str:

@@ -101,7 +101,7 @@ def main() -> None:
     print(f"medians: default / HF plain: {spec / max(plain, 1e-9):.2f}x ({spec:+.1f} against {plain:+.1f} MiB; the "
           f"bound 1.25x + 10 MiB is {bound:.1f} MiB: {'within' if spec <= bound else 'OVER'})")  # fmt: skip
     if args.json:
-        from ssmspec.bench import provenance
+        from ssmspec.bench import provenance, write_json
 
         result = {"setup": f"embedded {args.model}, float32, CPU, batch {args.batch} of different held-out prompts x "
                   f"{args.prompt_tokens} tokens, {args.tokens} new tokens per row, no EOS; peak resident growth "
@@ -109,7 +109,7 @@ def main() -> None:
                   **provenance(f"python benchmarks/memory.py --model {args.model} --batch {args.batch} "
                                f"--tokens {args.tokens} --rounds {args.rounds}"), "rows": list(rows.values()),
                   "bound_mib": bound}  # fmt: skip
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

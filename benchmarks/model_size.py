@@ -207,10 +207,7 @@ def main() -> None:
         rows.append(cost_only(f"random mamba2 {shape}", lambda: _mamba2(layers, hidden), medium))  # noqa: B023
     setup = (f"2 threads, float32, batch 1, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens, "
              f"best of {args.repeats}; greedy outputs identical to HF's")  # fmt: skip
-    import transformers
-
-    result = {"setup": setup, **provenance("python benchmarks/model_size.py"), "torch": torch.__version__,
-              "transformers": transformers.__version__, "rows": rows}  # fmt: skip
+    result = {"setup": setup, **provenance("python benchmarks/model_size.py"), "rows": rows}
     write_outputs(result, args.json, args.plot, plot)
 
 

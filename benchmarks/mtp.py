@@ -25,7 +25,7 @@ from _timing import provenance
 
 import ssmspec
 from ssmspec import models
-from ssmspec.bench import held_out_prompts
+from ssmspec.bench import held_out_prompts, write_json
 from ssmspec.hf.mtp import size_share
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +129,7 @@ def main() -> None:
         "seconds": times,
     }  # fmt: skip
     print(json.dumps(result, indent=2))
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":
