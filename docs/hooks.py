@@ -249,17 +249,6 @@ def _registry():
     return module
 
 
-def _older_than_cutoff(name: str, data: dict) -> bool:
-    """Whether docs/data/NAME.json was measured on code without its cut-off commit (git ancestry; where the
-    history is not at hand, its date before the cut-off's)."""
-    registry = _registry()
-    cutoff = registry.FILES[name].cutoff
-    found = registry.includes(str(data.get("revision", "")), cutoff)
-    if found is None:  # (no history: the cut-off's recorded date)
-        found = str(data.get("date", "")) >= registry.DATES[cutoff]
-    return not found
-
-
 def check_data() -> None:
     """Every file in docs/data is listed in benchmarks/all.py and records its provenance, and was measured on code
     that includes its cut-off; a file only a CUDA GPU can measure may be older (its pages say so)."""
@@ -272,7 +261,7 @@ def check_data() -> None:
             problems.append(f"{path.name}: not listed in benchmarks/all.py (its command and cut-off)")
         elif lacking:
             problems.append(f"{path.name}: records no {', '.join(lacking)} (rerun `{entry.command}`)")
-        elif entry.needs != "cuda" and _older_than_cutoff(path.stem, registry.recorded(path.stem)):
+        elif entry.needs != "cuda" and registry.older_than_cutoff(path.stem, registry.recorded(path.stem)):
             problems.append(f"{path.name}: measured on code older than {entry.cutoff}, the last change to {entry.why} "
                             f"(rerun `python benchmarks/all.py --only {path.stem}`)")  # fmt: skip
     if problems:
@@ -291,7 +280,7 @@ def provenance(name: str, data: dict | None = None) -> str:
     if data.get("revision"):
         parts.append(f"revision `{data['revision']}`")
     entry = _registry().FILES.get(name)
-    if entry is not None and data.get("revision") and _older_than_cutoff(name, data):
+    if entry is not None and data.get("revision") and _registry().older_than_cutoff(name, data):
         parts.append(f"**measured on code older than `{entry.cutoff}`, the last change to {entry.why}: rerunning it "
                      f"needs {'a CUDA GPU' if entry.needs == 'cuda' else entry.needs}**")  # fmt: skip
     return ", ".join(parts)

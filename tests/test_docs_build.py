@@ -275,6 +275,23 @@ def test_the_data_check_fails_on_a_file_without_provenance_or_older_than_its_cut
         hooks.check_data()
 
 
+def test_all_py_reruns_what_the_docs_build_rejects_also_without_the_history(tmp_path, monkeypatch):
+    """benchmarks/all.py's stale files are the ones the data check rejects as older than their cut-off: by git
+    ancestry, and by the cut-off's recorded date where git cannot tell (a checkout without the history)."""
+    registry = hooks._registry()
+    old = {"date": "2026-11-01", "machine": "a CPU", "command": "python benchmarks/x.py", "revision": "0000000"}
+    new = {**old, "date": registry.DATES[registry.LOOP]}
+    monkeypatch.setattr(registry, "includes", lambda revision, cutoff, **_: None)  # (git cannot tell)
+    for data, rejected in ((old, True), (new, False)):
+        _data_dir(tmp_path, monkeypatch, e2e=data)
+        assert registry.stale("e2e") is rejected
+        if rejected:
+            with pytest.raises(ValueError, match="e2e.json: measured on code older than"):
+                hooks.check_data()
+        else:
+            hooks.check_data()
+
+
 def test_a_gpu_file_older_than_its_cutoff_passes_only_saying_so_on_its_page(tmp_path, monkeypatch):
     registry = hooks._registry()
     assert registry.FILES["batched_gpu"].needs == "cuda"
