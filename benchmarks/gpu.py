@@ -14,6 +14,8 @@ interpreter, to check the script itself; writes nothing unless --json is given).
    fastest plain decoder (HF or ssmspec, eager or compiled);
 4. every supported family's tiny model in bf16 on CUDA under backend="ssmspec": generates without crashing,
    with speculation, compared with HF greedy (near-ties counted), one process per family.
+5. (`--sections profile`) one compiled call of each kind under torch.profiler: per step, wall and device-busy
+   time, kernel launches, CUDA-graph replays, host waits and device-to-host copies, and the costliest ops.
 
 A section that fails is recorded (its error in the JSON) and the others still run; the JSON is rewritten
 after every mode, method and family. A device call that cannot run every section within its time limit runs
@@ -24,6 +26,7 @@ them in separate calls (`--sections`), and `--merge` puts their JSON files toget
     python benchmarks/gpu.py --merge /tmp/part.json /tmp/other.json   # -> docs/data/gpu.json
     python benchmarks/gpu.py --smoke --json out.json
     python benchmarks/gpu.py --quick               # one short call -> docs/data/gpu_quick.json
+    python benchmarks/gpu.py --sections profile --json /tmp/profile.json   # where a compiled step's time goes
 """
 
 from __future__ import annotations
@@ -385,6 +388,75 @@ def quick_section(device: str, prompts: int, new_tokens: int, smoke: bool = Fals
     return out
 
 
+# profiler event names (torch internals: named here) counted per call
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+_HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_section(device: str, new_tokens: int, smoke: bool = False, out: dict | None = None,
+                    save=lambda: None) -> dict:  # fmt: skip
+    """One call of the embedded target's compiled plain decoding, default call and draft-head call under
+    torch.profiler (CUDA activity on a GPU): wall and device-busy ms per step, kernel launches and CUDA-graph
+    replays per step, host waits and device-to-host copies per step, and the ops with the most host and device
+    time: where a step's time goes between the replayed graphs."""
+    print(f"\nprofile: embedded target, one held-out prompt x {new_tokens} tokens, compiled, {device}")
+    out = {} if out is None else out
+    ref, tok = models.load("mamba2-target")
+    ref = ref.to(device)
+    prompt = held_out_prompts(tok, 1, 128)[0].to(device)
+    options = {"progress": False, **({"options": {"inductor": False}} if smoke else {})}
+    model = ssmspec.transform(copy.deepcopy(ref), compile=options)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    spec = ssmspec.SpecConfig
+    for name, speculation in (("plain", spec(drafter="none")), ("default", True), ("head", spec(drafter="draft_head"))):
+        try:
+            kwargs = {"max_new_tokens": new_tokens, "speculation": speculation, "return_dict_in_generate": True}
+            model.generate(prompt, **kwargs)  # (first use of a bucket or commit width: captured here, not timed)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            with torch.profiler.profile(activities=activities) as prof:
+                start = time.perf_counter()
+                got = model.generate(prompt, **kwargs)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+            events = prof.key_averages()
+            steps = max(1, got.spec_stats["verify_steps"])
+            on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+
+            def count(names, events=events):
+                return sum(e.count for e in events if e.key in names)
+
+            out[name] = {
+                "steps": steps,
+                "tokens_per_step": got.spec_stats["mean_accepted_per_step"],
+                "wall_ms_per_step": wall * 1e3 / steps,
+                "device_busy_ms_per_step": sum(e.self_device_time_total for e in on_device) / 1e3 / steps,
+                "kernel_launches_per_step": count(_LAUNCHES) / steps,
+                "graph_replays_per_step": count(("cudaGraphLaunch",)) / steps,
+                "host_waits_per_step": count(_HOST_WAITS) / steps,
+                "device_to_host_copies_per_step": sum(e.count for e in events if "DtoH" in e.key) / steps,
+                "top_host_ops": [[e.key, e.count, round(e.self_cpu_time_total / steps, 1)]
+                                 for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]],
+                "top_device_ops": [[e.key, e.count, round(e.self_device_time_total / steps, 1)]
+                                   for e in sorted(on_device, key=lambda e: -e.self_device_time_total)[:15]],
+            }  # fmt: skip
+            row = out[name]
+            print(f"  {name:<8} {row['wall_ms_per_step']:.3f} ms/step"
+                  f" (device busy {row['device_busy_ms_per_step']:.3f})"
+                  f"  {row['tokens_per_step']:.2f} tokens/step  launches {row['kernel_launches_per_step']:.1f}"
+                  f"  graph replays {row['graph_replays_per_step']:.1f}  host waits {row['host_waits_per_step']:.1f}"
+                  f"  DtoH {row['device_to_host_copies_per_step']:.1f}")  # fmt: skip
+            print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
+        except Exception as e:  # noqa: BLE001 - recorded, the other calls still run
+            out[name] = {"error": failure(e)}
+            print(f"  {name:<8} FAILED {out[name]['error'][:400]}")
+        save()
+    return out
+
+
 def speedups(rows: dict) -> dict:
     """Fill each timed row's speed-ups over HF greedy and over the best plain decoder a user has (HF or ssmspec
     without drafts, eager or compiled, among the rows measured); returns the timed rows."""
@@ -415,7 +487,7 @@ def merge(paths: list[str]) -> dict:
         for key in SECTIONS.values():
             if key not in part:
                 continue
-            if key in ("kernels", "quick"):
+            if key in ("kernels", "quick", "profile"):
                 result[key] = part[key]
             elif key == "verify_over_decode":
                 into = result.setdefault(key, {})
@@ -493,7 +565,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter), to test the script")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), help="default: all, or with --quick quick and "
+                   "verify")  # fmt: skip
     p.add_argument("--json", help="where to write the results (default on CUDA: docs/data/gpu.json)")
     p.add_argument("--family", help=argparse.SUPPRESS)  # the per-family child process of section 4
     p.add_argument("--verify-modes", nargs="+", help="verify section: only these modes (eager, graphs, compiled, "
@@ -507,8 +580,9 @@ def main() -> None:
                    "verify(6) / verify(16) ms, compiled and captured (docs/data/gpu_quick.json)")  # fmt: skip
     args = p.parse_args()
     if args.quick:
-        args.sections = ["quick", "verify"]
+        args.sections = args.sections or ["quick", "verify"]
         args.verify_modes = args.verify_modes or ["graphs (compiled)"]
+    args.sections = args.sections or list(SECTIONS)
     if args.merge:
         out = Path(args.json or ROOT / "docs" / "data" / "gpu.json")
         out.write_text(json.dumps(merge(args.merge), indent=1))
@@ -544,6 +618,7 @@ def main() -> None:
             ),
             "e2e": lambda: e2e_section(device, ["mamba2-target"], 1, 8, True, result.setdefault("e2e", {}), save),
             "quick": lambda: quick_section(device, 1, 8, True, result.setdefault("quick", {}), save),
+            "profile": lambda: profile_section(device, 8, True, result.setdefault("profile", {}), save),
             "families": lambda: families_section(
                 True, 1, out=result.setdefault("families", {}), save=save, only=args.families
             ),
@@ -568,6 +643,7 @@ def main() -> None:
             ),
             "e2e": lambda: e2e_section(device, args.models, 6, 128, False, result.setdefault("e2e", {}), save),
             "quick": lambda: quick_section(device, 4, 128, False, result.setdefault("quick", {}), save),
+            "profile": lambda: profile_section(device, 64, False, result.setdefault("profile", {}), save),
             "families": lambda: families_section(
                 False, args.workers, out=result.setdefault("families", {}), save=save, only=args.families
             ),
@@ -594,6 +670,7 @@ SECTIONS = {
     "e2e": "e2e",
     "families": "families",
     "quick": "quick",
+    "profile": "profile",
 }
 
 

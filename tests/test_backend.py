@@ -72,6 +72,7 @@ def test_compiled_equals_eager(family):
 
 
 # qwen3_5 and qwen3_next share the gated delta rule; the cheaper one to compile in the `ci` profile
+@pytest.mark.gpu  # (on CUDA the real kernels)
 @pytest.mark.parametrize(
     "family", ["mamba", "mamba2", "kimi_linear", "lfm2"] + (["qwen3_5", "qwen3_next"] if _THOROUGH else ["qwen3_5"])
 )

@@ -31,6 +31,10 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert {"date", "revision", "command"} <= set(data)
     assert len(quick["rows"]) == 9 and all(row["identical"] for row in quick["rows"].values())
     assert all(row["graphs_compiled_while_timed"] == 0 for row in quick["rows"].values())
+    profile = data["profile"]  # one call of each kind under the profiler (no CUDA here: nothing launched)
+    assert set(profile) == {"plain", "default", "head"} and not any("error" in row for row in profile.values())
+    assert profile["plain"]["tokens_per_step"] == 1.0 and profile["head"]["tokens_per_step"] > 1.0
+    assert all(row["wall_ms_per_step"] > 0 and row["top_host_ops"] for row in profile.values())
 
 
 def test_generic_path_benchmarks_run_and_agree_with_hf(tmp_path):

@@ -135,6 +135,7 @@ def test_a_half_precision_checkpoint_with_its_embedding_and_lm_head_on_disk(tmp_
                 assert float(top2[0] - top2[1]) < 0.05, (r, k)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a cpu / cuda split needs a GPU")
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_speculative_equals_hf_greedy_split_between_cuda_and_cpu(tmp_path, family):

@@ -15,6 +15,8 @@ from ssmspec import ops as R
 from ssmspec.testing.strategies import trees
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on CUDA these run the compiled kernels (pytest -m gpu selects them); on a CPU the Triton interpreter
+pytestmark = pytest.mark.gpu
 # every dtype users run: half precision inputs are computed in float32 by both sides (accumulation, exp)
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}

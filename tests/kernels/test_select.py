@@ -17,6 +17,8 @@ from ssmspec.ops._common import reference_impl
 from ssmspec.tree import TokenTree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on CUDA these run the compiled kernels (pytest -m gpu selects them); on a CPU the Triton interpreter
+pytestmark = pytest.mark.gpu
 
 
 class Counted:
