@@ -328,6 +328,12 @@ def timed_generates(model, kwargs: dict, batch: list, want: list, new_tokens: in
             "tokens_per_step": sum(per_step) / len(per_step) if per_step else 1.0}  # fmt: skip
 
 
+def compiled_copy(ref, smoke: bool):
+    """`transform(compile=True)` on a copy of `ref`, as a user calls it (`smoke`: Inductor off, to test the script)."""
+    return ssmspec.transform(copy.deepcopy(ref), compile={"progress": False, **({"options": {"inductor": False}}
+                                                                                 if smoke else {})})  # fmt: skip
+
+
 def quick_section(device: str, prompts: int, new_tokens: int, smoke: bool = False, out: dict | None = None,
                   save=lambda: None) -> dict:  # fmt: skip
     """The embedded target end to end as a user calls it (float32, held-out code, batch 1), side by side: HF greedy
@@ -342,8 +348,7 @@ def quick_section(device: str, prompts: int, new_tokens: int, smoke: bool = Fals
     want = [ref.generate(p, max_new_tokens=new_tokens, do_sample=False) for p in batch]
     eager = ssmspec.transform(copy.deepcopy(ref))
     t0 = time.perf_counter()
-    options = {"progress": False, **({"options": {"inductor": False}} if smoke else {})}
-    compiled = ssmspec.transform(copy.deepcopy(ref), compile=options)
+    compiled = compiled_copy(ref, smoke)
     out["warmup_s"] = time.perf_counter() - t0
     out["compiled"] = compiled._compiled_call_impl is not None
     out["captured_steps"] = bool(getattr(compiled, "ssmspec_graphs", False))
@@ -404,8 +409,7 @@ def profile_section(device: str, new_tokens: int, smoke: bool = False, out: dict
     ref, tok = models.load("mamba2-target")
     ref = ref.to(device)
     prompt = held_out_prompts(tok, 1, 128)[0].to(device)
-    options = {"progress": False, **({"options": {"inductor": False}} if smoke else {})}
-    model = ssmspec.transform(copy.deepcopy(ref), compile=options)
+    model = compiled_copy(ref, smoke)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one command: the CUDA tests (`pytest -m gpu`), the quick benchmark
-# (benchmarks/gpu.py --quick) and a profile of the compiled calls (--sections profile). Each part runs in its own
-# process with its own time limit, so that a crash or a hang in one leaves the others' results; logs and JSON go
-# to $OUT (default build/gpu).
+# The checks that need a GPU, in one command: the CUDA tests (`pytest -m gpu`), the quick benchmark's end-to-end
+# rows (benchmarks/gpu.py --sections quick) and a profile of the compiled calls (--sections profile). Each part runs
+# in its own process with its own time limit, so that a crash or a hang in one leaves the others' results; logs and
+# JSON go to $OUT (default build/gpu).
 #   bash scripts/gpu.sh                      # everything
 #   bash scripts/gpu.sh tests quick          # some parts (tests, quick, profile, verify, families)
 # Time limits in seconds: GPU_TESTS_S (300), GPU_QUICK_S (300), GPU_PROFILE_S (150), GPU_VERIFY_S (300),

@@ -16,6 +16,7 @@ import ssmspec
 from ssmspec.compile.graphs import StepGraph
 from ssmspec.compiled import compiled_as
 from ssmspec.errors import CaptureError
+from ssmspec.speculate.ties import near_tie_tolerance, near_ties
 from ssmspec.testing.strategies import cached_tiny_model, capabilities
 
 pytestmark = [
@@ -51,7 +52,7 @@ def test_a_cuda_graph_step_keeps_the_op_tapes_contract():
         torch.testing.assert_close(got, want)
 
 
-def test_a_host_read_while_capturing_on_cuda_is_refused_naming_it():
+def test_a_host_read_while_capturing_on_cuda_is_refused():
     state = torch.ones(4, device="cuda")
     graph = StepGraph(torch.device("cuda"))
     with pytest.raises(CaptureError):
@@ -88,15 +89,19 @@ def test_compile_true_on_cuda_captures_without_fallback_and_equals_hf_greedy():
 @pytest.mark.parametrize("family", ["mamba", "mamba2", "bamba", "qwen3_next", "kimi_linear", "lfm2"])
 def test_the_backend_runs_each_kind_of_tree_op_in_bfloat16_on_cuda(family):
     """One family per kind of tree op, bfloat16 on CUDA under the ssmspec backend (kernels or references as
-    selected by measurement): speculative greedy equals HF greedy, or differs only after a near-tie it counted."""
+    selected by measurement): speculative greedy equals HF greedy, or first differs where HF's top-2 logits are a
+    near-tie."""
     torch._dynamo.reset()
     ref = copy.deepcopy(cached_tiny_model(family, dtype=torch.bfloat16)).to("cuda")
     model = ssmspec.transform(copy.deepcopy(ref))
     model.compile(backend="ssmspec")
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1)).to("cuda")
-    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    hf = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                      return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    ties = near_ties(torch.stack(hf.logits, 1), near_tie_tolerance(torch.bfloat16))  # [rows, new tokens]
     spec = ssmspec.SpecConfig(tree=capabilities(family).trees, num_draft_tokens=3, tree_budget=6, adaptive=False)
-    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, speculation=spec,
-                         return_dict_in_generate=True)  # fmt: skip
-    assert got.sequences.shape == want.shape
-    assert torch.equal(got.sequences, want) or got.spec_stats["near_ties"] > 0
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, speculation=spec)
+    assert got.shape == hf.sequences.shape
+    for row, (a, b) in enumerate(zip(got[:, ids.shape[1] :], hf.sequences[:, ids.shape[1] :])):
+        differs = (a != b).nonzero()
+        assert not differs.numel() or ties[row, differs[0, 0]], f"row {row} diverges from HF greedy off a near-tie"
