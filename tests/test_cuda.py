@@ -16,7 +16,8 @@ import ssmspec
 from ssmspec.compile.graphs import StepGraph
 from ssmspec.compiled import compiled_as
 from ssmspec.errors import CaptureError
-from ssmspec.speculate.ties import near_tie_tolerance, near_ties
+from ssmspec.speculate.ties import near_tie_tolerance
+from ssmspec.testing.check import CheckReport, _compare
 from ssmspec.testing.strategies import cached_tiny_model, capabilities
 
 pytestmark = [
@@ -98,10 +99,9 @@ def test_the_backend_runs_each_kind_of_tree_op_in_bfloat16_on_cuda(family):
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1)).to("cuda")
     hf = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                       return_dict_in_generate=True, output_logits=True)  # fmt: skip
-    ties = near_ties(torch.stack(hf.logits, 1), near_tie_tolerance(torch.bfloat16))  # [rows, new tokens]
     spec = ssmspec.SpecConfig(tree=capabilities(family).trees, num_draft_tokens=3, tree_budget=6, adaptive=False)
     got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, speculation=spec)
     assert got.shape == hf.sequences.shape
-    for row, (a, b) in enumerate(zip(got[:, ids.shape[1] :], hf.sequences[:, ids.shape[1] :])):
-        differs = (a != b).nonzero()
-        assert not differs.numel() or ties[row, differs[0, 0]], f"row {row} diverges from HF greedy off a near-tie"
+    # the checker's comparison: each row's first difference must fall at a near-tie of HF's logits, else it raises
+    _compare(got, hf.sequences, torch.stack(hf.logits, 1), ids.shape[1], near_tie_tolerance(torch.bfloat16),
+             CheckReport(), f"{family}, bfloat16 on CUDA under the backend")  # fmt: skip
