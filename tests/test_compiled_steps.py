@@ -391,6 +391,42 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _recording(compiler: StepCompiler, fn) -> torch.fx.GraphModule:
+    """`fn`'s ops as the step recorder records them (with their shapes)."""
+    from ssmspec.compile.graphs import _Recorder
+
+    recorder = _Recorder(compiler.constants)
+    with recorder, torch.no_grad():
+        fn()
+    return recorder.finish()[0]
+
+
+def test_wide_products_of_few_rows_are_inductors_loops():
+    """A product with a weight dimension over Inductor's 2048 in a step of at most WIDE_ROWS rows compiles into the
+    step's own loops (no MKL call: not a single ATen op dispatched by a replay), with the linear's values; a step of
+    more rows keeps Inductor's limit (its products of wide weights stay MKL's)."""
+    from ssmspec.compile.lower import OPTIONS, WIDE_ROWS
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 2100)
+    compiler = StepCompiler(lin, progress=False)
+    few, many = torch.randn(1, 16), torch.randn(WIDE_ROWS + 1, 16)
+    fusion = compiler.options_for(_recording(compiler, lambda: lin(few)))["post_grad_fusion_options"]
+    assert fusion["decompose_mm_pass"]["cpu_max_other_dimension_decomposition"] >= 2100
+    assert compiler.options_for(_recording(compiler, lambda: lin(many))) == {**OPTIONS}
+    graph = StepGraph(torch.device("cpu"), compiler=compiler)
+    with torch.no_grad():
+        out = graph.capture(lambda: lin(few))
+        few.copy_(torch.randn(1, 16))
+        ops = _Ops()
+        with ops:
+            (result,) = graph.compiled(*graph.inputs)
+        assert ops.count == 0, ops.ops
+        torch.testing.assert_close(result, lin(few), rtol=1e-5, atol=1e-5)
+        graph.replay()
+        torch.testing.assert_close(out, lin(few), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_transform_compile_true_compiles_whole_steps(family):
     """`transform(model, compile=True)` on a CPU: no Dynamo, the warm-up compiles the default call's steps with Inductor

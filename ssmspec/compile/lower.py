@@ -37,6 +37,16 @@ OPTIONS = {
     "cpp_wrapper": True,
     "post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_first_dimension_decomposition": SMALL_MATMUL_ROWS}},
 }
+# Inductor leaves a product with a weight dimension over 2048 to MKL whatever its rows. In a step whose products have
+# at most WIDE_ROWS rows, every weight is Inductor's loops too: they stream the weight once at memory speed, where MKL's
+# sgemv of one row ran at a third of it. On the embedded 19.6M Nemotron-H (Mamba2 in_proj 512 x 2192, 2-core CPU) the
+# plain step took 4.0 ms that way against 5.9 ms with MKL for those products (compiled plain decoding 295 against 173
+# tok/s on held-out code), and a greedy step of 2 and 4 nodes 5.9 and 6.8 ms against 8.8 and 8.7. Beyond a few rows
+# each output's sum is repeated per row, one dependent chain of adds each, where MKL's sgemm keeps the cores' FMA units
+# busy: at 8 nodes the loops were still 7% faster on that model (8.9 ms against 9.6) and equal at 17, but a wide
+# vocabulary's head at 8 rows is bound by those chains, so the products there stay MKL's
+WIDE_ROWS = 4
+WIDE_OPTIONS = {"cpu_max_other_dimension_decomposition": 1 << 30}
 # Inductor reads the decomposition's thresholds from its config once, when it imports the pass: they are set on the
 # pass's module for the length of a compilation (`_decomposition`), one compilation at a time in this process
 _DECOMPOSING = threading.Lock()
@@ -88,16 +98,28 @@ class StepCompiler:
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
         """The compiled function of a recorded step (compiled once per graph and input layout)."""
         unroll_depthwise_convs(gm)
+        options = self.options_for(gm)
         for node in gm.graph.nodes:  # (the recorder's shapes, for the passes above; Inductor traces its own)
             node.meta.pop("val", None)
         key = (gm.code, tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in inputs))
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is None:
-                compiled = self._compiled[key] = self._compile(gm, inputs)
+                compiled = self._compiled[key] = self._compile(gm, inputs, options)
         return compiled
 
-    def _compile(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    def options_for(self, gm: fx.GraphModule) -> dict[str, Any]:
+        """The Inductor settings `gm` compiles with: `options`, and in a step whose matrix products have at most
+        WIDE_ROWS rows (their shapes as recorded) every product as Inductor's loops (WIDE_OPTIONS)."""
+        rows = matmul_rows(gm)
+        settings = self.options.get("post_grad_fusion_options", {}).get("decompose_mm_pass")
+        if settings is None or not rows or max(rows) > WIDE_ROWS:
+            return self.options
+        fusion = dict(self.options["post_grad_fusion_options"])
+        fusion["decompose_mm_pass"] = {**WIDE_OPTIONS, **settings}
+        return {**self.options, "post_grad_fusion_options": fusion}
+
+    def _compile(self, gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any]) -> Callable[..., Any]:
         if not self.inductor:
             self.compilations += 1
             return gm
@@ -112,8 +134,8 @@ class StepCompiler:
         try:
             # a tracing context with a shape environment, as Dynamo gives Inductor: its FX graph cache keys on it
             with (tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad(),
-                  _decomposition(self.options)):  # fmt: skip
-                compiled = compile_fx(gm, inputs, config_patches=dict(self.options))
+                  _decomposition(options)):  # fmt: skip
+                compiled = compile_fx(gm, inputs, config_patches=dict(options))
         except Exception as e:  # noqa: BLE001 - any compiler failure: the graph still runs, op by op
             warnings.warn(
                 f"ssmspec: Inductor failed on a captured step ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
@@ -128,3 +150,17 @@ class StepCompiler:
         self.compilations += 1
         self.compile_seconds += time.perf_counter() - start
         return compiled
+
+
+def matmul_rows(gm: fx.GraphModule) -> list[int]:
+    """The rows of each matrix product (`mm`, `addmm`) in a recorded graph, from the shapes the recorder left on its
+    nodes (products whose shapes it does not know are left out)."""
+    rows = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            continue
+        left = node.args[0] if node.target is torch.ops.aten.mm.default else node.args[1]
+        value = left.meta.get("val") if isinstance(left, fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            rows.append(int(value.shape[0]))
+    return rows
