@@ -32,9 +32,10 @@ VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup pe
 COMPILED_STEP = "2901092"  # a compiled greedy step as one graph
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
+WIDE_PRODUCTS = "34ae16c"  # a compiled step of a few rows computes wide weights' products in its own loops
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", COMPILED_STEP: "2026-11-28", SAMPLING: "2026-11-28",
-         TRACED: "2026-11-23"}  # fmt: skip
+         TRACED: "2026-11-23", WIDE_PRODUCTS: "2026-11-28"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,10 @@ FILES: dict[str, DataFile] = {
         "llama.cpp",
     ),  # fmt: skip
     "llamacpp_medium": DataFile(
-        "python benchmarks/llamacpp.py --models nemotron-medium --no-compiled --work "
-        "/tmp/llama --json docs/data/llamacpp_medium.json",
-        COMPILED_STEP,
-        "llama.cpp beside ssmspec (eager)",
+        "python benchmarks/llamacpp.py --models nemotron-medium --work /tmp/llama --json "
+        "docs/data/llamacpp_medium.json",
+        WIDE_PRODUCTS,
+        "llama.cpp beside ssmspec",
         "llama.cpp",
     ),  # fmt: skip
     "verify_cost_embedded": _verify("verify_cost_embedded", "--model mamba2-target"),
