@@ -404,16 +404,18 @@ def _recording(compiler: StepCompiler, fn) -> torch.fx.GraphModule:
 def test_wide_products_of_few_rows_are_inductors_loops():
     """A product with a weight dimension over Inductor's 2048 in a step of at most WIDE_ROWS rows compiles into the
     step's own loops (no MKL call: not a single ATen op dispatched by a replay), with the linear's values; a step of
-    more rows keeps Inductor's limit (its products of wide weights stay MKL's)."""
+    more rows keeps Inductor's limit (its products of wide weights stay MKL's), and a step without a wide product
+    Inductor's settings as they are (the same compilation as before)."""
     from ssmspec.compile.lower import OPTIONS, WIDE_ROWS
 
     torch.manual_seed(0)
-    lin = torch.nn.Linear(16, 2100)
-    compiler = StepCompiler(lin, progress=False)
+    lin, narrow = torch.nn.Linear(16, 2100), torch.nn.Linear(16, 2048)
+    compiler = StepCompiler(torch.nn.ModuleList([lin, narrow]), progress=False)
     few, many = torch.randn(1, 16), torch.randn(WIDE_ROWS + 1, 16)
-    fusion = compiler.options_for(_recording(compiler, lambda: lin(few)))["post_grad_fusion_options"]
+    fusion = compiler.options_for(_recording(compiler, lambda: narrow(lin(few)[:, :16])))["post_grad_fusion_options"]
     assert fusion["decompose_mm_pass"]["cpu_max_other_dimension_decomposition"] >= 2100
     assert compiler.options_for(_recording(compiler, lambda: lin(many))) == {**OPTIONS}
+    assert compiler.options_for(_recording(compiler, lambda: narrow(few))) == {**OPTIONS}
     graph = StepGraph(torch.device("cpu"), compiler=compiler)
     with torch.no_grad():
         out = graph.capture(lambda: lin(few))

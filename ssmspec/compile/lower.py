@@ -110,10 +110,16 @@ class StepCompiler:
 
     def options_for(self, gm: fx.GraphModule) -> dict[str, Any]:
         """The Inductor settings `gm` compiles with: `options`, and in a step whose matrix products have at most
-        WIDE_ROWS rows (their shapes as recorded) every product as Inductor's loops (WIDE_OPTIONS)."""
-        rows = matmul_rows(gm)
+        WIDE_ROWS rows (their shapes as recorded), one of them wider than Inductor computes in its loops, every
+        product as Inductor's loops (WIDE_OPTIONS)."""
+        from torch._inductor.fx_passes import decompose_mem_bound_mm as module
+
+        shapes = matmul_shapes(gm)
         settings = self.options.get("post_grad_fusion_options", {}).get("decompose_mm_pass")
-        if settings is None or not rows or max(rows) > WIDE_ROWS:
+        if settings is None or not shapes or max(rows for rows, _ in shapes) > WIDE_ROWS:
+            return self.options
+        limit = settings.get("cpu_max_other_dimension_decomposition", module.CPU_MAX_OTHER_DIMENSION_DECOMPOSITION)
+        if all(width <= limit for _, width in shapes):
             return self.options
         fusion = dict(self.options["post_grad_fusion_options"])
         fusion["decompose_mm_pass"] = {**WIDE_OPTIONS, **settings}
@@ -152,15 +158,15 @@ class StepCompiler:
         return compiled
 
 
-def matmul_rows(gm: fx.GraphModule) -> list[int]:
-    """The rows of each matrix product (`mm`, `addmm`) in a recorded graph, from the shapes the recorder left on its
-    nodes (products whose shapes it does not know are left out)."""
-    rows = []
+def matmul_shapes(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """(rows, widest other dimension) of each matrix product (`mm`, `addmm`) in a recorded graph, from the shapes the
+    recorder left on its nodes (products whose shapes it does not know are left out)."""
+    shapes = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             continue
-        left = node.args[0] if node.target is torch.ops.aten.mm.default else node.args[1]
-        value = left.meta.get("val") if isinstance(left, fx.Node) else None
-        if isinstance(value, torch.Tensor) and value.dim() == 2:
-            rows.append(int(value.shape[0]))
-    return rows
+        left, right = node.args[:2] if node.target is torch.ops.aten.mm.default else node.args[1:3]
+        values = [arg.meta.get("val") if isinstance(arg, fx.Node) else None for arg in (left, right)]
+        if all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in values):
+            shapes.append((int(values[0].shape[0]), int(max(values[1].shape))))
+    return shapes
