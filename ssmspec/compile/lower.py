@@ -52,11 +52,18 @@ WIDE_OPTIONS = {"cpu_max_other_dimension_decomposition": 1 << 30}
 _DECOMPOSING = threading.Lock()
 
 
+def _decompose_pass() -> Any:
+    """Inductor's decompose_mm_pass module, whose thresholds a compilation sets and whose defaults `options_for` reads
+    (torch internals: named here)."""
+    from torch._inductor.fx_passes import decompose_mem_bound_mm
+
+    return decompose_mem_bound_mm
+
+
 @contextlib.contextmanager
 def _decomposition(options: dict[str, Any]) -> Iterator[None]:
-    """The decompose_mm_pass thresholds of `options` in force while Inductor compiles (torch internals: named here)."""
-    from torch._inductor.fx_passes import decompose_mem_bound_mm as module
-
+    """The decompose_mm_pass thresholds of `options` in force while Inductor compiles."""
+    module = _decompose_pass()
     settings = options.get("post_grad_fusion_options", {}).get("decompose_mm_pass") or {}
     with _DECOMPOSING:
         saved = {name: getattr(module, name) for name in settings if hasattr(module, name)}
@@ -112,13 +119,12 @@ class StepCompiler:
         """The Inductor settings `gm` compiles with: `options`, and in a step whose matrix products have at most
         WIDE_ROWS rows (their shapes as recorded), one of them wider than Inductor computes in its loops, every
         product as Inductor's loops (WIDE_OPTIONS)."""
-        from torch._inductor.fx_passes import decompose_mem_bound_mm as module
-
         shapes = matmul_shapes(gm)
         settings = self.options.get("post_grad_fusion_options", {}).get("decompose_mm_pass")
         if settings is None or not shapes or max(rows for rows, _ in shapes) > WIDE_ROWS:
             return self.options
-        limit = settings.get("cpu_max_other_dimension_decomposition", module.CPU_MAX_OTHER_DIMENSION_DECOMPOSITION)
+        default = _decompose_pass().CPU_MAX_OTHER_DIMENSION_DECOMPOSITION
+        limit = settings.get("cpu_max_other_dimension_decomposition", default)
         if all(width <= limit for _, width in shapes):
             return self.options
         fusion = dict(self.options["post_grad_fusion_options"])
