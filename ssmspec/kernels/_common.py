@@ -38,6 +38,17 @@ def block(n: int, minimum: int = 16) -> int:
 
 
 @triton.jit
+def dot(a, b, F64: tl.constexpr):
+    """a @ b in IEEE precision: tl.dot, or for float64 (`F64`) a broadcast product summed, since Triton cannot lower
+    every float64 MMA (on Hopper: `Currently fp64 don't support largeK MMA`); float64 is an exactness dtype, not a
+    speed one."""
+    if F64:
+        return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
 def log1p(u):
     """log(1 + u) accurate for small u (Kahan's trick), in any float precision."""
     w = 1.0 + u

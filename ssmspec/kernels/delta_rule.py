@@ -18,7 +18,7 @@ from ssmspec.ops._common import compute_dtype
 @triton.jit
 def _tree_delta_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, par_ptr, st_ptr, o_ptr,
-    N, K, V, HPK, scale,
+    N, K, V, HPK,
     sqb, sqn, sqh, sqk, skb, skn, skh, skk, svb, svn, svh, svv, sgb, sgn, sgh, sgk, sbb, sbn, sbh,
     shb, shh, shk, shv, spb, spn, ssb, ssn, ssh, ssk, ssv, sob, son, soh, sov,
     L2: tl.constexpr, HAS_H0: tl.constexpr, CD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -45,7 +45,7 @@ def _tree_delta_kernel(
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        q = q * scale
+        q = q / tl.sqrt(tl.zeros_like(q) + K)  # 1/sqrt(K) in the compute dtype (a float argument: float32)
         g = tl.load(g_ptr + b * sgb + t * sgn + h * sgh + kk * sgk, mask=km, other=0.0).to(CD)
         beta = tl.load(beta_ptr + b * sbb + t * sbn + h * sbh).to(CD)
         S = S * tl.exp(g)[:, None]
@@ -71,7 +71,7 @@ def tree_delta_rule(q, k, v, g, beta, h0, parents, depth, use_qk_l2norm, return_
     bv = min(block(vd), 64)
     wrap_triton(_tree_delta_kernel)[(b, h, triton.cdiv(vd, bv))](
         q, k, v, g, beta, h0 if h0 is not None else q, parents, states, o,
-        n, kd, vd, h // hk, kd**-0.5,
+        n, kd, vd, h // hk,
         *q.stride(), *k.stride(), *v.stride(), *gs, *beta.stride(), *h0s, *parents.stride(), *states.stride(),
         *o.stride(),
         L2=use_qk_l2norm, HAS_H0=h0 is not None, CD=_tl_dtype(cd), BK=block(kd), BV=bv,

@@ -65,7 +65,7 @@ def tree_selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, h0, parents, depth, dt_
     s = A.shape[-1]
     cd = compute_dtype(x, dt, Bm, Cm, h0)
     states = x.new_empty(b, n, d, s, dtype=cd)
-    y = torch.empty_like(x)
+    y = x.new_empty(x.shape)  # contiguous, as the reference and its fake (x is often a time-major view)
     bd = min(block(d), 64)
     zs = z.stride() if z is not None else (0, 0, 0)
     h0s = h0.stride() if h0 is not None else (0, 0, 0)

@@ -5,6 +5,8 @@ shapes stay tiny; on CUDA the same tests run on the GPU."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -27,8 +29,59 @@ def _rand(g, *shape, dtype):
 
 
 def _close(a, b, dtype):
+    """Kernel output `a` equals reference output `b` within the dtype's tolerance, in the same layout: compiled graphs
+    check a custom op's real strides against its fake's, which is the reference's (dims of size 1 aside)."""
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+    assert [st for n, st in zip(a.shape, a.stride()) if n > 1] == [st for n, st in zip(b.shape, b.stride()) if n > 1], (
+        a.stride(),
+        b.stride(),
+    )
+
+
+def _time_major(x, yes):
+    """x [B, C, N] as the mixers pass it where `yes`: a transposed view of [B, N, C] memory (a projection's output)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if yes else x
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_float_arguments():
+    """No kernel gets a Python float as a runtime argument: Triton passes it as float32, so a float64 kernel would
+    compute with a rounded constant (1/sqrt(K), a dt limit) that the Triton interpreter, in float64, does not show."""
+    import importlib
+    import pkgutil
+
+    import ssmspec.kernels
+
+    names = [m.name for m in pkgutil.iter_modules(ssmspec.kernels.__path__)]
+    modules = [importlib.import_module(f"ssmspec.kernels.{name}") for name in names]
+    patched = [m for m in modules if hasattr(m, "wrap_triton")]
+
+    def checked(real):
+        def wrap(kernel):
+            launch = real(kernel)
+
+            class Launcher:
+                def __getitem__(self, grid):
+                    run = launch[grid]
+
+                    def call(*args, **kwargs):
+                        floats = [i for i, a in enumerate(args) if isinstance(a, float)]
+                        assert not floats, f"{kernel.__name__}: float runtime arguments at positions {floats}"
+                        return run(*args, **kwargs)
+
+                    return call
+
+            return Launcher()
+
+        return wrap
+
+    originals = {m: m.wrap_triton for m in patched}
+    for m in patched:
+        m.wrap_triton = checked(originals[m])
+    yield
+    for m, real in originals.items():
+        m.wrap_triton = real
 
 
 @st.composite
@@ -44,11 +97,11 @@ def _on(tree):
     return tree.ancestor_mask.to(DEVICE), tree.parents.to(DEVICE), tree.depth.to(DEVICE)
 
 
-@given(setups(), st.integers(1, 5), st.integers(2, 4), st.sampled_from(["", "silu"]), st.booleans())
-def test_tree_conv(setup, channels, width, act, bias):
+@given(setups(), st.integers(1, 5), st.integers(2, 4), st.sampled_from(["", "silu"]), st.booleans(), st.booleans())
+def test_tree_conv(setup, channels, width, act, bias, time_major):
     tree, dtype, g = setup
     b, n = tree.tokens.shape
-    x = _rand(g, b, channels, width + n, dtype=dtype)
+    x = _time_major(_rand(g, b, channels, width + n, dtype=dtype), time_major)
     w = _rand(g, channels, width, dtype=dtype)
     bb = _rand(g, channels, dtype=dtype) if bias else None
     anc = tree.ancestors(width).to(DEVICE)
@@ -83,15 +136,16 @@ def test_tree_ssd_and_replay_state(setup, groups, heads_per_group, p, s, with_h0
     _close(K.ssd_state_at(*rowwise), R.ssd_state_at(*sargs), dtype)
 
 
-@given(setups(), st.integers(1, 6), st.integers(1, 5), st.booleans(), st.booleans())
-def test_tree_selective_scan(setup, d, s, with_z, with_h0):
+@given(setups(), st.integers(1, 6), st.integers(1, 5), st.booleans(), st.booleans(), st.booleans())
+def test_tree_selective_scan(setup, d, s, with_z, with_h0, time_major):
     tree, dtype, g = setup
     b, n = tree.tokens.shape
+    tm = functools.partial(_time_major, yes=time_major)  # (HF's Mamba passes x, dt, z, B and C time-major)
     args = (
-        _rand(g, b, d, n, dtype=dtype), _rand(g, b, d, n, dtype=dtype),
-        -torch.rand(d, s, generator=g, dtype=dtype).to(DEVICE), _rand(g, b, s, n, dtype=dtype),
-        _rand(g, b, s, n, dtype=dtype), _rand(g, d, dtype=dtype),
-        _rand(g, b, d, n, dtype=dtype) if with_z else None, _rand(g, d, dtype=dtype),
+        tm(_rand(g, b, d, n, dtype=dtype)), tm(_rand(g, b, d, n, dtype=dtype)),
+        -torch.rand(d, s, generator=g, dtype=dtype).to(DEVICE), tm(_rand(g, b, s, n, dtype=dtype)),
+        tm(_rand(g, b, s, n, dtype=dtype)), _rand(g, d, dtype=dtype),
+        tm(_rand(g, b, d, n, dtype=dtype)) if with_z else None, _rand(g, d, dtype=dtype),
         _rand(g, b, d, s, dtype=dtype) if with_h0 else None, *_on(tree)[1:], True, True,
     )  # fmt: skip
     (y1, s1), (y0, s0) = K.tree_selective_scan(*args), R.tree_selective_scan(*args)
