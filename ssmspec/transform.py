@@ -308,7 +308,8 @@ class SpecGenerationMixin:
         """nn.Module.compile; with backend="ssmspec", the `kernels` option becomes this model's kernel policy
         (for its compiled graphs and its commits), not the process's. A compiled model speculates with static
         shapes (SpecConfig.static_shapes): one graph per tree-size bucket instead of one per tree size; its
-        commits are compiled with the same backend, mode and options."""
+        commits are compiled with the same backend, mode and options. A model with a draft head is compiled with
+        its LM head's feature hook, which the head drafts from."""
         policy = None
         if hf_instance.tensor_parallel(self) > 1:
             raise UnsupportedModelError(
@@ -333,6 +334,10 @@ class SpecGenerationMixin:
         self.__dict__.pop("_ssmspec_calibration", None)  # measured on the eager model: measured again compiled
         if policy is not None:
             self.ssmspec_kernel_policy = policy
+        if self.__dict__.get("ssmspec_draft_head") is not None:
+            # the LM head's feature hook first: Dynamo does not guard on module hooks, so a forward compiled without
+            # it (the warm-up's prompts) would never hand its features to the head (ssmspec.hf.features)
+            hf_features.install(self)
         return super().compile(*args, **kwargs)
 
     def __reduce_ex__(self, protocol):

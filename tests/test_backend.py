@@ -323,3 +323,23 @@ def test_a_compiled_model_commits_through_its_compiled_fold_on_cuda_only():
         tree_budget=6, num_draft_tokens=3,
     )  # fmt: skip
     assert torch.equal(got, want) and calls == [] and sum(n > 1 for n in stats.tree_nodes_per_step) > 0
+
+
+def test_a_model_with_a_draft_head_is_compiled_with_its_feature_hook():
+    """A compiled forward calls the module hooks that were there when Dynamo traced it (it does not guard on them): a
+    model with a draft head gets its LM head's feature hook before `compile`, so that a forward compiled before the
+    first call that drafts from features (the prompt's, on CUDA, compiled by the warm-up) still hands them over."""
+    from ssmspec.hf import features
+    from ssmspec.speculate.drafters.head import DraftHead
+
+    torch._dynamo.reset()
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref), draft_head=DraftHead.for_model(ref).double())
+    model.compile(backend="ssmspec", options={"inductor": False})
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model(ids)  # traced and compiled here, before any call captures features
+        with features.capturing(model) as box:
+            logits = model(ids).logits
+        assert box.features is not None and box.features.shape[:-1] == logits.shape[:-1]
+        torch.testing.assert_close(model.get_output_embeddings()(box.features).to(logits.dtype), logits)
