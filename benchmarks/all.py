@@ -152,6 +152,9 @@ FILES: dict[str, DataFile] = {
     ),  # fmt: skip
     "families": DataFile("bash scripts/docs-data.sh", LOOP, "the property suites' per-family report"),
     "gpu": DataFile("python benchmarks/gpu.py --json docs/data/gpu.json", TRACED, "the GPU", "cuda"),
+    "gpu_quick": DataFile(
+        "python benchmarks/gpu.py --sections quick --json docs/data/gpu_quick.json", TRACED, "the GPU", "cuda"
+    ),
     "batched_gpu": DataFile(
         "ssmspec bench --batch 1 4 8 16 32 --device cuda --repeats 2 --json docs/data/batched_gpu.json",
         LOOP,

@@ -228,8 +228,9 @@ def check_page(markdown: str, name: str, length: int | None = None) -> None:
 
 
 def machine(data: dict) -> str:
-    """The machine a data file says it was measured on."""
-    named = data.get("machine") or data.get("device")
+    """The machine a data file says it was measured on (its GPU where it ran on one)."""
+    device = str(data.get("device") or "")
+    named = device if device.startswith("NVIDIA") else data.get("machine") or device
     setup = " ".join(str(data.get(k, "")) for k in ("setup", "model"))
     found = re.search(r"(NVIDIA [^,;]+|CPU(?:,? \d+ threads?)?)", setup)
     hw = found.group(1).replace("CPU 2", "CPU, 2") if found else ""
@@ -315,12 +316,15 @@ SPEED_SUMMARY = (
     ("Plain decoding, compiled, decoding rate", "llamacpp",
      "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp",
      "llama.cpp f32 (llama-bench)", "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp"),
-    ("Default call on a GPU, batches of 1 to 32, eager (nothing compiled in that run)", "batched_gpu",
+    ("Default call on a GPU, batches of 1 to 32, eager (nothing compiled)", "batched_gpu",
      "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_hf", "HF greedy, eager",
      "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_best_plain"),
-    ("Fastest speculative call on a GPU, batch 1, compiled (n-gram tree)", "gpu",
-     "e2e/mamba2-target/tree n-gram (compiled)/speedup_vs_hf", "eager HF greedy",
-     "e2e/mamba2-target/tree n-gram (compiled)/speedup_vs_best_ar"),
+    ("Plain decoding on a GPU, compiled (captured steps)", "gpu_quick",
+     "quick/rows/ssmspec plain (compiled)/speedup_vs_hf_compiled", "HF greedy, compiled",
+     "quick/rows/ssmspec plain (compiled)/speedup_vs_best_plain"),
+    ("Fastest speculative call on a GPU, compiled (n-gram tree)", "gpu_quick",
+     "quick/rows/ssmspec n-gram (compiled)/speedup_vs_hf", "eager HF greedy",
+     "quick/rows/ssmspec n-gram (compiled)/speedup_vs_best_plain"),
 )  # fmt: skip
 
 
