@@ -444,6 +444,8 @@ def transform(
         if config is not None:
             hf_model.ssmspec_config = config
         hf_model.__dict__["ssmspec_draft_head"] = head
+        if head is not None:  # hooked now, and compiled anew if compiled without the hook (as `compile` would have)
+            hf_features.enable(hf_model)
         if prepack is not None:
             _set_prepack(hf_model, prepack)
         if compile:

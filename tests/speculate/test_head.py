@@ -218,15 +218,18 @@ def test_speculative_generate_hands_the_drafter_every_committed_feature():
 
 
 def test_a_model_compiled_before_its_features_were_hooked_drafts_with_its_head():
-    """A compiled model's default call drafts with n-grams (no feature hook); its graphs, traced without the hook, would
-    never hand a later draft-head call the features (Dynamo does not guard on module hooks): it is compiled anew, and
-    drafts as an eager model does."""
+    """A model with a draft head is compiled with its LM head's feature hook. One compiled before it had a head (its
+    default call drafted with n-grams) has graphs traced without the hook, which would never hand a draft-head call
+    the features (Dynamo does not guard on module hooks): given a head by `transform`, it is hooked and compiled
+    anew, and drafts as an eager model does."""
     torch.manual_seed(0)
-    model = _transformed("mamba2", DraftHead.for_model(cached_tiny_model("mamba2")).double())
+    model = _transformed("mamba2")
     model.compile(backend="eager")
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
-    model.generate(ids, max_new_tokens=4)  # n-grams: nothing hooked yet
+    model.generate(ids, max_new_tokens=4)  # n-grams: nothing hooked
     assert not model.get_output_embeddings()._forward_pre_hooks
+    ssmspec.transform(model, draft_head=DraftHead.for_model(cached_tiny_model("mamba2")).double())
+    assert model.get_output_embeddings()._forward_pre_hooks
     spec = SpecConfig(drafter="draft_head", tree=False, num_draft_tokens=2, adaptive=False)
     out = model.generate(ids, max_new_tokens=6, speculation=spec, return_dict_in_generate=True)
     ref = cached_tiny_model("mamba2").generate(ids, max_new_tokens=6, do_sample=False)
