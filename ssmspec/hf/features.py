@@ -2,8 +2,9 @@
 (`get_output_embeddings()`, the LM head) is called with, the last hidden state after the final norm. Drafters
 that draft from the target's own features (ssmspec.speculate.drafters.head) read them from ssmspec's forwards.
 
-A forward pre-hook on the LM head, installed once per model the first time its features are asked for, stores its
-input in the capture this thread opened (`capturing`); outside a capture, or on another thread, it does nothing,
+A forward pre-hook on the LM head, installed once per model (where it has a draft head, before it is compiled: a
+compiled forward calls only the hooks it was traced with; otherwise the first time its features are asked for), stores
+its input in the capture this thread opened (`capturing`); outside a capture, or on another thread, it does nothing,
 so plain forwards and other threads are unaffected. Private transformers API used here: none; the one assumption,
 that the LM head is called once per forward on the features of every position it returns logits for, holds for
 HF's `*ForCausalLM` classes, and `capturing` checks the shape it gets.
@@ -74,8 +75,8 @@ def install(model: nn.Module) -> bool:
 
 def enable(model: nn.Module) -> None:
     """Make the model's forwards able to hand over their features (`install`); a model compiled before its LM head had
-    the hook (a default call drafts with n-grams on a compiled model) is compiled anew, as it was
-    (`model.ssmspec_compile_call`): its graphs would never call the hook."""
+    the hook (compiled before it had a draft head) is compiled anew, as it was (`model.ssmspec_compile_call`): its
+    graphs would never call the hook."""
     call = compiled_as(model).call
     if install(model) and call is not None:
         args, kwargs = call
