@@ -34,6 +34,7 @@ def _tree_delta_kernel(
         root = tl.load(h0_ptr + b * shb + h * shh + kk[:, None] * shk + vv[None, :] * shv, mask=m2, other=0.0).to(CD)
     else:
         root = tl.zeros([BK, BV], dtype=CD)
+    sqrt_k = tl.sqrt(tl.zeros([BK], dtype=CD) + K)  # sqrt(K) in the compute dtype (a float argument: float32)
     for t in range(0, N):
         par = tl.load(par_ptr + b * spb + t * spn)
         prev = tl.load(st_ptr + b * ssb + tl.maximum(par, 0) * ssn + h * ssh + kk[:, None] * ssk + vv[None, :] * ssv,
@@ -45,7 +46,7 @@ def _tree_delta_kernel(
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        q = q / tl.sqrt(tl.zeros_like(q) + K)  # 1/sqrt(K) in the compute dtype (a float argument: float32)
+        q = q / sqrt_k
         g = tl.load(g_ptr + b * sgb + t * sgn + h * sgh + kk * sgk, mask=km, other=0.0).to(CD)
         beta = tl.load(beta_ptr + b * sbb + t * sbn + h * sbh).to(CD)
         S = S * tl.exp(g)[:, None]
