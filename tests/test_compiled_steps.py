@@ -429,6 +429,54 @@ def test_wide_products_of_few_rows_are_inductors_loops():
         torch.testing.assert_close(out, lin(few), rtol=1e-5, atol=1e-5)
 
 
+def test_products_of_a_few_rows_call_the_cpu_kernel():
+    """A compiled float32 step's linear of 2 to SMALL_MATMUL_ROWS rows calls ssmspec_cpu::rows_linear, the only op
+    the compiled step dispatches beside its arguments' detach, with the linear's values; with `kernels=False` it does
+    not call it."""
+    from ssmspec.kernels import cpu_linear
+
+    assert cpu_linear.available()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(40, 24)
+    x = torch.randn(3, 40)
+    kernel = "ssmspec_cpu.rows_linear.default"
+    for kernels in (True, False):
+        graph = StepGraph(torch.device("cpu"), compiler=StepCompiler(lin, progress=False, kernels=kernels))
+        with torch.no_grad():
+            out = graph.capture(lambda: torch.relu(lin(x)))
+            x.copy_(torch.randn(3, 40))
+            ops = _Ops()
+            with ops:
+                graph.compiled(*graph.inputs)
+            if kernels:
+                assert [op for op in ops.ops if op != "aten.detach.default"] == [kernel]
+            else:
+                assert kernel not in ops.ops
+            graph.replay()
+            torch.testing.assert_close(out, torch.relu(lin(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_steps_that_call_the_cpu_kernel_equal_hf_greedy():
+    """A float32 model compiled whole (`transform(compile=...)`) whose drafted steps' products call the CPU kernel:
+    greedy output equals HF's, or first differs where HF's top-2 logits are a float32 near-tie (the checker's rule)."""
+    from ssmspec.speculate.ties import near_tie_tolerance
+    from ssmspec.testing.check import CheckReport, _compare
+
+    ref = _model("mamba2", dtype=torch.float32)
+    spec = SpecConfig(num_draft_tokens=2, tree_budget=2, adaptive=False)  # (drafts every step: one bucket)
+    model = ssmspec.transform(copy.deepcopy(ref), spec, compile={"progress": False})
+    ids = IDS
+    hf = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                      return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    ops = _Ops()
+    with ops:
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16)
+    assert "ssmspec_cpu.rows_linear.default" in ops.ops
+    assert got.shape == hf.sequences.shape
+    _compare(got, hf.sequences, torch.stack(hf.logits, 1), ids.shape[1], near_tie_tolerance(torch.float32),
+             CheckReport(), "mamba2, float32, compiled steps calling the CPU kernel")  # fmt: skip
+
+
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_transform_compile_true_compiles_whole_steps(family):
     """`transform(model, compile=True)` on a CPU: no Dynamo, the warm-up compiles the default call's steps with Inductor

@@ -2,10 +2,11 @@
 
 On a GPU a captured step is a CUDA graph; on a CPU the same step (the same static tensors, the same contract) is
 recorded once as an FX graph of its ATen ops (ssmspec.compile.graphs) and compiled here by Inductor with its C++
-wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them), with matrix products
-of a few rows as Inductor's loops (`OPTIONS`). A replay is then one call into the compiled code: no Python between
-the ops, no op dispatch, no guards. The model's parameters and buffers are the graph's constants, read where they
-live on every call (a weight changed in place is seen).
+wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them; float32 matrix products
+of 2 to SMALL_MATMUL_ROWS rows pointed at ssmspec's CPU kernel), with one-row products as Inductor's loops
+(`OPTIONS`). A replay is then one call into the compiled code: no Python between the ops, no guards, no op dispatch
+but the C++ dispatcher's call of that kernel. The model's parameters and buffers are the graph's constants, read where
+they live on every call (a weight changed in place is seen).
 
 Compiled graphs are kept per model, keyed by the graph's code and its inputs' layouts, so a step recorded again over
 another call's buffers reuses its compilation; Inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`) serves the same
@@ -25,13 +26,18 @@ import torch
 from torch import fx, nn
 from tqdm.auto import tqdm
 
-from ssmspec.compile.passes import unroll_depthwise_convs
+from ssmspec.compile.passes import rows_linears, unroll_depthwise_convs
+from ssmspec.kernels import cpu_linear
 
 # Inductor settings of a compiled step: the C++ wrapper (no Python wrapper's per-call cost), and matrix products of up
 # to 32 rows (a step's linears over its few tokens, weights up to 2048 wide) as Inductor's own fused loops instead of
 # calls into MKL. On the embedded 3M target (2-core CPU, tight loop) a plain step took 0.33-0.51 ms that way against
 # 1.1-1.9 ms with MKL's sgemv and its OpenMP synchronisation per call; a 4-node verify step 0.73 ms against 2.57 ms
-# (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73
+# (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73. Those of float32 from 2 rows up call ssmspec's CPU kernel
+# instead where it builds (ssmspec.kernels.cpu_linear, `StepCompiler(kernels=...)`): Inductor's loops sum each output
+# in one dependent chain a row at a time, the kernel keeps several sums in flight and reads a weight once for 4 rows
+# (tight loop, 2-core AVX2 CPU: the embedded target's 4-, 8- and 16-node greedy steps 2.2, 3.3 and 5.8 plain steps
+# against 2.7, 4.2 and 7.0; the 19.6M Nemotron-H's 2- and 4-node ones 1.33 and 1.71 against 1.66 and 2.16)
 SMALL_MATMUL_ROWS = 32
 OPTIONS = {
     "cpp_wrapper": True,
@@ -86,16 +92,20 @@ class StepCompiler:
             warm-up did not cover takes seconds, tens of seconds where Inductor's cache does not have it).
         inductor: False runs each recorded graph as it is, op by op from Python (the same graphs, inputs and
             outputs without Inductor's code generation: tests of the recording on every family, in seconds).
+        kernels: float32 products of 2 to SMALL_MATMUL_ROWS rows call ssmspec's CPU kernel
+            (ssmspec.kernels.cpu_linear) where it could be built; False: Inductor's loops.
     """
 
     def __init__(
-        self, model: nn.Module, options: dict[str, Any] | None = None, progress: bool = True, inductor: bool = True
-    ) -> None:
+        self, model: nn.Module, options: dict[str, Any] | None = None, progress: bool = True, inductor: bool = True,
+        kernels: bool = True,
+    ) -> None:  # fmt: skip
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         self.constants = {id(t): ("c_" + name.replace(".", "__"), t) for name, t in reversed(named)}
         self.options = {**OPTIONS, **(options or {})}
         self.progress = progress
         self.inductor = inductor
+        self.kernels = kernels
         self._compiled: dict[tuple, Callable[..., Any]] = {}
         self._lock = threading.Lock()
         self.compilations = 0  # graphs compiled (not found among the model's)
@@ -106,6 +116,8 @@ class StepCompiler:
         """The compiled function of a recorded step (compiled once per graph and input layout)."""
         unroll_depthwise_convs(gm)
         options = self.options_for(gm)
+        if self.inductor and self.kernels and all(t.device.type == "cpu" for t in inputs) and cpu_linear.available():
+            rows_linears(gm, SMALL_MATMUL_ROWS)
         for node in gm.graph.nodes:  # (the recorder's shapes, for the passes above; Inductor traces its own)
             node.meta.pop("val", None)
         key = (gm.code, tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in inputs))

@@ -4,7 +4,8 @@
 On CUDA, `enable_eager_kernels()` makes a measured choice (`select.SELECTOR`, policy "auto") the CUDA
 implementation of every reference op: per argument signature, the kernel runs only where it was measured
 faster than the reference. The `ssmspec` backend's `kernels=True` lowers to the kernels unconditionally.
-On CPU they run only under TRITON_INTERPRET=1 (tests).
+On CPU they run only under TRITON_INTERPRET=1 (tests). `cpu_linear` is a C++ kernel for the products of a few rows
+that a captured CPU step calls (built on first use; not imported here).
 """
 
 from __future__ import annotations

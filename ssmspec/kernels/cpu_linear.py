@@ -1,0 +1,83 @@
+"""Matrix products of a few rows on a CPU: `ssmspec_cpu::rows_linear(x, weight, bias)`, a C++ kernel (cpu_linear.cpp)
+that a captured CPU step calls for its linears of 2 or more rows (ssmspec.compile.passes.rows_linears).
+
+Inductor's loops sum each output of a product in one chain of dependent vector additions, a row at a time: they run
+at the adder's latency, and a verify step of k nodes pays k passes over every weight. The kernel keeps several sums in
+flight and uses each weight vector it loads for up to 4 rows, so a few nodes cost little more than one. Its reference
+is `F.linear` (`reference`).
+
+The source is compiled once per machine, torch version and vector instruction set, with the compiler and flags
+Inductor uses for its own C++ (the toolchain a compiled CPU step needs anyway), into Inductor's cache directory
+(`TORCHINDUCTOR_CACHE_DIR`): about 15 s the first time, a file load afterwards. Where it cannot be built (no
+compiler, no vector instruction set) `available()` is False and the steps keep Inductor's loops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+OP = "ssmspec_cpu::rows_linear"
+SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+_LOCK = threading.Lock()
+_STATE: dict[str, bool] = {}  # "available": the op is loaded (or could not be), once per process
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes: `x @ weight.T + bias`."""
+    return F.linear(x, weight, bias)
+
+
+def available() -> bool:
+    """Whether `torch.ops.ssmspec_cpu.rows_linear` is loaded in this process (built first where it is not yet)."""
+    with _LOCK:
+        if "available" not in _STATE:
+            try:
+                torch.ops.load_library(str(_build()))
+                torch.library.register_fake(OP)(_fake)
+                _STATE["available"] = True
+            except Exception as e:  # noqa: BLE001 - no compiler, no vector ISA, a failed build: Inductor's loops
+                warnings.warn(f"ssmspec: the CPU product kernel could not be built ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); compiled steps keep Inductor's "
+                              "loops for their products", RuntimeWarning, stacklevel=2)  # fmt: skip
+                _STATE["available"] = False
+        return _STATE["available"]
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _build() -> Path:
+    """The compiled library, built where this machine's cache does not have it (torch internals: Inductor's vector
+    ISA and C++ builder, named here)."""
+    from filelock import FileLock
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    isa = pick_vec_isa()
+    if not isa:
+        raise RuntimeError("no vector instruction set Inductor supports on this CPU")
+    source = SOURCE.read_text()
+    key = hashlib.sha256(f"{source}|{torch.__version__}|{isa}|{isa.build_arch_flags()}".encode()).hexdigest()[:16]
+    out = Path(cache_dir()) / "ssmspec" / f"cpu_linear_{key}"
+    out.mkdir(parents=True, exist_ok=True)
+    name = "ssmspec_cpu_linear"
+    with FileLock(str(out / "build.lock")):
+        options = CppTorchOptions(vec_isa=isa, include_pytorch=True)
+        builder = CppBuilder(name=name, sources=[str(SOURCE)], BuildOption=options, output_dir=str(out))
+        target = Path(builder.get_target_file_path())
+        if not target.exists():
+            builder.build()
+        if not target.exists():
+            raise RuntimeError(f"the build left no {target.name}")
+    return target
+
+
+__all__ = ["OP", "available", "reference"]

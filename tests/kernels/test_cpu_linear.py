@@ -1,0 +1,87 @@
+"""ssmspec_cpu::rows_linear (ssmspec.kernels.cpu_linear) against its reference, and the pass that points a recorded
+step's products at it (ssmspec.compile.passes.rows_linears)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ssmspec.compile.passes import rows_linears
+from ssmspec.kernels import cpu_linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    # the machine that runs these tests compiles Inductor's C++ steps: it can build the kernel too
+    assert cpu_linear.available(), "the CPU product kernel did not build (see the RuntimeWarning)"
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * math.sqrt(max(k, 1)))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 7), (8, 8), (13, 33), (37, 100), (64, 256), (3, 0)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_linear_equals_its_reference(rows, n, k, bias):
+    """Every row count (the kernel takes rows 4 at a time, then 3, 2 or 1), weight rows off its blocks of 4, 3 or 2
+    and reductions off its vector width (and empty), with and without a bias."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    _close(torch.ops.ssmspec_cpu.rows_linear(x, w, b), cpu_linear.reference(x, w, b), k)
+
+
+def test_rows_linear_reads_strided_rows_and_weights():
+    """Rows of a wider buffer (a row stride past their length), a weight read through a column slice or transposed
+    twice, as Inductor hands them over."""
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(5, 90, generator=gen)
+    x = wide[:, 10:74]  # stride (90, 1)
+    w = torch.randn(48, 80, generator=gen)[:, :64]  # stride (80, 1)
+    _close(torch.ops.ssmspec_cpu.rows_linear(x, w, None), cpu_linear.reference(x, w, None), 64)
+    wt = torch.randn(64, 48, generator=gen).t()  # columns not contiguous: copied first
+    _close(torch.ops.ssmspec_cpu.rows_linear(x, wt, None), cpu_linear.reference(x, wt, None), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_rows_linear_refuses_other_dtypes(dtype):
+    """float32 only: the pass leaves other products to Inductor, and a call with another dtype says so."""
+    x, w = torch.randn(2, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        torch.ops.ssmspec_cpu.rows_linear(x, w, None)
+
+
+def test_rows_linear_refuses_mismatched_shapes():
+    with pytest.raises(RuntimeError, match="x has 8 columns, weight 9"):
+        torch.ops.ssmspec_cpu.rows_linear(torch.randn(2, 8), torch.randn(3, 9), None)
+    with pytest.raises(RuntimeError, match=r"bias must be float32 of shape \[3\]"):
+        torch.ops.ssmspec_cpu.rows_linear(torch.randn(2, 8), torch.randn(3, 8), torch.randn(4))
+
+
+def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
+    """mm and addmm (1-D bias) of 2 to max_rows float32 rows call the kernel, with the graph's values; one row, more
+    than max_rows, float64 and a 2-D bias stay as they were."""
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    wd = w.double()
+
+    def step(x3, x1, x9, xd, b2, b):
+        return (torch.mm(x3, w.t()), torch.addmm(b, x3, w.t()), torch.mm(x1, w.t()), torch.mm(x9, w.t()),
+                torch.mm(xd, wd.t()), torch.addmm(b2, x3, w.t()))  # fmt: skip
+
+    args = (torch.randn(3, 40, generator=gen), torch.randn(1, 40, generator=gen), torch.randn(9, 40, generator=gen),
+            torch.randn(3, 40, generator=gen, dtype=torch.float64), torch.randn(3, 24, generator=gen), b)  # fmt: skip
+    gm = make_fx(step)(*args)
+    want = gm(*args)
+    assert rows_linears(gm, max_rows=8) == 2
+    kernel = torch.ops.ssmspec_cpu.rows_linear.default
+    assert sum(node.target is kernel for node in gm.graph.nodes) == 2
+    got = gm(*args)
+    for g, t in zip(got, want):
+        torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
