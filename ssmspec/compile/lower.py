@@ -26,7 +26,7 @@ import torch
 from torch import fx, nn
 from tqdm.auto import tqdm
 
-from ssmspec.compile.passes import rows_linears, unroll_depthwise_convs
+from ssmspec.compile.passes import matmul_operands, rows_linears, unroll_depthwise_convs
 from ssmspec.kernels import cpu_linear
 
 # Inductor settings of a compiled step: the C++ wrapper (no Python wrapper's per-call cost), and matrix products of up
@@ -181,9 +181,10 @@ def matmul_shapes(gm: fx.GraphModule) -> list[tuple[int, int]]:
     recorder left on its nodes (products whose shapes it does not know are left out)."""
     shapes = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        operands = matmul_operands(node)
+        if operands is None:
             continue
-        left, right = node.args[:2] if node.target is torch.ops.aten.mm.default else node.args[1:3]
+        _, left, right = operands
         values = [arg.meta.get("val") if isinstance(arg, fx.Node) else None for arg in (left, right)]
         if all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in values):
             shapes.append((int(values[0].shape[0]), int(max(values[1].shape))))

@@ -266,21 +266,30 @@ def opaque_cumsums(gm: fx.GraphModule) -> int:
     return count
 
 
+def matmul_operands(node: fx.Node) -> tuple[object, object, object] | None:
+    """(bias, left, right) of a matrix product call, `mm` (bias None) or `addmm`; None for any other node."""
+    aten = torch.ops.aten
+    if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+        return None
+    if node.target is aten.mm.default:
+        return None, *node.args[:2]
+    return node.args[0], *node.args[1:3]
+
+
 def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
     """Point each float32 matrix product of `min_rows` to `max_rows` rows of a recorded CPU step (`mm`, `addmm` with
     a 1-D bias; shapes in `meta["val"]`) at `ssmspec_cpu::rows_linear` (ssmspec.kernels.cpu_linear, which must be
     loaded); returns how many. Inductor's own loops sum each output in one dependent chain, a row at a time; the kernel
-    keeps several sums in flight and reads each weight vector once for up to 4 rows (on the embedded 3M target a
-    4-node verify step 2.5 ms against 1.95, on the 19.6M Nemotron-H 10.7 against 8.9: 2-core CPU, AVX2)."""
+    keeps several sums in flight and reads each weight vector once for up to 4 rows (measured: ssmspec.compile.lower,
+    SMALL_MATMUL_ROWS)."""
     aten = torch.ops.aten
     graph = gm.graph
     count = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default) or node.kwargs:
-            continue
-        if node.target is aten.addmm.default and len(node.args) != 3:
-            continue  # (beta / alpha given: left to Inductor)
-        bias, (a, b) = (None, node.args) if node.target is aten.mm.default else (node.args[0], node.args[1:3])
+        operands = matmul_operands(node)
+        if operands is None or node.kwargs or len(node.args) != (2 if operands[0] is None else 3):
+            continue  # (addmm's beta / alpha given: left to Inductor)
+        bias, a, b = operands
         av, bv, out = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (a, b, node))
         if not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in (av, bv, out)):
             continue
