@@ -35,9 +35,10 @@ from ssmspec.kernels import cpu_linear
 # 1.1-1.9 ms with MKL's sgemv and its OpenMP synchronisation per call; a 4-node verify step 0.73 ms against 2.57 ms
 # (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73. Those of float32 from 2 rows up call ssmspec's CPU kernel
 # instead where it builds (ssmspec.kernels.cpu_linear, `StepCompiler(kernels=...)`): Inductor's loops sum each output
-# in one dependent chain a row at a time, the kernel keeps several sums in flight and reads a weight once for 4 rows
-# (tight loop, 2-core AVX2 CPU: the embedded target's 4-, 8- and 16-node greedy steps 2.2, 3.3 and 5.8 plain steps
-# against 2.7, 4.2 and 7.0; the 19.6M Nemotron-H's 2- and 4-node ones 1.33 and 1.71 against 1.66 and 2.16)
+# in one dependent chain a row at a time, the kernel keeps several sums in flight and reads a weight from memory once
+# for all rows (tight loop, 2-core AVX2 CPU: the embedded target's 4-, 8- and 16-node greedy steps 2.2, 3.3 and 5.8
+# plain steps against 2.7, 4.2 and 7.0; the 19.6M Nemotron-H's 2- and 4-node ones 1.33 and 1.71 against 1.66 and
+# 2.16; 81 MB of weights streamed from memory, 8 and 16 rows 0.8 and 0.75 the time of 4-row groups each reading them)
 SMALL_MATMUL_ROWS = 32
 OPTIONS = {
     "cpp_wrapper": True,

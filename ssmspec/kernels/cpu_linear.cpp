@@ -1,10 +1,11 @@
 // ssmspec_cpu::rows_linear(x, weight, bias): x [M, K] @ weight[N, K]^T + bias, float32, for the few rows of a CPU
 // step (ssmspec.kernels.cpu_linear builds and loads this file; its reference is F.linear).
 //
-// Each task takes a block of NB weight rows and up to 4 rows of x at a time: every weight vector loaded is used for
-// all of those rows, and the MR x NB sums run side by side in registers. Inductor's loops sum each output in one
-// chain of dependent vector additions, a row at a time, so their products run at the adder's latency and each row of
-// a verify step adds its own pass over the weights.
+// Each task takes tiles of 4 weight rows and, for each, every row of x, up to 4 at a time: every weight vector loaded
+// is used for all of those rows, the MR x NB sums run side by side in registers, and the tile stays in the core's
+// cache for the next group of rows, so the weights are read from memory once per product whatever its rows.
+// Inductor's loops sum each output in one chain of dependent vector additions, a row at a time, so their products run
+// at the adder's latency and each row of a verify step adds its own pass over the weights.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -42,18 +43,38 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
   }
 }
 
-// MR rows of y, the weight's rows split between the threads in blocks of NB
+// MR rows of y at the weight rows [n, n + 4) (a tile): the tile's 4 x K weights stay in the core's cache for every
+// group of rows, so a step's weights are read from memory once whatever its row count
 template <int MR>
-void rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t N, int64_t K, float* y, int64_t ldy,
-          const float* bias) {
-  constexpr int NB = MR == 1 ? 4 : (MR == 2 ? 4 : (MR == 3 ? 3 : 2));
-  const int64_t blocks = N / NB;
-  // at least ~32K multiply-adds a task: a small product runs on the calling thread
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, NB * MR * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++) block<MR, NB>(x, ldx, w, ldw, K, y, ldy, b * NB, bias);
-  });
-  for (int64_t n = blocks * NB; n < N; n++) block<MR, 1>(x, ldx, w, ldw, K, y, ldy, n, bias);
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+                 int64_t n, const float* bias) {
+  if constexpr (MR == 4 || MR == 3) {
+    block<MR, 2>(x, ldx, w, ldw, K, y, ldy, n, bias);
+    block<MR, 2>(x, ldx, w, ldw, K, y, ldy, n + 2, bias);
+  } else {
+    block<MR, 4>(x, ldx, w, ldw, K, y, ldy, n, bias);
+  }
+}
+
+// every row of y at the weight rows [n, n + 4): groups of 4 rows, then the 1 to 3 left
+inline void rows_at(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,
+                    int64_t ldy, int64_t n, const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<4>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
+  switch (M - m) {
+    case 3: tile<3>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias); break;
+    case 2: tile<2>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias); break;
+    case 1: tile<1>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias); break;
+    default: break;
+  }
+}
+
+// the weight's last N % 4 rows, one at a time, for every row of y
+inline void rows_tail(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,
+                      int64_t ldy, int64_t n, const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) block<4, 1>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
+  for (; m < M; m++) block<1, 1>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
 }
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -80,14 +101,23 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = xc.stride(0), ldw = wc.stride(0);
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) rows<4>(xp + m * ldx, ldx, wp, ldw, N, K, yp + m * N, N, b);
-  switch (M - m) {
-    case 3: rows<3>(xp + m * ldx, ldx, wp, ldw, N, K, yp + m * N, N, b); break;
-    case 2: rows<2>(xp + m * ldx, ldx, wp, ldw, N, K, yp + m * N, N, b); break;
-    case 1: rows<1>(xp + m * ldx, ldx, wp, ldw, N, K, yp + m * N, N, b); break;
-    default: break;
+  // the weight's rows split between the threads in tiles of 4, at least ~32K multiply-adds a task (a small product
+  // runs on the calling thread)
+  const int64_t tiles = N / 4;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 4 * M * K));
+  auto each_tile = [&](auto&& f) {
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; t++) f(4 * t);
+    });
+  };
+  switch (M) {  // (up to 4 rows: one group, its tile's code chosen once)
+    case 1: each_tile([&](int64_t n) { tile<1>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
+    case 2: each_tile([&](int64_t n) { tile<2>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
+    case 3: each_tile([&](int64_t n) { tile<3>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
+    case 4: each_tile([&](int64_t n) { tile<4>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
+    default: each_tile([&](int64_t n) { rows_at(xp, ldx, M, wp, ldw, K, yp, N, n, b); }); break;
   }
+  for (int64_t n = tiles * 4; n < N; n++) rows_tail(xp, ldx, M, wp, ldw, K, yp, N, n, b);
   return y;
 }
 

@@ -25,11 +25,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 17])
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 7), (8, 8), (13, 33), (37, 100), (64, 256), (3, 0)])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 7), (8, 8), (13, 33), (37, 100), (64, 256), (3, 0), (1027, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_linear_equals_its_reference(rows, n, k, bias):
-    """Every row count (the kernel takes rows 4 at a time, then 3, 2 or 1), weight rows off its blocks of 4, 3 or 2
-    and reductions off its vector width (and empty), with and without a bias."""
+    """Every row count (the kernel takes rows 4 at a time, then 3, 2 or 1, for each tile of 4 weight rows), weight
+    rows off its tiles, reductions off its vector width (and empty), a product large enough to be split between
+    threads, with and without a bias."""
     gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
     x = torch.randn(rows, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
