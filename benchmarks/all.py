@@ -33,10 +33,12 @@ COMPILED_STEP = "2901092"  # a compiled greedy step as one graph
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 WIDE_PRODUCTS = "34ae16c"  # a compiled step of a few rows computes wide weights' products in its own loops
-ROWS_KERNEL = "314e411"  # a compiled CPU step's float32 products of 2 to 32 rows call ssmspec's C++ kernel
+# a compiled CPU step's float32 products of 2 to 32 rows call ssmspec's C++ kernel, which reads each weight from memory
+# once for all of a product's rows
+ROWS_TILES = "6775f15"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", COMPILED_STEP: "2026-11-28", SAMPLING: "2026-11-28",
-         TRACED: "2026-11-23", WIDE_PRODUCTS: "2026-11-28", ROWS_KERNEL: "2026-11-28"}  # fmt: skip
+         TRACED: "2026-11-23", WIDE_PRODUCTS: "2026-11-28", ROWS_TILES: "2026-11-29"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ FILES: dict[str, DataFile] = {
         "python benchmarks/compile_bench.py --json docs/data/compile_bench.json", VERIFY, "the compiled verify step"
     ),  # fmt: skip
     "compiled_step": DataFile(
-        "python benchmarks/compiled_step.py --json docs/data/compiled_step.json", ROWS_KERNEL, "the compiled step"
+        "python benchmarks/compiled_step.py --json docs/data/compiled_step.json", ROWS_TILES, "the compiled step"
     ),  # fmt: skip
     "llamacpp": DataFile(
         "python benchmarks/llamacpp.py --prompts 4 --rounds 3 --work /tmp/llama --cold-start --json "
