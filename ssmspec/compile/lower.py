@@ -38,7 +38,7 @@ from ssmspec.kernels import cpu_linear
 # in one dependent chain a row at a time, the kernel keeps several sums in flight and reads a weight from memory once
 # for all rows (tight loop, 2-core AVX2 CPU: the embedded target's 4-, 8- and 16-node greedy steps 2.2, 3.3 and 5.8
 # plain steps against 2.7, 4.2 and 7.0; the 19.6M Nemotron-H's 2- and 4-node ones 1.33 and 1.71 against 1.66 and
-# 2.16; 81 MB of weights streamed from memory, 8 and 16 rows 0.8 and 0.75 the time of 4-row groups each reading them)
+# 2.16; 81 MB of weights streamed from memory, 8 and 16 rows 0.80 and 0.77 the time of 4-row groups each reading them)
 SMALL_MATMUL_ROWS = 32
 OPTIONS = {
     "cpp_wrapper": True,

@@ -280,7 +280,7 @@ def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
     """Point each float32 matrix product of `min_rows` to `max_rows` rows of a recorded CPU step (`mm`, `addmm` with
     a 1-D bias; shapes in `meta["val"]`) at `ssmspec_cpu::rows_linear` (ssmspec.kernels.cpu_linear, which must be
     loaded); returns how many. Inductor's own loops sum each output in one dependent chain, a row at a time; the kernel
-    keeps several sums in flight and reads each weight vector once for up to 4 rows (measured: ssmspec.compile.lower,
+    keeps several sums in flight and reads each weight from memory once for all rows (measured: ssmspec.compile.lower,
     SMALL_MATMUL_ROWS)."""
     aten = torch.ops.aten
     graph = gm.graph

@@ -3,8 +3,9 @@ that a captured CPU step calls for its linears of 2 or more rows (ssmspec.compil
 
 Inductor's loops sum each output of a product in one chain of dependent vector additions, a row at a time: they run
 at the adder's latency, and a verify step of k nodes pays k passes over every weight. The kernel keeps several sums in
-flight and uses each weight vector it loads for up to 4 rows, so a few nodes cost little more than one. Its reference
-is `F.linear` (`reference`).
+flight, uses each weight vector it loads for up to 4 rows, and runs every row over a tile of the weight while it is in
+the core's cache, so the weight is read from memory once whatever the rows. Its reference is `F.linear`
+(`reference`).
 
 The source is compiled once per machine, torch version and vector instruction set, with the compiler and flags
 Inductor uses for its own C++ (the toolchain a compiled CPU step needs anyway), into Inductor's cache directory
