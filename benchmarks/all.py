@@ -32,13 +32,14 @@ VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup pe
 COMPILED_STEP = "2901092"  # a compiled greedy step as one graph
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
-WIDE_PRODUCTS = "34ae16c"  # a compiled step of a few rows computes wide weights' products in its own loops
 # a compiled CPU step's float32 products of 2 to 32 rows call ssmspec's C++ kernel, which reads each weight from memory
 # once for all of a product's rows
 ROWS_TILES = "6775f15"
+# what a compiled CPU call runs: its steps' code, the product kernel included (files timing compiled CPU calls)
+COMPILED_CPU = ROWS_TILES
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", COMPILED_STEP: "2026-11-28", SAMPLING: "2026-11-28",
-         TRACED: "2026-11-23", WIDE_PRODUCTS: "2026-11-28", ROWS_TILES: "2026-11-29"}  # fmt: skip
+         TRACED: "2026-11-23", ROWS_TILES: "2026-11-29"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ class DataFile:
     needs: str = "cpu"  # "cuda": a CUDA GPU; "llama.cpp": a llama.cpp build (benchmarks/llamacpp.py --work)
 
 
-def _bench(name: str, options: str) -> DataFile:
-    return DataFile(f"ssmspec bench {options} --json docs/data/{name}.json", LOOP, "the speculative call")
+def _bench(name: str, options: str, cutoff: str = LOOP) -> DataFile:
+    return DataFile(f"ssmspec bench {options} --json docs/data/{name}.json", cutoff, "the speculative call")
 
 
 def _verify(name: str, options: str, cutoff: str = VERIFY) -> DataFile:
@@ -64,9 +65,11 @@ _DEFAULTS = '--methods "HF greedy" "ssmspec default" "tree draft head + n-gram" 
 _E2E = "python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 --repeats 1 --compiled"
 
 FILES: dict[str, DataFile] = {
-    "e2e": DataFile(f"{_E2E} --json docs/data/e2e.json", LOOP, "every drafter's call"),
+    "e2e": DataFile(f"{_E2E} --json docs/data/e2e.json", COMPILED_CPU, "every drafter's call, eager and compiled"),
     "e2e_third_party": DataFile(
-        f"{_E2E} --prompt-set third-party --json docs/data/e2e_third_party.json", LOOP, "every drafter's call"
+        f"{_E2E} --prompt-set third-party --json docs/data/e2e_third_party.json",
+        COMPILED_CPU,
+        "every drafter's call, eager and compiled",
     ),  # fmt: skip
     "e2e_defaults": _bench(
         "e2e_defaults",
@@ -79,13 +82,14 @@ FILES: dict[str, DataFile] = {
         '--compiled --repeats 2 --methods "HF greedy" "HF greedy (compiled)" "HF greedy (compiled, C++ wrapper)" '
         '"ssmspec default" "ssmspec autoregressive" "ssmspec default (compiled)" "ssmspec autoregressive (compiled)" '
         '"tree n-gram + corpus (8 nodes, compiled)"',
+        COMPILED_CPU,
     ),
     "e2e_prose": _bench("e2e_prose", f"--prompt-set prose --prompts 8 --repeats 2 {_DEFAULTS}"),
     "e2e_random": _bench("e2e_random", f"--prompt-set random --prompts 8 --repeats 2 {_DEFAULTS}"),
     "e2e_third_party_default": _bench("e2e_third_party_default", f"--prompt-set third-party --repeats 2 {_DEFAULTS}"),
     "batched": _bench("batched", "--batch 1 4 8 16 32 --repeats 3"),
     "batched_prose": _bench("batched_prose", "--batch 1 4 8 16 32 --prompt-set prose --repeats 2"),
-    "batched_compiled": _bench("batched_compiled", "--batch 1 4 8 16 32 --compiled --repeats 2"),
+    "batched_compiled": _bench("batched_compiled", "--batch 1 4 8 16 32 --compiled --repeats 2", COMPILED_CPU),
     "sampling": DataFile("python benchmarks/sampling.py --skip-tests", LOOP, "the sampled call"),
     "sampling_tests": DataFile(
         "python benchmarks/sampling.py --skip-speed --samples 5000", SAMPLING, "the sampled distribution"
@@ -116,19 +120,19 @@ FILES: dict[str, DataFile] = {
         "python benchmarks/compile_bench.py --json docs/data/compile_bench.json", VERIFY, "the compiled verify step"
     ),  # fmt: skip
     "compiled_step": DataFile(
-        "python benchmarks/compiled_step.py --json docs/data/compiled_step.json", ROWS_TILES, "the compiled step"
+        "python benchmarks/compiled_step.py --json docs/data/compiled_step.json", COMPILED_CPU, "the compiled step"
     ),  # fmt: skip
     "llamacpp": DataFile(
         "python benchmarks/llamacpp.py --prompts 4 --rounds 3 --work /tmp/llama --cold-start --json "
         "docs/data/llamacpp.json",
-        LOOP,
+        COMPILED_CPU,
         "llama.cpp beside ssmspec",
         "llama.cpp",
     ),  # fmt: skip
     "llamacpp_medium": DataFile(
         "python benchmarks/llamacpp.py --models nemotron-medium --work /tmp/llama --json "
         "docs/data/llamacpp_medium.json",
-        WIDE_PRODUCTS,
+        COMPILED_CPU,
         "llama.cpp beside ssmspec",
         "llama.cpp",
     ),  # fmt: skip
