@@ -124,8 +124,9 @@ def fix_converter(llama: Path) -> None:
         "                _rot = -1\n"
         "        if self.undo_permute and _rot != -1:\n"
     )
+    permute = '        if self.undo_permute:\n            if name.endswith(("q_proj.weight", "q_proj.bias")):\n'
     _patch(llama / "conversion" / "llama.py", "attn_rotary_emb",
-           [("        if self.undo_permute:\n", partial, "LlamaModel's q/k permutation")])  # fmt: skip
+           [(permute, partial + permute.split("\n", 1)[1], "LlamaModel.modify_tensors' q/k permutation")])  # fmt: skip
 
 
 def convert(src: Path, name: str, out: Path) -> Path:
