@@ -31,15 +31,13 @@ LOOP = "5388010"  # the speculative call (drafter auto: a head where small; a pl
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
-# a compiled CPU step's float32 products of 2 to 32 rows call ssmspec's C++ kernel, which reads each weight from memory
-# once for all of a product's rows
-ROWS_TILES = "6775f15"
-# what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, the product kernel included (the files
-# that time those calls; `ssmspec bench --compiled` times the forward compiled by Dynamo, which the kernel is not in)
-COMPILED_CPU = ROWS_TILES
+# what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 2 to 32 rows
+# in ssmspec's C++ kernel, which reads each weight from memory once for all of a product's rows (the files that time
+# those calls; `ssmspec bench --compiled` times the forward compiled by Dynamo, which the kernel is not in)
+COMPILED_CPU = "6775f15"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
-         TRACED: "2026-11-23", ROWS_TILES: "2026-11-29"}  # fmt: skip
+         TRACED: "2026-11-23", COMPILED_CPU: "2026-11-29"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,8 +50,8 @@ class DataFile:
     needs: str = "cpu"  # "cuda": a CUDA GPU; "llama.cpp": a llama.cpp build (benchmarks/llamacpp.py --work)
 
 
-def _bench(name: str, options: str, cutoff: str = LOOP) -> DataFile:
-    return DataFile(f"ssmspec bench {options} --json docs/data/{name}.json", cutoff, "the speculative call")
+def _bench(name: str, options: str) -> DataFile:
+    return DataFile(f"ssmspec bench {options} --json docs/data/{name}.json", LOOP, "the speculative call")
 
 
 def _verify(name: str, options: str, cutoff: str = VERIFY) -> DataFile:
@@ -67,9 +65,7 @@ _E2E = "python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 --repeats 1 -
 FILES: dict[str, DataFile] = {
     "e2e": DataFile(f"{_E2E} --json docs/data/e2e.json", LOOP, "every drafter's call"),
     "e2e_third_party": DataFile(
-        f"{_E2E} --prompt-set third-party --json docs/data/e2e_third_party.json",
-        LOOP,
-        "every drafter's call",
+        f"{_E2E} --prompt-set third-party --json docs/data/e2e_third_party.json", LOOP, "every drafter's call"
     ),  # fmt: skip
     "e2e_defaults": _bench(
         "e2e_defaults",

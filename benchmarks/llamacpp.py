@@ -124,9 +124,11 @@ def fix_converter(llama: Path) -> None:
         "                _rot = -1\n"
         "        if self.undo_permute and _rot != -1:\n"
     )
-    permute = '        if self.undo_permute:\n            if name.endswith(("q_proj.weight", "q_proj.bias")):\n'
+    # (modify_tensors' permutation: the converter's first `if self.undo_permute:` is another method's)
+    q_proj = '            if name.endswith(("q_proj.weight", "q_proj.bias")):\n'
     _patch(llama / "conversion" / "llama.py", "attn_rotary_emb",
-           [(permute, partial + permute.split("\n", 1)[1], "LlamaModel.modify_tensors' q/k permutation")])  # fmt: skip
+           [("        if self.undo_permute:\n" + q_proj, partial + q_proj,
+             "LlamaModel.modify_tensors' q/k permutation")])  # fmt: skip
 
 
 def convert(src: Path, name: str, out: Path) -> Path:
