@@ -315,6 +315,11 @@ class Goodput:
         decode_seconds: a decode step's forward in seconds (the curve's base), as measured.
         batch: the batch's rows (a step's drafted nodes are its nodes beyond the root times the rows).
         measured: False: `record` changes nothing (sampling: seeded draws must not depend on the machine's load).
+        loop_base: steps compiled whole: price relative to the loop's own plain steps once measured, even where they
+            are faster than the calibrated one (`seconds`), and judge speculation against the plain steps the loop
+            took back to back (`record(run=True)`) once there are any.
+        plain_prior: (with `loop_base`) a plain step's seconds as the last greedy call's loop took them back to back,
+            the base until this call's are measured (`AdaptiveDepth` keeps it on the model).
     """
 
     MAX_BACKOFF = 64
@@ -337,9 +342,13 @@ class Goodput:
         decode_seconds: float | None,
         batch: int = 1,
         measured: bool = True,
+        loop_base: bool = False,
+        plain_prior: float | None = None,
     ) -> None:
         self.curve = curve
         self.measured = measured
+        self.loop_base = loop_base
+        self.plain_prior = plain_prior if loop_base else None
         self.decode_seconds = decode_seconds or 0.0  # 0: unknown (a curve given without its timing)
         self.batch = batch
         # what speculative steps take beyond their forward (the first one, which also sets the drafter up, aside)
@@ -348,6 +357,7 @@ class Goodput:
         self.plain_steps = 0
         self.since_plain = 0  # speculative steps since the last plain one
         self._plain: collections.deque = collections.deque(maxlen=self.PLAIN_SAMPLES)  # (seconds, rate)
+        self._runs: collections.deque = collections.deque(maxlen=self.PLAIN_SAMPLES)  # ... of back-to-back runs
         self._plain_medians: tuple[float, float] | None = None  # of `_plain`, computed where read (None: stale)
         self.spec_rate: float | None = None  # tokens per row and second of speculative steps, long memory
         self.forced = 0  # plain steps still to take before speculating again
@@ -368,9 +378,14 @@ class Goodput:
         self.decode_seconds = decode_seconds or 0.0
 
     def _medians(self) -> tuple[float, float] | None:
-        if self._plain_medians is None and self._plain:
-            self._plain_medians = (statistics.median(t for t, _ in self._plain),
-                                   statistics.median(r for _, r in self._plain))  # fmt: skip
+        # steps compiled whole: the plain steps taken back to back where there are any. One taken between drafted
+        # steps, priced and planned, is slower (the embedded Bamba: 0.9-1.0 ms a step back to back, 1.9-2.8 ms between
+        # drafted steps of 8 to 17 nodes): judged against those, drafts that gained half a token a step "won"
+        # whole calls at 0.75x plain decoding
+        samples = self._runs if self.loop_base and self._runs else self._plain
+        if self._plain_medians is None and samples:
+            self._plain_medians = (statistics.median(t for t, _ in samples),
+                                   statistics.median(r for _, r in samples))  # fmt: skip
         return self._plain_medians
 
     @property
@@ -378,6 +393,11 @@ class Goodput:
         """Seconds a plain step takes, all in (the median of the recent ones; None before any counted)."""
         medians = self._medians()
         return medians[0] if medians else None
+
+    @property
+    def run_seconds(self) -> float | None:
+        """(`loop_base`) Seconds a plain step took back to back (the median of the recent ones; None before any)."""
+        return self.plain_seconds if self.loop_base and self._runs else None
 
     @property
     def plain_rate(self) -> float | None:
@@ -388,7 +408,13 @@ class Goodput:
     @property
     def seconds(self) -> float:
         """A decode step's forward in seconds: the curve's base as measured, or where plain steps ran, what they
-        took (the measured base runs on a warm cache, alone; the running loop's steps take longer)."""
+        took (the measured base runs on a warm cache, alone; an eager loop's steps take longer). With `loop_base`,
+        what the loop's plain steps took whichever is less: a compiled step timed alone, between roll-backs, found
+        the cores' threads asleep (the embedded 3M target: 1.2-1.5 ms against 0.7-0.8 ms taken back to back in a call),
+        and priced against it a verify step of 2 nodes cost 1.5 plain steps where it took 2.3 in the call: a dozen
+        drafted tries a call made the compiled default 0.86x its plain decoding."""
+        if self.loop_base and (self.plain_seconds or self.plain_prior):
+            return self.plain_seconds or self.plain_prior
         return max(self.decode_seconds, self.plain_seconds or 0.0) or 1.0
 
     def spec_overhead(self, nodes: int) -> float:
@@ -404,9 +430,10 @@ class Goodput:
             return step_cost(self.curve, nodes)
         return (step_cost(self.curve, nodes) * self.decode_seconds + self.spec_overhead(nodes)) / self.seconds
 
-    def record(self, nodes: int, seconds: float, tokens: float, rows: int = 1) -> None:
+    def record(self, nodes: int, seconds: float, tokens: float, rows: int = 1, run: bool = False) -> None:
         """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over `rows` rows
-        (the engine passes the batch's progress, the tokens its slowest row gained: `step.emit.batch_progress`)."""
+        (the engine passes the batch's progress, the tokens its slowest row gained: `step.emit.batch_progress`);
+        `run`: a plain step of a back-to-back run (`AdaptiveDepth.observe_plain`)."""
         if not self.measured:  # priced by the prior alone, never backing off: decisions that no timing moves
             return
         rate = tokens / max(seconds * rows, 1e-12)  # tokens per row and second
@@ -421,7 +448,7 @@ class Goodput:
             # (two slow first steps at batch 16, 9-10 ms against 7.3, once set a bar that let speculation at 0.9x
             # plain decoding run for a whole call)
             if self.plain_steps > 1:
-                self._plain.append((seconds, rate))
+                (self._runs if run and self.loop_base else self._plain).append((seconds, rate))
                 self._plain_medians = None  # (computed where read: pricing reads them far less often)
             return
         self.spec_steps += 1
@@ -452,8 +479,10 @@ class Goodput:
         # up), without counting as a loss: once a plain step took 3.1 ms at batch 1 (a bare forward 2.96), the
         # bare bar backed off from trees that won by 20% on average
         if self.plain_rate is None:
-            # without a decode step's timing (a curve given without it) there is no bar at all: measured first too
-            self.winning = bool(self.decode_seconds) and spec >= self.MARGIN / self.decode_seconds
+            # without a decode step's timing (a curve given without it) there is no bar at all: measured first too.
+            # (Steps compiled whole: the last call's plain steps, where known, rather than the slower calibrated one)
+            base = self.plain_prior or self.decode_seconds
+            self.winning = bool(base) and spec >= self.MARGIN / base
             if not self.winning:
                 self.forced = 2
             return

@@ -56,6 +56,8 @@ LEVEL_DECAY = 0.9
 # ... and a drafter is asked for at most this many nodes per level of the depth chosen, whatever the budget (n-gram
 # trees 16 to 32 nodes per level wide, the budget's shape at 128 and 256 nodes, were as fast as 2 to 4 at best)
 WIDEST = 4.0
+# what the seconds of a plain step taken back to back are kept under among the acceptance profiles (per batch size)
+PLAIN_STEP = "plain step"
 
 
 class StepPolicy:
@@ -258,7 +260,16 @@ class AdaptiveDepth:
         # every step is timed: the cost of n nodes is the calibrated curve at the bucket n is padded to plus what a
         # step measured beyond its forward (drafting, bookkeeping), and speculation backs off where it measured slower
         # than plain decoding
-        goodput = Goodput(calibration.curve(), calibration.decode_seconds(), batch=batch, measured=not sampling)
+        # (steps compiled whole: priced against the loop's plain steps, from the last greedy call's until measured)
+        loop_base = bool(runner.fuse_single_nodes)
+        goodput = Goodput(
+            calibration.curve(),
+            calibration.decode_seconds(),
+            batch=batch,
+            measured=not sampling,
+            loop_base=loop_base,
+            plain_prior=(profiles or {}).get((PLAIN_STEP, batch)),
+        )
         # a drafter with calibrated per-node estimates sizes each tree itself; depth and budget then stay at their
         # maximum
         sized = drafter.size_by_goodput(lambda n: goodput.cost(runner.padded_size(n)))
@@ -375,7 +386,7 @@ class AdaptiveDepth:
         if self.agreement is not None:  # (every process agrees on the run's time, as on each step's)
             seconds = self.agreement.seconds([seconds, 0.0])[0]
         for _ in range(steps):
-            self.goodput.record(1, seconds / steps, 1)
+            self.goodput.record(1, seconds / steps, 1, run=True)
         self._earn_shadow(seconds)
 
     def _earn_shadow(self, seconds: float) -> None:
@@ -388,9 +399,12 @@ class AdaptiveDepth:
         self.goodput.recalibrate(calibration.curve(), calibration.decode_seconds())
 
     def finish(self) -> None:
-        """Keep the call's acceptance profile as the next greedy call's prior."""
+        """Keep the call's acceptance profile as the next greedy call's prior, and on steps compiled whole the plain
+        step's seconds its loop measured back to back (`Goodput.plain_prior`)."""
         if self.profiles is not None:
             self.profiles[self.profile_key] = self.acceptance.profile()
+            if self.goodput.run_seconds:
+                self.profiles[(PLAIN_STEP, self.goodput.batch)] = self.goodput.run_seconds
 
 
 def drafter_kind(drafter: Drafter) -> str:

@@ -403,6 +403,61 @@ def test_goodput_bar_ignores_the_first_plain_step_and_one_slow_step():
     assert g.plain_seconds == pytest.approx(0.012) and g.plain_rate == pytest.approx(1 / 0.012)
 
 
+def test_goodput_of_compiled_steps_prices_against_the_loops_faster_plain_steps():
+    # a compiled step timed alone by the calibration took 10 ms; the loop's plain steps take 5 ms: a 4-node step of the
+    # curve's 12 ms forward costs 2.4 plain steps (an eager loop keeps the calibrated base where its steps are faster)
+    for loop_base, cost in ((True, 2.4), (False, 1.2)):
+        g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010, loop_base=loop_base)
+        assert g.cost(4) == pytest.approx((0.012 + g.spec_overhead(4)) / 0.010)  # before any plain step: calibrated
+        for _ in range(4):
+            g.record(1, 0.005, tokens=1)
+        g.overhead = adaptive.StepOverhead(0.0, 0.0)
+        assert g.seconds == pytest.approx(0.005 if loop_base else 0.010)
+        assert g.cost(4) == pytest.approx(cost)
+
+
+def test_goodput_of_compiled_steps_judges_against_plain_steps_taken_back_to_back():
+    # plain steps taken back to back take 5 ms; one taken between drafted steps (priced and planned) 10 ms. Drafts
+    # gaining 1.5 tokens in 9 ms beat the second, not the first: steps compiled whole are judged against the first
+    def judge(loop_base: bool) -> bool:
+        g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010, loop_base=loop_base)
+        for _ in range(4):
+            g.record(1, 0.005, tokens=1, run=True)
+        for _ in range(8):
+            g.record(1, 0.010, tokens=1)
+        assert g.plain_seconds == pytest.approx(0.005 if loop_base else 0.010)
+        for _ in range(2 * adaptive.Goodput.WINDOW):
+            g.record(4, 0.009, tokens=1.5)
+        return g.plain
+
+    assert judge(loop_base=True)  # backs off
+    assert not judge(loop_base=False)
+    # where no plain step ran back to back, the bar is the others'
+    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010, loop_base=True)
+    for _ in range(3):
+        g.record(1, 0.010, tokens=1)
+    assert g.plain_seconds == pytest.approx(0.010)
+
+
+def test_compiled_steps_plain_step_is_kept_for_the_next_greedy_call():
+    # a call's back-to-back plain steps (5 ms) are kept with the acceptance profiles; the next call prices with them
+    # before it measures its own, and its first judgement's bar is them rather than the calibrated 10 ms
+    profiles: dict = {}
+    goodput = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010, loop_base=True)
+    depth = policy.AdaptiveDepth(Acceptance(1), goodput, tree_budget=8, num_draft_tokens=4, profiles=profiles,
+                                 profile_key="k")  # fmt: skip
+    depth.observe_plain(5, 0.025, [0])
+    depth.finish()
+    assert profiles[(policy.PLAIN_STEP, 1)] == pytest.approx(0.005) and "k" in profiles
+    g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010, loop_base=True, plain_prior=0.005)
+    assert g.seconds == pytest.approx(0.005)
+    for _ in range(adaptive.Goodput.WINDOW + 1):  # 1.5 tokens in 9 ms: beats 10 ms a token, not 5
+        g.record(4, 0.009, tokens=1.5)
+    assert g.plain and not g.winning
+    eager = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010, plain_prior=0.005)  # (steps not compiled whole)
+    assert eager.seconds == pytest.approx(0.010)
+
+
 def test_goodput_refreshes_the_bar_where_speculation_wins_narrowly():
     def run(tokens_per_row: float) -> list[bool]:
         g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)

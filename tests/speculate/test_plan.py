@@ -165,6 +165,30 @@ def test_a_model_with_compiled_steps_plans_captured_steps_and_n_grams():
     assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
 
 
+def test_a_greedy_call_on_compiled_steps_prices_against_its_own_plain_steps(monkeypatch):
+    """The adaptive policy of a greedy call on steps compiled whole prices and judges drafts against the plain steps
+    the loop takes (`Goodput(loop_base=True)`: a compiled step the calibration times alone is up to twice as slow); an
+    eager call's keeps the calibrated base."""
+    from ssmspec.compile.lower import StepCompiler
+    from ssmspec.speculate import policy
+
+    made = []
+    for_call = policy.AdaptiveDepth.for_call
+
+    def kept(*args, **kwargs):
+        made.append(for_call(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(policy.AdaptiveDepth, "for_call", kept)
+    ref, model = _model()
+    expected = ref.generate(IDS, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=12), expected)
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    model.ssmspec_graphs = True
+    assert torch.equal(model.generate(IDS, max_new_tokens=12), expected)
+    assert [depth.goodput.loop_base for depth in made] == [False, True]
+
+
 def test_the_runner_compiles_as_the_plan_found_the_model_compiled(small_heads):
     """How the target was compiled is read once, by the plan: the runner it opens compiles its captured steps with
     the plan's step compiler, and one opened with settings that say "not compiled" records them on the op tape,
