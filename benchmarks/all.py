@@ -35,9 +35,12 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # in ssmspec's C++ kernel, which reads each weight from memory once for all of a product's rows (the files that time
 # those calls; `ssmspec bench --compiled` times the forward compiled by Dynamo, which the kernel is not in)
 COMPILED_CPU = "6775f15"
+# the default call on those steps: what its adaptive policy prices and judges drafts against (the loop's plain steps)
+COMPILED_CALL = "72fd6ba"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
-         TRACED: "2026-11-23", COMPILED_CPU: "2026-11-29"}  # fmt: skip
+         TRACED: "2026-11-23", COMPILED_CPU: "2026-11-29",
+         COMPILED_CALL: "2026-11-29"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,14 +123,14 @@ FILES: dict[str, DataFile] = {
     "llamacpp": DataFile(
         "python benchmarks/llamacpp.py --prompts 4 --rounds 3 --work /tmp/llama --cold-start --json "
         "docs/data/llamacpp.json",
-        COMPILED_CPU,
+        COMPILED_CALL,
         "llama.cpp beside ssmspec",
         "llama.cpp",
     ),  # fmt: skip
     "llamacpp_medium": DataFile(
         "python benchmarks/llamacpp.py --models nemotron-medium --work /tmp/llama --json "
         "docs/data/llamacpp_medium.json",
-        COMPILED_CPU,
+        COMPILED_CALL,
         "llama.cpp beside ssmspec",
         "llama.cpp",
     ),  # fmt: skip
