@@ -458,6 +458,22 @@ def test_compiled_steps_plain_step_is_kept_for_the_next_greedy_call():
     assert eager.seconds == pytest.approx(0.010)
 
 
+def test_compiled_steps_shadow_draft_costs_its_planned_steps_excess():
+    # a shadow draft's step took 1.1 ms where a step of a plain run takes 0.8: on steps compiled whole it cost 0.3 ms
+    # (its pricing and planning with it), not the 0.05 ms of drafting alone; the plain steps then pay for it at
+    # SHADOW_SHARE of their time before the next one
+    from ssmspec.speculate.step import StepReport
+
+    for loop_base, cost in ((True, 0.0003), (False, 0.00005)):
+        goodput = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.001, loop_base=loop_base)
+        depth = policy.AdaptiveDepth(Acceptance(1), goodput, tree_budget=8, num_draft_tokens=4)
+        depth.observe_plain(5, 0.004, [0])
+        report = StepReport.plain({0: 3})
+        report.shadow, report.shadow_seconds = True, 0.00005
+        depth.observe(report, 0.0011)
+        assert depth.shadow_cost == pytest.approx(cost)
+
+
 def test_goodput_refreshes_the_bar_where_speculation_wins_narrowly():
     def run(tokens_per_row: float) -> list[bool]:
         g = adaptive.Goodput({1: 1.0, 4: 1.2}, decode_seconds=0.010)
