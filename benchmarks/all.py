@@ -36,7 +36,7 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # those calls; `ssmspec bench --compiled` times the forward compiled by Dynamo, which the kernel is not in)
 COMPILED_CPU = "6775f15"
 # the default call on those steps: what its adaptive policy prices and judges drafts against (the loop's plain steps)
-COMPILED_CALL = "72fd6ba"
+COMPILED_CALL = "4bb4200"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
          TRACED: "2026-11-23", COMPILED_CPU: "2026-11-29",
