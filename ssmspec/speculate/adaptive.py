@@ -409,12 +409,14 @@ class Goodput:
     def seconds(self) -> float:
         """A decode step's forward in seconds: the curve's base as measured, or where plain steps ran, what they
         took (the measured base runs on a warm cache, alone; an eager loop's steps take longer). With `loop_base`,
-        what the loop's plain steps took whichever is less: a compiled step timed alone, between roll-backs, found
-        the cores' threads asleep (the embedded 3M target: 1.2-1.5 ms against 0.7-0.8 ms taken back to back in a call),
-        and priced against it a verify step of 2 nodes cost 1.5 plain steps where it took 2.3 in the call: a dozen
-        drafted tries a call made the compiled default 0.86x its plain decoding."""
-        if self.loop_base and (self.plain_seconds or self.plain_prior):
-            return self.plain_seconds or self.plain_prior
+        what the loop's plain steps took (or the last call's, `plain_prior`), even where less: a compiled step timed
+        alone, between roll-backs, found the cores' threads asleep (the embedded 3M target: 1.2-1.5 ms against
+        0.7-0.8 ms taken back to back in a call), and priced against it a verify step of 2 nodes cost 1.5 plain steps
+        where it took 2.3 in the call: a dozen drafted tries a call made the compiled default 0.86x its plain
+        decoding."""
+        loop = self.plain_seconds or self.plain_prior  # (plain_prior: None without loop_base)
+        if self.loop_base and loop:
+            return loop
         return max(self.decode_seconds, self.plain_seconds or 0.0) or 1.0
 
     def spec_overhead(self, nodes: int) -> float:
