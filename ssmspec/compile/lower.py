@@ -3,7 +3,7 @@
 On a GPU a captured step is a CUDA graph; on a CPU the same step (the same static tensors, the same contract) is
 recorded once as an FX graph of its ATen ops (ssmspec.compile.graphs) and compiled here by Inductor with its C++
 wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them; float32 matrix products
-of 2 to SMALL_MATMUL_ROWS rows pointed at ssmspec's CPU kernel), with one-row products as Inductor's loops
+of up to SMALL_MATMUL_ROWS rows pointed at ssmspec's CPU kernel), with other small products as Inductor's loops
 (`OPTIONS`). A replay is then one call into the compiled code: no Python between the ops, no guards, no op dispatch
 but the C++ dispatcher's call of that kernel. The model's parameters and buffers are the graph's constants, read where
 they live on every call (a weight changed in place is seen).
@@ -33,25 +33,30 @@ from ssmspec.kernels import cpu_linear
 # to 32 rows (a step's linears over its few tokens, weights up to 2048 wide) as Inductor's own fused loops instead of
 # calls into MKL. On the embedded 3M target (2-core CPU, tight loop) a plain step took 0.33-0.51 ms that way against
 # 1.1-1.9 ms with MKL's sgemv and its OpenMP synchronisation per call; a 4-node verify step 0.73 ms against 2.57 ms
-# (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73. Those of float32 from 2 rows up call ssmspec's CPU kernel
-# instead where it builds (ssmspec.kernels.cpu_linear, `StepCompiler(kernels=...)`): Inductor's loops sum each output
-# in one dependent chain a row at a time, the kernel keeps several sums in flight and reads a weight from memory once
-# for all rows (tight loop, 2-core AVX2 CPU: the embedded target's 4-, 8- and 16-node greedy steps 2.2, 3.3 and 5.8
-# plain steps against 2.7, 4.2 and 7.0; the 19.6M Nemotron-H's 2- and 4-node ones 1.33 and 1.71 against 1.66 and
-# 2.16; 81 MB of weights streamed from memory, 8 and 16 rows 0.80 and 0.77 the time of 4-row groups each reading them)
+# (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73. Those of float32 call ssmspec's CPU kernel instead where
+# it builds (ssmspec.kernels.cpu_linear, `StepCompiler(kernels=...)`), one row as well as 32: Inductor's loops sum each
+# output in one dependent chain a row at a time, the kernel keeps 8 sums in flight, reduces them 4 at a time and reads a
+# weight from memory once for all rows, and sums each output in the same order whatever the rows, so that a plain step
+# and a verify step compute a token's products alike. Tight loop, 2-core AVX2 CPU, the embedded target's greedy steps of
+# 2, 4, 8 and 16 nodes: 1.53, 1.66, 1.93 and 3.19 ms against 1.63, 1.97, 2.43 and 3.49 with the kernel's first design
+# (one reduction per output, 4 sums in flight, one-row products as Inductor's loops); compiled plain decoding 1.08x and
+# the compiled default call 1.21x what they were with it, calls alternated in one process. The 19.6M Nemotron-H's 2- and
+# 4-node steps took 1.33 and 1.71 plain steps against 1.66 and 2.16 with Inductor's loops; 81 MB of weights streamed
+# from memory, 8 and 16 rows 0.80 and 0.77 the time of 4-row groups each reading them
 SMALL_MATMUL_ROWS = 32
 OPTIONS = {
     "cpp_wrapper": True,
     "post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_first_dimension_decomposition": SMALL_MATMUL_ROWS}},
 }
-# Inductor leaves a product with a weight dimension over 2048 to MKL whatever its rows. In a step whose products have
-# at most WIDE_ROWS rows, every weight is Inductor's loops too: they stream the weight once at memory speed, where MKL's
-# sgemv of one row ran at a third of it. On the embedded 19.6M Nemotron-H (Mamba2 in_proj 512 x 2192, 2-core CPU) the
-# plain step took 4.0 ms that way against 5.9 ms with MKL for those products (compiled plain decoding 295 against 173
-# tok/s on held-out code), and a greedy step of 2 and 4 nodes 5.9 and 6.8 ms against 8.8 and 8.7. Beyond a few rows
-# each output's sum is repeated per row, one dependent chain of adds each, where MKL's sgemm keeps the cores' FMA units
-# busy: at 8 nodes the loops were still 7% faster on that model (8.9 ms against 9.6) and equal at 17, but a wide
-# vocabulary's head at 8 rows is bound by those chains, so the products there stay MKL's
+# Products the kernel does not take (another dtype, no kernel built): Inductor leaves a product with a weight dimension
+# over 2048 to MKL whatever its rows. In a step whose products have at most WIDE_ROWS rows, every weight is Inductor's
+# loops too: they stream the weight once at memory speed, where MKL's sgemv of one row ran at a third of it. On the
+# embedded 19.6M Nemotron-H (Mamba2 in_proj 512 x 2192, 2-core CPU) the plain step took 4.0 ms that way against 5.9 ms
+# with MKL for those products (compiled plain decoding 295 against 173 tok/s on held-out code), and a greedy step of 2
+# and 4 nodes 5.9 and 6.8 ms against 8.8 and 8.7. Beyond a few rows each output's sum is repeated per row, one dependent
+# chain of adds each, where MKL's sgemm keeps the cores' FMA units busy: at 8 nodes the loops were still 7% faster on
+# that model (8.9 ms against 9.6) and equal at 17, but a wide vocabulary's head at 8 rows is bound by those chains, so
+# the products there stay MKL's
 WIDE_ROWS = 4
 WIDE_OPTIONS = {"cpu_max_other_dimension_decomposition": 1 << 30}
 # Inductor reads the decomposition's thresholds from its config once, when it imports the pass: they are set on the
@@ -93,7 +98,7 @@ class StepCompiler:
             warm-up did not cover takes seconds, tens of seconds where Inductor's cache does not have it).
         inductor: False runs each recorded graph as it is, op by op from Python (the same graphs, inputs and
             outputs without Inductor's code generation: tests of the recording on every family, in seconds).
-        kernels: float32 products of 2 to SMALL_MATMUL_ROWS rows call ssmspec's CPU kernel
+        kernels: float32 products of up to SMALL_MATMUL_ROWS rows call ssmspec's CPU kernel
             (ssmspec.kernels.cpu_linear) where it could be built; False: Inductor's loops.
     """
 

@@ -1,27 +1,57 @@
 // ssmspec_cpu::rows_linear(x, weight, bias): x [M, K] @ weight[N, K]^T + bias, float32, for the few rows of a CPU
 // step (ssmspec.kernels.cpu_linear builds and loads this file; its reference is F.linear).
 //
-// Each task takes tiles of 4 weight rows and, for each, every row of x, up to 4 at a time: every weight vector loaded
-// is used for all of those rows, the MR x NB sums run side by side in registers, and the tile stays in the core's
-// cache for the next group of rows, so the weights are read from memory once per product whatever its rows.
-// Inductor's loops sum each output in one chain of dependent vector additions, a row at a time, so their products run
-// at the adder's latency and each row of a verify step adds its own pass over the weights.
+// Each task takes tiles of 8 weight rows and, for each, every row of x: a lone row against all 8 weight rows, pairs of
+// rows against 4 at a time. Every weight vector loaded serves all of a block's rows, its 8 sums run side by side in
+// registers (enough independent chains to keep both FMA units busy), and the tile stays in the core's cache for the
+// next pair of rows, so the weights are read from memory once per product whatever its rows. A block's sums are
+// reduced 4 at a time by one network of horizontal adds and stored as one vector, instead of one reduction per output.
+// Each output is summed in the same order whatever M is and whichever rows it shares a block with: a row's result is
+// the same in a one-row step and in a verify step of any size.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+constexpr int64_t L = Vec::size();
 
-// y[m, n .. n + NB) for m < MR: MR x NB sums in flight, each weight vector loaded once for the MR rows
+// the sums of 4 accumulators (lanes added pairwise, then the halves), into s[0..4)
+inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* s) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto half = [](const Vec& v) {
+    const __m512 z = v;
+    return _mm256_add_ps(_mm512_castps512_ps256(z), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  const Vec* a[4] = {&a0, &a1, &a2, &a3};
+  for (int j = 0; j < 4; j++) {
+    float lanes[L];
+    a[j]->store(lanes);
+    float t = 0.f;
+    for (int64_t i = 0; i < L; i++) t += lanes[i];
+    s[j] = t;
+  }
+#endif
+}
+
+// y[m, n .. n + NB) for m < MR: MR x NB sums in flight over K (its last partial vector loaded with zeros past K), each
+// weight vector loaded once for the MR rows; NB <= 8, reduced 4 at a time (a group of fewer padded with zeros)
 template <int MR, int NB>
 inline void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
                   int64_t n, const float* bias) {
-  constexpr int64_t L = Vec::size();
   Vec acc[MR][NB];
   for (int m = 0; m < MR; m++)
     for (int j = 0; j < NB; j++) acc[m][j] = Vec(0.f);
@@ -34,47 +64,41 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
       for (int j = 0; j < NB; j++) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
     }
   }
+  if (k < K) {
+    const int rest = static_cast<int>(K - k);
+    Vec wv[NB];
+    for (int j = 0; j < NB; j++) wv[j] = Vec::loadu(w + (n + j) * ldw + k, rest);
+    for (int m = 0; m < MR; m++) {
+      const Vec xv = Vec::loadu(x + m * ldx + k, rest);
+      for (int j = 0; j < NB; j++) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
+    }
+  }
+  const Vec zero(0.f);
   for (int m = 0; m < MR; m++) {
-    for (int j = 0; j < NB; j++) {
-      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][j]);
-      for (int64_t t = k; t < K; t++) s += x[m * ldx + t] * w[(n + j) * ldw + t];
-      y[m * ldy + n + j] = bias ? s + bias[n + j] : s;
+    for (int j = 0; j < NB; j += 4) {
+      float s[4];
+      reduce4(acc[m][j], j + 1 < NB ? acc[m][j + 1] : zero, j + 2 < NB ? acc[m][j + 2] : zero,
+              j + 3 < NB ? acc[m][j + 3] : zero, s);
+      for (int i = 0; i < 4 && j + i < NB; i++) y[m * ldy + n + j + i] = bias ? s[i] + bias[n + j + i] : s[i];
     }
   }
 }
 
-// MR rows of y at the weight rows [n, n + 4) (a tile): the tile's 4 x K weights stay in the core's cache for every
-// group of rows, so a step's weights are read from memory once whatever its row count
-template <int MR>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
-                 int64_t n, const float* bias) {
-  if constexpr (MR == 4 || MR == 3) {
-    block<MR, 2>(x, ldx, w, ldw, K, y, ldy, n, bias);
-    block<MR, 2>(x, ldx, w, ldw, K, y, ldy, n + 2, bias);
-  } else {
-    block<MR, 4>(x, ldx, w, ldw, K, y, ldy, n, bias);
-  }
-}
-
-// every row of y at the weight rows [n, n + 4): groups of 4 rows, then the 1 to 3 left
+// every row of y at the weight rows [n, n + NB) (NB = 8: a tile; fewer: the weight's last rows): pairs of rows 4
+// weight rows at a time, a row left alone against all NB
+template <int NB>
 inline void rows_at(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,
                     int64_t ldy, int64_t n, const float* bias) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
-  switch (M - m) {
-    case 3: tile<3>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias); break;
-    case 2: tile<2>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias); break;
-    case 1: tile<1>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias); break;
-    default: break;
+  for (; m + 2 <= M; m += 2) {
+    if constexpr (NB > 4) {
+      block<2, 4>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
+      block<2, NB - 4>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n + 4, bias);
+    } else {
+      block<2, NB>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
+    }
   }
-}
-
-// the weight's last N % 4 rows, one at a time, for every row of y
-inline void rows_tail(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,
-                      int64_t ldy, int64_t n, const float* bias) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block<4, 1>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
-  for (; m < M; m++) block<1, 1>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
+  if (m < M) block<1, NB>(x + m * ldx, ldx, w, ldw, K, y + m * ldy, ldy, n, bias);
 }
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -101,23 +125,24 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = xc.stride(0), ldw = wc.stride(0);
-  // the weight's rows split between the threads in tiles of 4, at least ~32K multiply-adds a task (a small product
+  // the weight's rows split between the threads in tiles of 8, at least ~32K multiply-adds a task (a small product
   // runs on the calling thread)
-  const int64_t tiles = N / 4;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 4 * M * K));
-  auto each_tile = [&](auto&& f) {
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; t++) f(4 * t);
-    });
-  };
-  switch (M) {  // (up to 4 rows: one group, its tile's code chosen once)
-    case 1: each_tile([&](int64_t n) { tile<1>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
-    case 2: each_tile([&](int64_t n) { tile<2>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
-    case 3: each_tile([&](int64_t n) { tile<3>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
-    case 4: each_tile([&](int64_t n) { tile<4>(xp, ldx, wp, ldw, K, yp, N, n, b); }); break;
-    default: each_tile([&](int64_t n) { rows_at(xp, ldx, M, wp, ldw, K, yp, N, n, b); }); break;
+  const int64_t tiles = N / 8;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 8 * M * K));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) rows_at<8>(xp, ldx, M, wp, ldw, K, yp, N, 8 * t, b);
+  });
+  const int64_t n = tiles * 8;
+  switch (N - n) {  // the weight's last N % 8 rows
+    case 7: rows_at<7>(xp, ldx, M, wp, ldw, K, yp, N, n, b); break;
+    case 6: rows_at<6>(xp, ldx, M, wp, ldw, K, yp, N, n, b); break;
+    case 5: rows_at<5>(xp, ldx, M, wp, ldw, K, yp, N, n, b); break;
+    case 4: rows_at<4>(xp, ldx, M, wp, ldw, K, yp, N, n, b); break;
+    case 3: rows_at<3>(xp, ldx, M, wp, ldw, K, yp, N, n, b); break;
+    case 2: rows_at<2>(xp, ldx, M, wp, ldw, K, yp, N, n, b); break;
+    case 1: rows_at<1>(xp, ldx, M, wp, ldw, K, yp, N, n, b); break;
+    default: break;
   }
-  for (int64_t n = tiles * 4; n < N; n++) rows_tail(xp, ldx, M, wp, ldw, K, yp, N, n, b);
   return y;
 }
 

@@ -28,7 +28,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 7), (8, 8), (13, 33), (37, 100), (64, 256), (3, 0), (1027, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_linear_equals_its_reference(rows, n, k, bias):
-    """Every row count (the kernel takes rows 4 at a time, then 3, 2 or 1, for each tile of 4 weight rows), weight
+    """Every row count (the kernel takes rows 2 at a time, then a lone one, for each tile of 8 weight rows), weight
     rows off its tiles, reductions off its vector width (and empty), a product large enough to be split between
     threads, with and without a bias."""
     gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
@@ -66,8 +66,8 @@ def test_rows_linear_refuses_mismatched_shapes():
 
 
 def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
-    """mm and addmm (1-D bias) of 2 to max_rows float32 rows call the kernel, with the graph's values; one row, more
-    than max_rows, float64 and a 2-D bias stay as they were."""
+    """mm and addmm (1-D bias) of 1 to max_rows float32 rows call the kernel, with the graph's values; more than
+    max_rows, float64, a 2-D bias, and rows under min_rows stay as they were."""
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
     wd = w.double()
@@ -80,9 +80,33 @@ def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
             torch.randn(3, 40, generator=gen, dtype=torch.float64), torch.randn(3, 24, generator=gen), b)  # fmt: skip
     gm = make_fx(step)(*args)
     want = gm(*args)
-    assert rows_linears(gm, max_rows=8) == 2
     kernel = torch.ops.ssmspec_cpu.rows_linear.default
-    assert sum(node.target is kernel for node in gm.graph.nodes) == 2
-    got = gm(*args)
-    for g, t in zip(got, want):
-        torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
+    floor = make_fx(step)(*args)
+    assert rows_linears(floor, max_rows=8, min_rows=2) == 2  # (the one-row product left out)
+    assert sum(node.target is kernel for node in floor.graph.nodes) == 2
+    assert rows_linears(gm, max_rows=8) == 3
+    assert sum(node.target is kernel for node in gm.graph.nodes) == 3
+    for module in (gm, floor):
+        got = module(*args)
+        for g, t in zip(got, want):
+            torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(13, 33), (64, 256), (1027, 300), (2048, 8)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(threads, n, k):
+    """Each output is summed in one order whatever the product's rows and threads: a row's result alone (a plain
+    step's product) equals, bit for bit, its result among 2 to 17 rows (a verify step's), at any position."""
+    gen = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(17, k, generator=gen)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([torch.ops.ssmspec_cpu.rows_linear(x[i : i + 1], w, b) for i in range(17)])
+        for rows in (2, 3, 4, 5, 8, 17):
+            for start in (0, 17 - rows):
+                together = torch.ops.ssmspec_cpu.rows_linear(x[start : start + rows], w, b)
+                assert torch.equal(together, alone[start : start + rows]), (rows, start)
+    finally:
+        torch.set_num_threads(saved)
