@@ -402,16 +402,15 @@ def _recording(compiler: StepCompiler, fn) -> torch.fx.GraphModule:
 
 
 def test_wide_products_of_few_rows_are_inductors_loops():
-    """Without ssmspec's kernel (`kernels=False`, or a dtype it does not take), a product with a weight dimension over
-    Inductor's 2048 in a step of at most WIDE_ROWS rows compiles into the step's own loops (no MKL call: not a single
-    ATen op dispatched by a replay), with the linear's values; a step of more rows keeps Inductor's limit (its
-    products of wide weights stay MKL's), and a step without a wide product Inductor's settings as they are (the same
-    compilation as before)."""
+    """A product with a weight dimension over Inductor's 2048 in a step of at most WIDE_ROWS rows compiles into the
+    step's own loops (no MKL call: not a single ATen op dispatched by a replay), with the linear's values; a step of
+    more rows keeps Inductor's limit (its products of wide weights stay MKL's), and a step without a wide product
+    Inductor's settings as they are (the same compilation as before)."""
     from ssmspec.compile.lower import OPTIONS, WIDE_ROWS
 
     torch.manual_seed(0)
     lin, narrow = torch.nn.Linear(16, 2100), torch.nn.Linear(16, 2048)
-    compiler = StepCompiler(torch.nn.ModuleList([lin, narrow]), progress=False, kernels=False)
+    compiler = StepCompiler(torch.nn.ModuleList([lin, narrow]), progress=False)
     few, many = torch.randn(1, 16), torch.randn(WIDE_ROWS + 1, 16)
     fusion = compiler.options_for(_recording(compiler, lambda: narrow(lin(few)[:, :16])))["post_grad_fusion_options"]
     assert fusion["decompose_mm_pass"]["cpu_max_other_dimension_decomposition"] >= 2100
@@ -431,7 +430,7 @@ def test_wide_products_of_few_rows_are_inductors_loops():
 
 
 def test_products_of_a_few_rows_call_the_cpu_kernel():
-    """A compiled float32 step's linear of 1 to SMALL_MATMUL_ROWS rows calls ssmspec_cpu::rows_linear, the only op
+    """A compiled float32 step's linear of 2 to SMALL_MATMUL_ROWS rows calls ssmspec_cpu::rows_linear, the only op
     the compiled step dispatches beside its arguments' detach, with the linear's values; with `kernels=False` it does
     not call it."""
     from ssmspec.kernels import cpu_linear
@@ -439,13 +438,13 @@ def test_products_of_a_few_rows_call_the_cpu_kernel():
     assert cpu_linear.available()
     torch.manual_seed(0)
     lin = torch.nn.Linear(40, 24)
+    x = torch.randn(3, 40)
     kernel = "ssmspec_cpu.rows_linear.default"
-    for rows, kernels in ((3, True), (1, True), (3, False)):
-        x = torch.randn(rows, 40)
+    for kernels in (True, False):
         graph = StepGraph(torch.device("cpu"), compiler=StepCompiler(lin, progress=False, kernels=kernels))
         with torch.no_grad():
-            out = graph.capture(lambda x=x: torch.relu(lin(x)))
-            x.copy_(torch.randn(rows, 40))
+            out = graph.capture(lambda: torch.relu(lin(x)))
+            x.copy_(torch.randn(3, 40))
             ops = _Ops()
             with ops:
                 graph.compiled(*graph.inputs)

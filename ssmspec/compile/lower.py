@@ -3,7 +3,7 @@
 On a GPU a captured step is a CUDA graph; on a CPU the same step (the same static tensors, the same contract) is
 recorded once as an FX graph of its ATen ops (ssmspec.compile.graphs) and compiled here by Inductor with its C++
 wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them; float32 matrix products
-of up to SMALL_MATMUL_ROWS rows pointed at ssmspec's CPU kernel), with other small products as Inductor's loops
+of 2 to SMALL_MATMUL_ROWS rows pointed at ssmspec's CPU kernel), with one-row products as Inductor's loops
 (`OPTIONS`). A replay is then one call into the compiled code: no Python between the ops, no guards, no op dispatch
 but the C++ dispatcher's call of that kernel. The model's parameters and buffers are the graph's constants, read where
 they live on every call (a weight changed in place is seen).
@@ -33,16 +33,14 @@ from ssmspec.kernels import cpu_linear
 # to 32 rows (a step's linears over its few tokens, weights up to 2048 wide) as Inductor's own fused loops instead of
 # calls into MKL. On the embedded 3M target (2-core CPU, tight loop) a plain step took 0.33-0.51 ms that way against
 # 1.1-1.9 ms with MKL's sgemv and its OpenMP synchronisation per call; a 4-node verify step 0.73 ms against 2.57 ms
-# (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73. Those of float32 call ssmspec's CPU kernel instead where
-# it builds (ssmspec.kernels.cpu_linear, `StepCompiler(kernels=...)`), one row as well as 32: Inductor's loops sum each
-# output in one dependent chain a row at a time, the kernel keeps 8 sums in flight, reduces them 4 at a time and reads a
-# weight from memory once for all rows, and sums each output in the same order whatever the rows, so that a plain step
-# and a verify step compute a token's products alike. Tight loop, 2-core AVX2 CPU, the embedded target's greedy steps of
-# 2, 4, 8 and 16 nodes: 1.53, 1.66, 1.93 and 3.19 ms against 1.63, 1.97, 2.43 and 3.49 with the kernel's first design
-# (one reduction per output, 4 sums in flight, one-row products as Inductor's loops); compiled plain decoding 1.08x and
-# the compiled default call 1.21x what they were with it, calls alternated in one process. The 19.6M Nemotron-H's 2- and
-# 4-node steps took 1.33 and 1.71 plain steps against 1.66 and 2.16 with Inductor's loops; 81 MB of weights streamed
-# from memory, 8 and 16 rows 0.80 and 0.77 the time of 4-row groups each reading them
+# (sgemm: 0.15 ms a product), a 16-node one 1.73 against 2.73. Those of float32 from 2 rows up call ssmspec's CPU kernel
+# instead where it builds (ssmspec.kernels.cpu_linear, `StepCompiler(kernels=...)`): Inductor's loops sum each output
+# in one dependent chain a row at a time, the kernel keeps 8 sums in flight and reads a weight from memory once for all
+# rows (tight loop, 2-core AVX2 CPU: the embedded target's 4-, 8- and 16-node greedy steps 2.2, 3.3 and 5.8 plain steps
+# against 2.7, 4.2 and 7.0; the 19.6M Nemotron-H's 2- and 4-node ones 1.33 and 1.71 against 1.66 and 2.16; 81 MB of
+# weights streamed from memory, 8 and 16 rows 0.80 and 0.77 the time of 4-row groups each reading them). One-row
+# products stay Inductor's loops, fused with the work around them: through the kernel, compiled plain decoding on
+# held-out code ran at 0.88x on the embedded Bamba (13 of 16 alternated rounds slower) and 1.01x on the target
 SMALL_MATMUL_ROWS = 32
 OPTIONS = {
     "cpp_wrapper": True,

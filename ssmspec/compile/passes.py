@@ -276,7 +276,7 @@ def matmul_operands(node: fx.Node) -> tuple[object, object, object] | None:
     return node.args[0], *node.args[1:3]
 
 
-def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 1) -> int:
+def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
     """Point each float32 matrix product of `min_rows` to `max_rows` rows of a recorded CPU step (`mm`, `addmm` with
     a 1-D bias; shapes in `meta["val"]`) at `ssmspec_cpu::rows_linear` (ssmspec.kernels.cpu_linear, which must be
     loaded); returns how many. Inductor's own loops sum each output in one dependent chain, a row at a time; the kernel

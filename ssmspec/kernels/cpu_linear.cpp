@@ -7,7 +7,7 @@
 // next pair of rows, so the weights are read from memory once per product whatever its rows. A block's sums are
 // reduced 4 at a time by one network of horizontal adds and stored as one vector, instead of one reduction per output.
 // Each output is summed in the same order whatever M is and whichever rows it shares a block with: a row's result is
-// the same in a one-row step and in a verify step of any size.
+// the same alone and among any number of rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1,17 +1,18 @@
 """Matrix products of a few rows on a CPU: `ssmspec_cpu::rows_linear(x, weight, bias)`, a C++ kernel (cpu_linear.cpp)
-that a captured CPU step calls for its float32 linears, of one row or a verify step's few
-(ssmspec.compile.passes.rows_linears).
+that a captured CPU step calls for its linears of 2 or more rows (ssmspec.compile.passes.rows_linears).
 
 Inductor's loops sum each output of a product in one chain of dependent vector additions, a row at a time: they run
 at the adder's latency, and a verify step of k nodes pays k passes over every weight. The kernel keeps 8 sums in flight,
 uses each weight vector it loads for up to 2 rows, reduces its sums 4 at a time, and runs every row over a tile of the
 weight while it is in the core's cache, so the weight is read from memory once whatever the rows. Each output is summed
-in the same order whatever the number of rows: a token's products in a plain step equal its products in a verify step
-bit for bit. Its reference is `F.linear` (`reference`).
+in the same order whatever the number of rows: a token's products are the same bit for bit in verify steps of any size.
+Its reference is `F.linear` (`reference`). On one core of a 2-core AVX2 CPU, 8 and 16 rows of a 1104 x 256 weight took
+111 and 154 us against 143 and 261 with one reduction per output and 4 sums in flight; 1 to 4 rows, bound by reading
+the weight, 3-13% less.
 
 The source is compiled once per machine, torch version and vector instruction set, with the compiler and flags
 Inductor uses for its own C++ (the toolchain a compiled CPU step needs anyway), into Inductor's cache directory
-(`TORCHINDUCTOR_CACHE_DIR`): about 15 s the first time, a file load afterwards. Where it cannot be built (no
+(`TORCHINDUCTOR_CACHE_DIR`): about 13 s the first time, a file load afterwards. Where it cannot be built (no
 compiler, no vector instruction set) `available()` is False and the steps keep Inductor's loops.
 """
 

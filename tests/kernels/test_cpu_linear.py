@@ -66,8 +66,8 @@ def test_rows_linear_refuses_mismatched_shapes():
 
 
 def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
-    """mm and addmm (1-D bias) of 1 to max_rows float32 rows call the kernel, with the graph's values; more than
-    max_rows, float64, a 2-D bias, and rows under min_rows stay as they were."""
+    """mm and addmm (1-D bias) of 2 to max_rows float32 rows call the kernel, with the graph's values; one row, more
+    than max_rows, float64 and a 2-D bias stay as they were (`min_rows=1` takes the one row too)."""
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
     wd = w.double()
@@ -81,12 +81,12 @@ def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
     gm = make_fx(step)(*args)
     want = gm(*args)
     kernel = torch.ops.ssmspec_cpu.rows_linear.default
-    floor = make_fx(step)(*args)
-    assert rows_linears(floor, max_rows=8, min_rows=2) == 2  # (the one-row product left out)
-    assert sum(node.target is kernel for node in floor.graph.nodes) == 2
-    assert rows_linears(gm, max_rows=8) == 3
-    assert sum(node.target is kernel for node in gm.graph.nodes) == 3
-    for module in (gm, floor):
+    ones = make_fx(step)(*args)
+    assert rows_linears(gm, max_rows=8) == 2
+    assert sum(node.target is kernel for node in gm.graph.nodes) == 2
+    assert rows_linears(ones, max_rows=8, min_rows=1) == 3
+    assert sum(node.target is kernel for node in ones.graph.nodes) == 3
+    for module in (gm, ones):
         got = module(*args)
         for g, t in zip(got, want):
             torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
@@ -95,8 +95,8 @@ def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(13, 33), (64, 256), (1027, 300), (2048, 8)])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(threads, n, k):
-    """Each output is summed in one order whatever the product's rows and threads: a row's result alone (a plain
-    step's product) equals, bit for bit, its result among 2 to 17 rows (a verify step's), at any position."""
+    """Each output is summed in one order whatever the product's rows and threads: a row's result alone equals, bit
+    for bit, its result among 2 to 17 rows, at any position (a token's products in verify steps of any size agree)."""
     gen = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     x = torch.randn(17, k, generator=gen)
