@@ -6,9 +6,9 @@ at the adder's latency, and a verify step of k nodes pays k passes over every we
 uses each weight vector it loads for up to 2 rows, reduces its sums 4 at a time, and runs every row over a tile of the
 weight while it is in the core's cache, so the weight is read from memory once whatever the rows. Each output is summed
 in the same order whatever the number of rows: a token's products are the same bit for bit in verify steps of any size.
-Its reference is `F.linear` (`reference`). On one core of a 2-core AVX2 CPU, 8 and 16 rows of a 1104 x 256 weight took
-111 and 154 us against 143 and 261 with one reduction per output and 4 sums in flight; 1 to 4 rows, bound by reading
-the weight, 3-13% less.
+Its reference is `F.linear` (`reference`). On a 2-core AVX2 CPU (the embedded models' four weight shapes, one and two
+threads, two runs), 8 and 16 rows took 5-43% less time than with one reduction per output and 4 sums in flight; 1 to 4
+rows, bound by reading the weight, about the same (single runs from 20% less to 35% more).
 
 The source is compiled once per machine, torch version and vector instruction set, with the compiler and flags
 Inductor uses for its own C++ (the toolchain a compiled CPU step needs anyway), into Inductor's cache directory
