@@ -456,6 +456,26 @@ def test_products_of_a_few_rows_call_the_cpu_kernel():
             torch.testing.assert_close(out, torch.relu(lin(x)), rtol=1e-5, atol=1e-5)
 
 
+def test_a_step_without_products_of_a_few_rows_does_not_wait_for_the_kernel(monkeypatch):
+    """A step whose products have one row (a plain step at batch 1) compiles without asking for the kernel, whose
+    build (`cpu_linear.prepare`, started by the compiler) it overlaps; one with a product of 3 rows asks for it."""
+    from ssmspec.kernels import cpu_linear
+
+    asked = []
+    monkeypatch.setattr(cpu_linear, "available", lambda: asked.append(1) or False)
+    monkeypatch.setattr(cpu_linear, "prepare", lambda: asked.append(0))
+    lin = torch.nn.Linear(8, 4)
+    compiler = StepCompiler(lin, progress=False)
+    assert asked == [0]
+    for rows, want in ((1, [0]), (3, [0, 1])):
+        x = torch.randn(rows, 8)
+        graph = StepGraph(torch.device("cpu"), compiler=compiler)
+        with torch.no_grad():
+            graph.capture(lambda x=x: torch.relu(lin(x)))
+            graph.replay()
+        assert asked == want
+
+
 def test_float32_steps_that_call_the_cpu_kernel_equal_hf_greedy():
     """A float32 model compiled whole (`transform(compile=...)`) whose drafted steps' products call the CPU kernel:
     greedy output equals HF's, or first differs where HF's top-2 logits are a float32 near-tie (the checker's rule)."""

@@ -115,13 +115,16 @@ class StepCompiler:
         self.compilations = 0  # graphs compiled (not found among the model's)
         self.compile_seconds = 0.0
         self.fallbacks = 0  # graphs Inductor failed on, run op by op from Python instead
+        if inductor and kernels:
+            cpu_linear.prepare()  # (built while the first steps compile: a plain step has no product it takes)
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
         """The compiled function of a recorded step (compiled once per graph and input layout)."""
         unroll_depthwise_convs(gm)
         options = self.options_for(gm)
-        if self.inductor and self.kernels and all(t.device.type == "cpu" for t in inputs) and cpu_linear.available():
-            rows_linears(gm, SMALL_MATMUL_ROWS)
+        if (self.inductor and self.kernels and all(t.device.type == "cpu" for t in inputs)
+                and rows_linears(gm, SMALL_MATMUL_ROWS, rewrite=False) and cpu_linear.available()):  # fmt: skip
+            rows_linears(gm, SMALL_MATMUL_ROWS)  # (a step without such products does not wait for the kernel's build)
         for node in gm.graph.nodes:  # (the recorder's shapes, for the passes above; Inductor traces its own)
             node.meta.pop("val", None)
         key = (gm.code, tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in inputs))

@@ -276,12 +276,12 @@ def matmul_operands(node: fx.Node) -> tuple[object, object, object] | None:
     return node.args[0], *node.args[1:3]
 
 
-def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
+def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: bool = True) -> int:
     """Point each float32 matrix product of `min_rows` to `max_rows` rows of a recorded CPU step (`mm`, `addmm` with
     a 1-D bias; shapes in `meta["val"]`) at `ssmspec_cpu::rows_linear` (ssmspec.kernels.cpu_linear, which must be
     loaded); returns how many. Inductor's own loops sum each output in one dependent chain, a row at a time; the kernel
     keeps several sums in flight and reads each weight from memory once for all rows (measured: ssmspec.compile.lower,
-    SMALL_MATMUL_ROWS)."""
+    SMALL_MATMUL_ROWS). `rewrite=False` only counts them (the graph as it was; the kernel need not be loaded)."""
     aten = torch.ops.aten
     graph = gm.graph
     count = 0
@@ -301,6 +301,9 @@ def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
             biasv = bias.meta.get("val") if isinstance(bias, fx.Node) else None
             if not (isinstance(biasv, torch.Tensor) and biasv.dim() == 1 and biasv.dtype == torch.float32):
                 continue
+        if not rewrite:
+            count += 1
+            continue
         with graph.inserting_before(node):
             weight = graph.call_function(aten.t.default, (b,))  # [N, K]: a linear's weight as it is stored
             result = graph.call_function(torch.ops.ssmspec_cpu.rows_linear.default, (a, weight, bias))
@@ -308,7 +311,7 @@ def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
         node.replace_all_uses_with(result)
         graph.erase_node(node)
         count += 1
-    if count:
+    if count and rewrite:
         graph.lint()
         gm.recompile()
     return count

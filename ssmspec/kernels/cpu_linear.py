@@ -22,6 +22,7 @@ import hashlib
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ import torch.nn.functional as F
 OP = "ssmspec_cpu::rows_linear"
 SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _LOCK = threading.Lock()
-_STATE: dict[str, bool] = {}  # "available": the op is loaded (or could not be), once per process
+# "available": the op is loaded (or could not be), once per process; "error": why not, until a caller has warned of it;
+# "started": a background build was started (`prepare`)
+_STATE: dict[str, Any] = {}
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -38,19 +41,44 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def available() -> bool:
-    """Whether `torch.ops.ssmspec_cpu.rows_linear` is loaded in this process (built first where it is not yet)."""
+    """Whether `torch.ops.ssmspec_cpu.rows_linear` is loaded in this process (built first where it is not yet, or
+    once the build `prepare` started has finished)."""
     with _LOCK:
         if "available" not in _STATE:
-            try:
-                torch.ops.load_library(str(_build()))
-                torch.library.register_fake(OP)(_fake)
-                _STATE["available"] = True
-            except Exception as e:  # noqa: BLE001 - no compiler, no vector ISA, a failed build: Inductor's loops
-                warnings.warn(f"ssmspec: the CPU product kernel could not be built ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); compiled steps keep Inductor's "
-                              "loops for their products", RuntimeWarning, stacklevel=2)  # fmt: skip
-                _STATE["available"] = False
+            _load()
+        error = _STATE.pop("error", None)
+        if error is not None:
+            warnings.warn(f"ssmspec: the CPU product kernel could not be built ({error}); compiled steps keep "
+                          "Inductor's loops for their products", RuntimeWarning, stacklevel=2)  # fmt: skip
         return _STATE["available"]
+
+
+def prepare() -> None:
+    """Start building and loading the kernel in a background thread, where it is not loaded yet: the compiler runs in
+    its own process meanwhile, so a step compiled without the kernel (a plain step: no product of 2 rows or more)
+    overlaps the build (about 13 s on a 2-core CPU). `available()` waits for it."""
+    with _LOCK:
+        if "available" in _STATE or "started" in _STATE:
+            return
+        _STATE["started"] = True
+    threading.Thread(target=_load_once, name="ssmspec-cpu-linear-build", daemon=True).start()
+
+
+def _load_once() -> None:
+    with _LOCK:
+        if "available" not in _STATE:
+            _load()
+
+
+def _load() -> None:
+    """Build and load the op (under _LOCK); a failure is kept for the next `available()` to warn of."""
+    try:
+        torch.ops.load_library(str(_build()))
+        torch.library.register_fake(OP)(_fake)
+        _STATE["available"] = True
+    except Exception as e:  # noqa: BLE001 - no compiler, no vector ISA, a failed build: Inductor's loops
+        _STATE["available"] = False
+        _STATE["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -84,4 +112,4 @@ def _build() -> Path:
     return target
 
 
-__all__ = ["OP", "available", "reference"]
+__all__ = ["OP", "available", "prepare", "reference"]

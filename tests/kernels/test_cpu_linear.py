@@ -4,6 +4,7 @@ step's products at it (ssmspec.compile.passes.rows_linears)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -82,6 +83,8 @@ def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
     want = gm(*args)
     kernel = torch.ops.ssmspec_cpu.rows_linear.default
     ones = make_fx(step)(*args)
+    code = gm.code
+    assert rows_linears(gm, max_rows=8, rewrite=False) == 2 and gm.code == code  # (counted, left as it was)
     assert rows_linears(gm, max_rows=8) == 2
     assert sum(node.target is kernel for node in gm.graph.nodes) == 2
     assert rows_linears(ones, max_rows=8, min_rows=1) == 3
@@ -110,3 +113,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(threads, n, k):
                 assert torch.equal(together, alone[start : start + rows]), (rows, start)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_background_build_waits_for_its_caller_and_a_failed_one_is_warned_of_there(monkeypatch):
+    """`prepare` builds in a thread once (a second call starts nothing); `available()` waits for it, and where the
+    build failed warns of it in the calling thread, once, and leaves the steps Inductor's loops (False)."""
+    monkeypatch.setattr(cpu_linear, "_STATE", {})
+    builds = []
+
+    def failing_build():
+        builds.append(1)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu_linear, "_build", failing_build)
+    cpu_linear.prepare()
+    cpu_linear.prepare()
+    with pytest.warns(RuntimeWarning, match="could not be built .*no compiler here"):
+        assert cpu_linear.available() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_linear.available() is False
+    assert builds == [1]
