@@ -96,7 +96,7 @@ class StepCompiler:
             warm-up did not cover takes seconds, tens of seconds where Inductor's cache does not have it).
         inductor: False runs each recorded graph as it is, op by op from Python (the same graphs, inputs and
             outputs without Inductor's code generation: tests of the recording on every family, in seconds).
-        kernels: float32 products of up to SMALL_MATMUL_ROWS rows call ssmspec's CPU kernel
+        kernels: float32 products of 2 to SMALL_MATMUL_ROWS rows call ssmspec's CPU kernel
             (ssmspec.kernels.cpu_linear) where it could be built; False: Inductor's loops.
     """
 
