@@ -7,7 +7,7 @@ uses each weight vector it loads for up to 2 rows, reduces its sums 4 at a time,
 weight while it is in the core's cache, so the weight is read from memory once whatever the rows. Each output is summed
 in the same order whatever the number of rows: a token's products are the same bit for bit in verify steps of any size.
 Its reference is `F.linear` (`reference`). On a 2-core AVX2 CPU (the embedded models' four weight shapes, one and two
-threads, two runs), 8 and 16 rows took 5-43% less time than with one reduction per output and 4 sums in flight; 1 to 4
+threads, two runs), 8 and 16 rows took 5-41% less time than with one reduction per output and 4 sums in flight; 1 to 4
 rows, bound by reading the weight, about the same (single runs from 20% less to 35% more).
 
 The source is compiled once per machine, torch version and vector instruction set, with the compiler and flags
