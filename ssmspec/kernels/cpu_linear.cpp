@@ -55,24 +55,18 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
   Vec acc[MR][NB];
   for (int m = 0; m < MR; m++)
     for (int j = 0; j < NB; j++) acc[m][j] = Vec(0.f);
+  // the products of one vector's width of K at k, its values read by `load`
+  auto add = [&](int64_t k, auto load) {
+    Vec wv[NB];
+    for (int j = 0; j < NB; j++) wv[j] = load(w + (n + j) * ldw + k);
+    for (int m = 0; m < MR; m++) {
+      const Vec xv = load(x + m * ldx + k);
+      for (int j = 0; j < NB; j++) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
+    }
+  };
   int64_t k = 0;
-  for (; k + L <= K; k += L) {
-    Vec wv[NB];
-    for (int j = 0; j < NB; j++) wv[j] = Vec::loadu(w + (n + j) * ldw + k);
-    for (int m = 0; m < MR; m++) {
-      const Vec xv = Vec::loadu(x + m * ldx + k);
-      for (int j = 0; j < NB; j++) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
-    }
-  }
-  if (k < K) {
-    const int rest = static_cast<int>(K - k);
-    Vec wv[NB];
-    for (int j = 0; j < NB; j++) wv[j] = Vec::loadu(w + (n + j) * ldw + k, rest);
-    for (int m = 0; m < MR; m++) {
-      const Vec xv = Vec::loadu(x + m * ldx + k, rest);
-      for (int j = 0; j < NB; j++) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
-    }
-  }
+  for (; k + L <= K; k += L) add(k, [](const float* p) { return Vec::loadu(p); });
+  if (k < K) add(k, [rest = K - k](const float* p) { return Vec::loadu(p, rest); });
   const Vec zero(0.f);
   for (int m = 0; m < MR; m++) {
     for (int j = 0; j < NB; j += 4) {
