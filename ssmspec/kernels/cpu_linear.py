@@ -43,14 +43,13 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 def available() -> bool:
     """Whether `torch.ops.ssmspec_cpu.rows_linear` is loaded in this process (built first where it is not yet, or
     once the build `prepare` started has finished)."""
+    _load_once()
     with _LOCK:
-        if "available" not in _STATE:
-            _load()
         error = _STATE.pop("error", None)
-        if error is not None:
-            warnings.warn(f"ssmspec: the CPU product kernel could not be built ({error}); compiled steps keep "
-                          "Inductor's loops for their products", RuntimeWarning, stacklevel=2)  # fmt: skip
-        return _STATE["available"]
+    if error is not None:
+        warnings.warn(f"ssmspec: the CPU product kernel could not be built ({error}); compiled steps keep "
+                      "Inductor's loops for their products", RuntimeWarning, stacklevel=2)  # fmt: skip
+    return _STATE["available"]
 
 
 def prepare() -> None:
@@ -65,6 +64,7 @@ def prepare() -> None:
 
 
 def _load_once() -> None:
+    """Build and load the op unless done (by this process, once: every caller after the first waits for it)."""
     with _LOCK:
         if "available" not in _STATE:
             _load()
