@@ -42,8 +42,15 @@ from ssmspec.kernels import cpu_linear
 # products stay Inductor's loops, fused with the work around them: through the kernel, compiled plain decoding on
 # held-out code ran at 0.88x on the embedded Bamba (13 of 16 alternated rounds slower) and 1.01x on the target
 SMALL_MATMUL_ROWS = 32
+# A step's compilation (embedded 3M target, 2-core CPU, empty cache): the plain step about 25 s, each of the four verify
+# buckets about 40 s, of which about 15 s are g++ on 400-460 kB of C++ (kernels and wrapper in one file at -O3) and
+# the rest Inductor's Python (tracing, lowering, C++ code generation: cProfile). `cpp_wrapper_build_separate` compiles
+# the wrapper (glue: allocations, kernel calls) at -O1 apart from the kernels at -O3: g++ 7-10 s a verify bucket,
+# `transform(compile=True)` 167 s against 180 run back to back; compiled decoding alternated in one process: plain
+# 1.03x, fixed 4-node chains 0.97x, the default call 1.01x (8 rounds: equal within noise)
 OPTIONS = {
     "cpp_wrapper": True,
+    "cpp_wrapper_build_separate": True,
     "post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_first_dimension_decomposition": SMALL_MATMUL_ROWS}},
 }
 # Products the kernel does not take (another dtype, no kernel built): Inductor leaves a product with a weight dimension
