@@ -32,10 +32,11 @@ VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup pe
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 2 to 32 rows
-# in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time; built beside the first steps' compilation), and the
-# default call's policy on those steps, which prices and judges drafts against the loop's plain steps (the files that
-# time those calls and the warm-up; `ssmspec bench --compiled` times the forward compiled by Dynamo, without the kernel)
-COMPILED_CPU = "9582baf"
+# in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time; built beside the first steps' compilation), each
+# step's C++ wrapper built at -O1 apart from its kernels, and the default call's policy on those steps, which prices
+# and judges drafts against the loop's plain steps (the files that time those calls and the warm-up; `ssmspec bench
+# --compiled` times the forward compiled by Dynamo, without the kernel)
+COMPILED_CPU = "4e348d5"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
          TRACED: "2026-11-23", COMPILED_CPU: "2026-11-29"}  # fmt: skip
