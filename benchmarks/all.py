@@ -35,8 +35,9 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time; built beside the first steps' compilation), each
 # step's C++ wrapper built at -O1 apart from its kernels, and the default call's policy on those steps, which prices
 # and judges drafts against the loop's plain steps (the files that time those calls and the warm-up; `ssmspec bench
-# --compiled` times the forward compiled by Dynamo, without the kernel)
-COMPILED_CPU = "4e348d5"
+# --compiled` times the forward compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them
+# (llama-bench once a round, its fastest kept)
+COMPILED_CPU = "f279f75"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
          TRACED: "2026-11-23", COMPILED_CPU: "2026-11-29"}  # fmt: skip
