@@ -261,7 +261,7 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
                 if isinstance(out, list):
                     out = torch.cat([p, torch.tensor([out])], 1)
                 identical[method] += int(torch.equal(out, want)) if r == 0 else 0
-            if src is not None:  # llama-bench in the same rounds (alone it once read 0.5x or 1.6x the bindings)
+            if src is not None:  # llama-bench in the same rounds (alone it once read 0.6x or 1.6x the bindings)
                 bench = max(bench, llama_bench(src, gguf, args.threads, new))
         for method, (best, one) in fastest.items():
             seconds[method] += best
