@@ -48,6 +48,8 @@ TOKENIZER_HASH = "b17747d19b24b4a31dcf3f74bff96a2d817c4599234882744e9b76f2c1f9a4
 # a first difference from HF's greedy tokens is allowed only where HF's top-2 logits are this close (relative to
 # max(1, |top logit|)): `ssmspec check`'s float32 near-tie rule
 TIE = 1e-3
+# llama-bench's generation test repetitions per run (one run a round, beside the other methods' calls)
+BENCH_REPETITIONS = 2
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -170,7 +172,7 @@ def dense_nemotron_h(folder: Path, config: dict) -> None:
         extra.unlink()
 
 
-def llama_bench(src: Path, gguf: Path, threads: int, tokens: int, repetitions: int = 2) -> float:
+def llama_bench(src: Path, gguf: Path, threads: int, tokens: int, repetitions: int = BENCH_REPETITIONS) -> float:
     """llama-bench's tokens/s generating `tokens` tokens (tg): the fastest of `repetitions` (as the other methods'
     fastest round is kept)."""
     bin_dir = src / "vendor" / "llama.cpp" / "build" / "bin"
@@ -261,7 +263,7 @@ def measure(name: str, args, src: Path | None, out_dir: Path) -> dict:
                 if isinstance(out, list):
                     out = torch.cat([p, torch.tensor([out])], 1)
                 identical[method] += int(torch.equal(out, want)) if r == 0 else 0
-            if src is not None:  # llama-bench in the same rounds (alone it once read 0.6x or 1.6x the bindings)
+            if src is not None:  # llama-bench in the same rounds (see the module's docstring)
                 bench = max(bench, llama_bench(src, gguf, args.threads, new))
         for method, (best, one) in fastest.items():
             seconds[method] += best
@@ -328,8 +330,8 @@ def main() -> None:
         "setup": f"CPU, {args.threads} threads, float32, batch 1, {args.prompts} held-out prompts x "
         f"{args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, greedy; tokens/s over all prompts, each call "
         f"timed {args.rounds} "
-        "times alternating with the other methods, the fastest kept (llama-bench's tg: 2 repetitions once a round, "
-        "the fastest kept); llama.cpp f32 GGUF from llama-cpp-python "
+        f"times alternating with the other methods, the fastest kept (llama-bench's tg: {BENCH_REPETITIONS} "
+        "repetitions once a round, the fastest kept); llama.cpp f32 GGUF from llama-cpp-python "
         f"{LLAMA_CPP_PYTHON}'s vendored source (GGML_NATIVE)",
         **provenance("python benchmarks/llamacpp.py " + " ".join(sys.argv[1:])),
         "models": [],
