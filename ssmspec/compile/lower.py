@@ -48,9 +48,13 @@ SMALL_MATMUL_ROWS = 32
 # the wrapper (glue: allocations, kernel calls) at -O1 apart from the kernels at -O3: g++ 7-10 s a verify bucket,
 # `transform(compile=True)` 167 s against 180 run back to back; compiled decoding alternated in one process: plain
 # 1.03x, fixed 4-node chains 0.97x, the default call 1.01x (8 rounds: equal within noise)
+# `memory_planning`: a step's intermediates are carved out of a few pooled allocations per call instead of one each
+# (the embedded target's plain step: 79 allocations down to 4; the compiled call took 0.88x the time, alternated in
+# one process, 16 of 20 rounds faster)
 OPTIONS = {
     "cpp_wrapper": True,
     "cpp_wrapper_build_separate": True,
+    "memory_planning": True,
     "post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_first_dimension_decomposition": SMALL_MATMUL_ROWS}},
 }
 # Products the kernel does not take (another dtype, no kernel built): Inductor leaves a product with a weight dimension

@@ -181,6 +181,32 @@ def test_near_ties_are_counted_in_spec_stats():
     assert out.spec_stats["near_ties"] == out.spec_stats["emitted_tokens"] == 16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_near_ties_match_the_top_two_of_topk(dtype):
+    """`near_ties` finds the runner-up with reductions (fused in compiled steps): the same verdicts as topk's top two,
+    with exact ties (a repeated top value), near ties, -inf logits and random rows."""
+    from ssmspec.speculate.ties import near_ties
+
+    g = torch.Generator().manual_seed(0)
+    verdicts = set()
+    for trial in range(60):
+        x = torch.randn(2, 3, 257, generator=g).to(dtype)
+        top, first = x.max(-1)
+        other = (first + 1 + trial) % x.shape[-1]
+        if trial % 3 == 0:  # an exact tie at another position
+            x.scatter_(-1, other[..., None], top[..., None])
+        elif trial % 3 == 1:  # a gap of one ulp-sized step
+            x.scatter_(-1, other[..., None], (top - torch.finfo(dtype).eps * top.abs())[..., None])
+        if trial % 4 == 0:
+            x[..., 7] = float("-inf")
+        want = x.float().topk(2, dim=-1).values
+        want = (want[..., 0] - want[..., 1]) < 1e-3 * want[..., 0].abs().clamp(min=1.0)
+        got = near_ties(x, 1e-3)
+        assert torch.equal(got, want), trial
+        verdicts.update(got.flatten().tolist())
+    assert verdicts == {True, False}
+
+
 def test_generate_speculates_by_default_and_false_is_hfs_own():
     ref, model = _pair("mamba2")
     ids, mask = _batch()
