@@ -50,7 +50,9 @@ SMALL_MATMUL_ROWS = 32
 # 1.03x, fixed 4-node chains 0.97x, the default call 1.01x (8 rounds: equal within noise)
 # `memory_planning`: a step's intermediates are carved out of a few pooled allocations per call instead of one each
 # (the embedded target's plain step: 79 allocations down to 4; the compiled call took 0.88x the time, alternated in
-# one process, 16 of 20 rounds faster)
+# one process, 16 of 20 rounds faster). With the near-tie check as fused reductions (ssmspec.speculate.ties), whole
+# calls on 4 held-out prompts, alternated: compiled plain decoding (384 new tokens) 0.85x the time, 11 of 12 rounds
+# faster; the default call (256) 0.89x, 8 of 10
 OPTIONS = {
     "cpp_wrapper": True,
     "cpp_wrapper_build_separate": True,
