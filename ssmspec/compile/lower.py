@@ -52,7 +52,8 @@ SMALL_MATMUL_ROWS = 32
 # (the embedded target's plain step: 79 allocations down to 4; the compiled call took 0.88x the time, alternated in
 # one process, 16 of 20 rounds faster). With the near-tie check as fused reductions (ssmspec.speculate.ties), whole
 # calls on 4 held-out prompts, alternated: compiled plain decoding (384 new tokens) 0.85x the time, 11 of 12 rounds
-# faster; the default call (256) 0.89x, 8 of 10
+# faster; the default call (256) 0.89x, 8 of 10. Its cost is in compilation: cold `transform(compile=True)` of the
+# target, empty caches, two runs each, 160 and 166 s against 145 and 165 s without it (g++ 61 s against 53-59)
 OPTIONS = {
     "cpp_wrapper": True,
     "cpp_wrapper_build_separate": True,
