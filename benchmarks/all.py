@@ -34,10 +34,10 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 2 to 32 rows
 # in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time; built beside the first steps' compilation), each
 # step's C++ wrapper built at -O1 apart from its kernels, its intermediates pooled (Inductor's memory planning) and its
-# near-tie check fused, and the default call's policy on those steps, which prices
-# and judges drafts against the loop's plain steps (the files that time those calls and the warm-up; `ssmspec bench
-# --compiled` times the forward compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them
-# (llama-bench once a round, its fastest kept)
+# near-tie check fused, and the default call's policy on those steps, which prices and judges drafts against the
+# loop's plain steps (the files that time those calls and the warm-up; `ssmspec bench --compiled` times the forward
+# compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them (llama-bench once a round, its
+# fastest kept)
 COMPILED_CPU = "b76b25e"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
