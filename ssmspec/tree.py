@@ -407,9 +407,11 @@ class TokenTree:
             return torch.zeros_like(last)[:, None], torch.ones_like(last)
         on_path = torch.gather(self.ancestor_mask, 1, last.view(-1, 1, 1).expand(-1, 1, n)).squeeze(1)  # [B, N]
         index = torch.arange(n, device=last.device)
-        order = torch.where(on_path, index, index + n).argsort(dim=-1)[:, :m]
+        # the path's node at each depth: its nodes are `last`'s ancestors, one per depth (a compare and a sum, which
+        # a compiled step fuses, where a sort would be a library call)
+        at_depth = on_path[:, None, :] & (self.depth[:, None, :] == index[:m, None])  # [B, M, N]
         lengths = on_path.sum(-1)
-        path = torch.where(index[:m] < lengths[:, None], order, last[:, None])
+        path = torch.where(index[:m] < lengths[:, None], (at_depth * index).sum(-1), last[:, None])
         return path, lengths
 
     def paths(self, last: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

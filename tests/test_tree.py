@@ -63,17 +63,17 @@ def test_derived_structure(tree):
 
 @given(tree=trees(batch_size=3, max_nodes=12), data=st.data())
 def test_static_width_paths_equal_the_walked_paths(tree, data):
-    """With a fixed width the paths are computed on the device (no host read of `last`: CUDA graphs); they
-    equal the walked paths, padded with the last node (or cut) to the width."""
+    """With a fixed width the paths are computed on the device (no host read of `last`: CUDA graphs, compiled
+    steps); they equal the walked paths, padded with the last node (or cut) to the width."""
     b, n = tree.tokens.shape
     last = torch.tensor([data.draw(st.integers(0, n - 1)) for _ in range(b)])
     width = data.draw(st.integers(int(tree.depth[torch.arange(b), last].max()) + 1, n + 2))
-    path, lengths = tree.paths(last, width)
-    assert path.shape == (b, min(width, n))
-    for r in range(b):
-        walked = tree.path_nodes(r, int(last[r]))
-        assert int(lengths[r]) == len(walked)
-        assert path[r].tolist() == (walked + [walked[-1]] * n)[: min(width, n)]
+    for path, lengths in (tree.paths(last, width), tree._static_paths(last, min(width, n))):
+        assert path.shape == (b, min(width, n)) and path.dtype == torch.long
+        for r in range(b):
+            walked = tree.path_nodes(r, int(last[r]))
+            assert int(lengths[r]) == len(walked)
+            assert path[r].tolist() == (walked + [walked[-1]] * n)[: min(width, n)]
 
 
 @given(tree=trees(batch_size=3, max_nodes=10))
