@@ -401,6 +401,96 @@ def _recording(compiler: StepCompiler, fn) -> torch.fx.GraphModule:
     return recorder.finish()[0]
 
 
+def _targets(gm: torch.fx.GraphModule) -> list:
+    return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+
+
+def test_the_one_region_passes_keep_every_value():
+    """The passes that keep a recorded step's ops in Inductor's loops (ssmspec.compile.passes) compute what the ops
+    they replace did: batched products over a few nodes as broadcast products summed (the in-place form still
+    updating its tensor), a path's cumsum as a running sum equal bit for bit in every dtype, a product of a few rows
+    as one-row products; products they do not take stay as they were."""
+    from ssmspec.compile.lower import FUSED_BMM_INNER, FUSED_BMM_OUTPUTS, SPLIT_ROWS, UNROLLED_CUMSUM
+    from ssmspec.compile.passes import short_cumsums_unrolled, small_bmms_as_sums, split_product_rows
+
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40)
+    a, b, c = torch.randn(6, 32, 5), torch.randn(6, 5, 16), torch.randn(6, 32, 16)
+    big_a, big_b = torch.randn(2, 80, FUSED_BMM_INNER + 1), torch.randn(2, FUSED_BMM_INNER + 1, 80)
+    sums = [
+        torch.randn(3, 9, 4, dtype=dtype) for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    ]
+    few, many = torch.randn(SPLIT_ROWS - 1, 24), torch.randn(SPLIT_ROWS + 1, 24)
+    state = torch.randn(6, 32, 16)
+    inputs = [a, b, c, big_a, big_b, *sums, few, many, state]
+
+    def step():
+        state.baddbmm_(a, b)
+        return (torch.bmm(a, b), torch.baddbmm(c, a, b), torch.bmm(big_a, big_b), *(s.cumsum(1) for s in sums),
+                lin(few), lin(many))  # fmt: skip
+
+    from ssmspec.compile.graphs import _Recorder
+
+    recorder = _Recorder(StepCompiler(lin, progress=False).constants)
+    with recorder, torch.no_grad():
+        outs = step()
+    gm, kept = recorder.finish()
+    assert [id(t) for t in kept] == [id(t) for t in outs]
+    assert {id(t) for t in recorder.inputs} == {id(t) for t in inputs}
+    at = [i for i, t in enumerate(recorder.inputs) if t is state][0]
+
+    def run(graph):
+        fresh = [t.clone() for t in recorder.inputs]
+        return graph(*fresh), fresh[at]
+
+    want, want_state = run(gm)
+    before = _targets(gm)
+    assert small_bmms_as_sums(gm, FUSED_BMM_INNER, FUSED_BMM_OUTPUTS) == 3  # (the wide one stays MKL's)
+    assert short_cumsums_unrolled(gm, UNROLLED_CUMSUM) == len(sums)
+    assert split_product_rows(gm, SPLIT_ROWS) == 1
+    after = _targets(gm)
+    assert after.count(aten.bmm.default) == 1 and aten.baddbmm.default not in after
+    assert aten.baddbmm_.default not in after and aten.cumsum.default not in after
+    assert after.count(aten.addmm.default) == before.count(aten.addmm.default) + SPLIT_ROWS - 2
+    got, got_state = run(gm)
+    assert len(got) == len(want) == len(outs)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    for i, (x, y) in enumerate(zip(got, want)):
+        if 3 <= i < 3 + len(sums):  # the running sums: ATen's order and accumulation, the same bits
+            assert x.dtype == y.dtype and torch.equal(x, y), x.dtype
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_products_of_a_few_rows_and_sums_over_nodes_compile_into_one_region():
+    """A compiled step whose products have at most SPLIT_ROWS rows and whose batched products and cumsums run over a
+    few nodes dispatches no op (one function of Inductor's loops: no kernel, MKL or ATen call between them), with the
+    eager step's values."""
+    from ssmspec.compile.lower import SPLIT_ROWS
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(40, 24)
+    x, nodes = torch.randn(SPLIT_ROWS, 40), torch.randn(4, 3, 24)
+
+    def step():
+        h = torch.relu(lin(x))  # [rows, 24]
+        mixed = torch.bmm(nodes, h[:3].t().expand(4, 24, 3))  # [4, 3, 3]: over a few nodes
+        return mixed.cumsum(1), h
+
+    graph = StepGraph(torch.device("cpu"), compiler=StepCompiler(lin, progress=False))
+    with torch.no_grad():
+        out = graph.capture(step)
+        x.copy_(torch.randn(SPLIT_ROWS, 40))
+        ops = _Ops()
+        with ops:
+            graph.compiled(*graph.inputs)
+        assert [op for op in ops.ops if op != "aten.detach.default"] == []
+        graph.replay()
+        for got, want in zip(out, step()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_wide_products_of_few_rows_are_inductors_loops():
     """A product with a weight dimension over Inductor's 2048 in a step of at most WIDE_ROWS rows compiles into the
     step's own loops (no MKL call: not a single ATen op dispatched by a replay), with the linear's values; a step of
@@ -430,21 +520,23 @@ def test_wide_products_of_few_rows_are_inductors_loops():
 
 
 def test_products_of_a_few_rows_call_the_cpu_kernel():
-    """A compiled float32 step's linear of 2 to SMALL_MATMUL_ROWS rows calls ssmspec_cpu::rows_linear, the only op
-    the compiled step dispatches beside its arguments' detach, with the linear's values; with `kernels=False` it does
-    not call it."""
+    """A compiled float32 step's linear of SPLIT_ROWS + 1 to SMALL_MATMUL_ROWS rows calls ssmspec_cpu::rows_linear,
+    the only op the compiled step dispatches beside its arguments' detach, with the linear's values; with
+    `kernels=False` it does not call it."""
+    from ssmspec.compile.lower import SPLIT_ROWS
     from ssmspec.kernels import cpu_linear
 
     assert cpu_linear.available()
     torch.manual_seed(0)
     lin = torch.nn.Linear(40, 24)
-    x = torch.randn(3, 40)
+    rows = SPLIT_ROWS + 1
+    x = torch.randn(rows, 40)
     kernel = "ssmspec_cpu.rows_linear.default"
     for kernels in (True, False):
         graph = StepGraph(torch.device("cpu"), compiler=StepCompiler(lin, progress=False, kernels=kernels))
         with torch.no_grad():
             out = graph.capture(lambda: torch.relu(lin(x)))
-            x.copy_(torch.randn(3, 40))
+            x.copy_(torch.randn(rows, 40))
             ops = _Ops()
             with ops:
                 graph.compiled(*graph.inputs)
@@ -457,8 +549,10 @@ def test_products_of_a_few_rows_call_the_cpu_kernel():
 
 
 def test_a_step_without_products_of_a_few_rows_does_not_wait_for_the_kernel(monkeypatch):
-    """A step whose products have one row (a plain step at batch 1) compiles without asking for the kernel, whose
-    build (`cpu_linear.prepare`, started by the compiler) it overlaps; one with a product of 3 rows asks for it."""
+    """A step whose products have at most SPLIT_ROWS rows (a plain step at batch 1, a small tree's step) compiles
+    without asking for the kernel, whose build (`cpu_linear.prepare`, started by the compiler) it overlaps; one with a
+    product of more rows asks for it."""
+    from ssmspec.compile.lower import SPLIT_ROWS
     from ssmspec.kernels import cpu_linear
 
     asked = []
@@ -467,7 +561,7 @@ def test_a_step_without_products_of_a_few_rows_does_not_wait_for_the_kernel(monk
     lin = torch.nn.Linear(8, 4)
     compiler = StepCompiler(lin, progress=False)
     assert asked == [0]
-    for rows, want in ((1, [0]), (3, [0, 1])):
+    for rows, want in ((1, [0]), (SPLIT_ROWS, [0]), (SPLIT_ROWS + 1, [0, 1])):
         x = torch.randn(rows, 8)
         graph = StepGraph(torch.device("cpu"), compiler=compiler)
         with torch.no_grad():

@@ -26,7 +26,14 @@ import torch
 from torch import fx, nn
 from tqdm.auto import tqdm
 
-from ssmspec.compile.passes import matmul_operands, rows_linears, unroll_depthwise_convs
+from ssmspec.compile.passes import (
+    matmul_operands,
+    rows_linears,
+    short_cumsums_unrolled,
+    small_bmms_as_sums,
+    split_product_rows,
+    unroll_depthwise_convs,
+)
 from ssmspec.kernels import cpu_linear
 
 # Inductor settings of a compiled step: the C++ wrapper (no Python wrapper's per-call cost), and matrix products of up
@@ -42,6 +49,21 @@ from ssmspec.kernels import cpu_linear
 # products stay Inductor's loops, fused with the work around them: through the kernel, compiled plain decoding on
 # held-out code ran at 0.88x on the embedded Bamba (13 of 16 alternated rounds slower) and 1.01x on the target
 SMALL_MATMUL_ROWS = 32
+# A verify step compiled whole is as fast as the fewest external calls let it be: each (a product through the kernel or
+# MKL, ATen's cumsum or sort) ends the step's one OpenMP region and starts another, and its arguments go through the
+# dispatcher. So before Inductor sees a step (ssmspec.compile.passes): batched products over a tree's or a path's nodes
+# (the tree SSD's sums over ancestors, the replay commit's outer products) become broadcast products summed; cumsums
+# over a path become running sums, in ATen's order and accumulation type; and products of 2 to SPLIT_ROWS rows become
+# one-row products, whose loops Inductor fuses into one pass over the weight with a sum per row in flight (the same
+# sums, bit for bit, as a plain step's one-row products). With the tree SSD's outputs computed node-major and the conv
+# windows committed a column at a time (ssmspec.ops), a greedy step of 2 and 4 nodes on the embedded 3M target became
+# one OpenMP region: 1.30 and 1.41 plain steps against 1.75 and 1.99 (2-core AVX-512 CPU, alternated in one process);
+# on the 19.6M Nemotron-H 1.07 and 1.23 against 1.18 and 1.42. Products of more rows stay the kernel's: at 8 rows
+# split ones cost the medium model 1.94 plain steps against the kernel's 1.70
+SPLIT_ROWS = 4
+FUSED_BMM_INNER = 64
+FUSED_BMM_OUTPUTS = 4096
+UNROLLED_CUMSUM = 64
 # A step's compilation (embedded 3M target, 2-core CPU, empty cache): the plain step about 25 s, each of the four verify
 # buckets about 40 s, of which about 15 s are g++ on 400-460 kB of C++ (kernels and wrapper in one file at -O3) and
 # the rest Inductor's Python (tracing, lowering, C++ code generation: cProfile). `cpp_wrapper_build_separate` compiles
@@ -135,6 +157,9 @@ class StepCompiler:
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
         """The compiled function of a recorded step (compiled once per graph and input layout)."""
         unroll_depthwise_convs(gm)
+        small_bmms_as_sums(gm, FUSED_BMM_INNER, FUSED_BMM_OUTPUTS)
+        short_cumsums_unrolled(gm, UNROLLED_CUMSUM)
+        split_product_rows(gm, SPLIT_ROWS)
         options = self.options_for(gm)
         if (self.inductor and self.kernels and all(t.device.type == "cpu" for t in inputs)
                 and rows_linears(gm, SMALL_MATMUL_ROWS, rewrite=False) and cpu_linear.available()):  # fmt: skip

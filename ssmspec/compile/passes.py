@@ -315,3 +315,123 @@ def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: 
         graph.lint()
         gm.recompile()
     return count
+
+
+def small_bmms_as_sums(gm: fx.GraphModule, max_inner: int, max_outputs: int) -> int:
+    """Rewrite each batched matrix product of a recorded CPU step (`bmm`, `baddbmm` and its in-place form, default
+    beta and alpha; shapes in `meta["val"]`) whose inner dimension is at most `max_inner` (a tree's or a path's nodes)
+    or whose output has at most `max_outputs` elements, as a broadcast product summed over its inner dimension; returns
+    how many. Inductor then computes it in its own loops, fused with the work around it, where it would call MKL's
+    batched GEMM: an external call splits the step's one parallel region in two (each a fork and join of the threads,
+    on a small model's step more than the product itself)."""
+    aten = torch.ops.aten
+    targets = {aten.bmm.default: 0, aten.baddbmm.default: 1, aten.baddbmm_.default: 1}
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in targets:
+            continue
+        first = targets[node.target]
+        if node.kwargs or len(node.args) != first + 2:
+            continue
+        a, b = node.args[first], node.args[first + 1]
+        av, bv, out = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (a, b, node))
+        if not all(isinstance(v, torch.Tensor) and v.dim() == 3 for v in (av, bv, out)):
+            continue
+        if not out.dtype.is_floating_point or (av.shape[2] > max_inner and out.numel() > max_outputs):
+            continue
+        with graph.inserting_before(node):
+            left = graph.call_function(aten.unsqueeze.default, (a, 3))  # [Bt, M, K, 1]
+            right = graph.call_function(aten.unsqueeze.default, (b, 1))  # [Bt, 1, K, N]
+            product = graph.call_function(aten.mul.Tensor, (left, right))
+            summed = graph.call_function(aten.sum.dim_IntList, (product, [2]))
+            if node.target is aten.bmm.default:
+                result = summed
+            elif node.target is aten.baddbmm.default:
+                result = graph.call_function(aten.add.Tensor, (node.args[0], summed))
+            else:
+                result = graph.call_function(aten.add_.Tensor, (node.args[0], summed))
+        result.meta["val"] = out
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def short_cumsums_unrolled(gm: fx.GraphModule, max_length: int) -> int:
+    """Rewrite each floating-point `cumsum` of a recorded CPU step over a dimension of at most `max_length` (a path
+    of a few nodes) as its running sum, term by term in ATen's own order and accumulation type (float64 for float32,
+    float32 for 16-bit types: the same values, bit for bit); returns how many. Inductor has no scan on a CPU: it calls
+    ATen's cumsum, an external call that splits the step's one parallel region."""
+    aten = torch.ops.aten
+    accumulate = {torch.float32: torch.float64, torch.float16: torch.float32, torch.bfloat16: torch.float32,
+                  torch.float64: torch.float64}  # fmt: skip
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cumsum.default or node.kwargs or len(node.args) != 2:
+            continue
+        x, dim = node.args
+        xv, out = x.meta.get("val") if isinstance(x, fx.Node) else None, node.meta.get("val")
+        if not isinstance(xv, torch.Tensor) or xv.dtype not in accumulate or not isinstance(out, torch.Tensor):
+            continue
+        dim = dim % xv.dim()
+        length = xv.shape[dim]
+        if not 1 <= length <= max_length:
+            continue
+        acc_dtype = accumulate[xv.dtype]
+        with graph.inserting_before(node):
+            terms, total = [], None
+            for i in range(length):
+                term = graph.call_function(aten.select.int, (x, dim, i))
+                term = graph.call_function(aten._to_copy.default, (term,), {"dtype": acc_dtype})
+                total = term if total is None else graph.call_function(aten.add.Tensor, (total, term))
+                terms.append(graph.call_function(aten._to_copy.default, (total,), {"dtype": xv.dtype}))
+            result = graph.call_function(aten.stack.default, (terms, dim))
+        result.meta["val"] = out
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def split_product_rows(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
+    """Rewrite each matrix product of `min_rows` to `max_rows` rows (`mm`, `addmm` with default beta and alpha) of a
+    recorded CPU step as one product per row, concatenated; returns how many. Inductor computes a one-row product in
+    its own loops, and the rows' loops, reading the same weight over the same ranges, fuse into one pass over it with
+    a sum per row in flight."""
+    aten = torch.ops.aten
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        operands = matmul_operands(node)
+        if operands is None or node.kwargs or len(node.args) != (2 if operands[0] is None else 3):
+            continue
+        bias, a, b = operands
+        av, out = a.meta.get("val") if isinstance(a, fx.Node) else None, node.meta.get("val")
+        if not (isinstance(av, torch.Tensor) and av.dim() == 2 and min_rows <= av.shape[0] <= max_rows):
+            continue
+        with graph.inserting_before(node):
+            parts = []
+            for i in range(av.shape[0]):
+                row = graph.call_function(aten.slice.Tensor, (a, 0, i, i + 1))
+                row.meta["val"] = av[i : i + 1]
+                args = (row, b) if bias is None else (bias, row, b)
+                part = graph.call_function(node.target, args)
+                part.meta["val"] = out[i : i + 1]
+                parts.append(part)
+            result = graph.call_function(aten.cat.default, (parts, 0))
+        result.meta["val"] = out
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count

@@ -113,6 +113,8 @@ def _masked_ssd(x, dt, A, Bm, Cm, D, dt_bias, h0, anc_t, outside, dt_softplus, d
     cb = torch.bmm(Cg, Bg.transpose(1, 2)).view(b, g, 1, n, n)  # C_t . B_s, shared by the heads of a group
     decay = seg.view(b, g, r, n, n)
     w = decay * cb * dts if return_states else decay.mul_(cb).mul_(dts)  # [B, G, R, t, s]
+    if static() and x.device.type == "cpu" and not return_states:
+        return _node_major_outputs(xc, w.view(b, h, n, n), L, Cm, D, h0, cd), x.new_empty(0, dtype=cd)
     xt = xc.permute(0, 2, 3, 1).reshape(b * h, p, n)  # [B*H, P, s]
     wt = w.view(b * h, n, n).transpose(1, 2)
     if h0 is not None:  # exp(L_t) C_t . h0, for every head of a group from one matmul
@@ -136,6 +138,23 @@ def _masked_ssd(x, dt, A, Bm, Cm, D, dt_bias, h0, anc_t, outside, dt_softplus, d
     if h0 is not None:
         states = states + L.exp()[..., None, None] * h0c[:, :, None]
     return y, states.transpose(1, 2).contiguous()
+
+
+def _node_major_outputs(xc, w, L, Cm, D, h0, cd) -> torch.Tensor:
+    """`_masked_ssd`'s outputs [B, N, H, P] computed node-major, as broadcast products summed (a step compiled whole on
+    a CPU): y_t = sum_s w[t, s] x_s + exp(L_t) C_t . h0 + D x_t, where the batched matmuls' head-major [B*H, P, N]
+    would leave the nodes innermost, and every loop Inductor fuses after it (the gated norm, the projection) would
+    vectorize over a handful of nodes with transposes instead of over the channels. w [B, H, t, s], L [B, H, t]."""
+    b, n, h, p = xc.shape
+    g, s = Cm.shape[2], Cm.shape[3]
+    y = (w.permute(0, 2, 1, 3)[..., None] * xc.permute(0, 2, 1, 3)[:, None]).sum(3)  # [B, t, H, P]
+    if h0 is not None:
+        ch0 = (_as(h0, cd).view(b, 1, g, h // g, p, s) * _as(Cm, cd).view(b, n, g, 1, 1, s)).sum(-1)
+        y = y + ch0.view(b, n, h, p) * L.exp().transpose(1, 2)[..., None]
+    if D is not None:
+        Dc = _as(D, cd)
+        y = y + xc * (Dc[:, None] if Dc.ndim == 1 else Dc)
+    return y
 
 
 @tree_ssd.register_fake

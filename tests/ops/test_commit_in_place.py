@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ssmspec.ops import COMMITS, Record, conv_window, ssd_state_at, tree_ssd
+from ssmspec.ops import conv as conv_ops
 from ssmspec.ops._common import stacked
 from ssmspec.tree import TokenTree
 
@@ -63,9 +64,13 @@ def test_ssd_in_place_commit_equals_replay_op(stack, b, last, width):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("stack", [True, False])
 @pytest.mark.parametrize(("b", "last", "width"), [(1, [6], None), (1, [1], 7), (2, [6, 0], None), (3, [5, 2, 6], 7)])
-def test_conv_in_place_commit_equals_window_op(stack, b, last, width):
+def test_conv_in_place_commit_equals_window_op(stack, b, last, width, compiled, monkeypatch):
+    """`compiled`: as a step compiled whole on a CPU records it (a column at a time)."""
+    if compiled:
+        monkeypatch.setattr(conv_ops, "static", lambda: True)
     g = torch.Generator().manual_seed(7 * b + len(last))
     tree = _trees(b)
     n, layers, c, s = tree.num_nodes, 3, 5, 4
@@ -78,7 +83,9 @@ def test_conv_in_place_commit_equals_window_op(stack, b, last, width):
     items = [(t, Record("conv", i, 0, replay={"nodes": nd, "ext": e}))
              for i, (t, nd, e) in enumerate(zip(targets, nodes, ext))]  # fmt: skip
     path, lengths = _path(tree, last, width)
-    want = [conv_window(cm, nd, path, lengths) for cm, nd in zip(committed, nodes)]
+    with monkeypatch.context() as eager:
+        eager.setattr(conv_ops, "static", lambda: False)
+        want = [conv_window(cm, nd, path, lengths) for cm, nd in zip(committed, nodes)]
     COMMITS["conv"](items, path, lengths, torch.tensor(last))
     for got, expected in zip(targets, want):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -88,6 +88,24 @@ def test_ssd_masked_form_equals_sequential_tree():
     torch.testing.assert_close(y, want_y, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("h0", [True, False])
+def test_ssd_node_major_outputs_equal_the_batched_form(h0, monkeypatch):
+    """A step compiled whole on a CPU computes the tree SSD's outputs node-major (broadcast products summed, as
+    `ssmspec.ops.ssd` records them under a capture): the same outputs as the batched matmuls' form, contiguous."""
+    from ssmspec.ops import ssd as ssd_ops
+
+    g = torch.Generator().manual_seed(5)
+    tree = _tree()
+    x, dt, A, Bm, Cm, D, bias, h = _ssd_inputs(g, *tree.tokens.shape)
+    h = h if h0 else None
+    want, _ = tree_ssd(x, dt, A, Bm, Cm, D, bias, h, tree.ancestor_mask, True, 0.0, 3.0, False)
+    monkeypatch.setattr(ssd_ops, "static", lambda: True)
+    got, _ = ssd_ops._masked_ssd(x, dt, A, Bm, Cm, D, bias, h, *ssd_ops.ssd_masks(tree.ancestor_mask, x.dtype),
+                                 True, 0.0, 3.0, False)  # fmt: skip
+    assert got.is_contiguous() and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_selective_scan_chain_matches_hf():
     g = torch.Generator().manual_seed(4)
     b, d, n, s = 2, 6, 5, 4
