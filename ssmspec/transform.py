@@ -44,7 +44,7 @@ from ssmspec.speculate import generate as spec_generate
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import check_vocab
 from ssmspec.speculate.drafters.head import WEIGHTS as HEAD_WEIGHTS
-from ssmspec.speculate.drafters.head import DraftHead, check_head, find_head
+from ssmspec.speculate.drafters.head import DraftHead, check_head, compiled_chains, find_head
 from ssmspec.speculate.generic import CHAINS_ONLY, ROW_BY_ROW
 from ssmspec.speculate.plan import plan_call
 
@@ -593,6 +593,28 @@ def _warm_up(
                   speculation=spec)  # fmt: skip
         if plain:
             model.generate(ids, max_new_tokens=2, pad_token_id=0, speculation=SpecConfig(drafter="none"))
+            _warm_chains(model, ids, spec)
+
+
+def _warm_chains(model: nn.Module, ids: torch.Tensor, spec: SpecConfig | bool) -> None:
+    """Compile the draft head's chains of every depth the default call may draft at `ids`'s batch size (a model
+    compiled whole whose default drafts with its head's compiled chains: drafters.head.CompiledChains), which the
+    warm-up's dummy prompts do not draft."""
+    head = model.__dict__.get("ssmspec_draft_head")
+    if not isinstance(head, DraftHead):
+        return
+    speculation = spec if isinstance(spec, SpecConfig) else None
+    plan = plan_call(
+        model, ids, None, speculation=speculation, head=head, kwargs={"pad_token_id": 0, "max_new_tokens": 8}
+    )
+    if plan.spec.drafter != "draft_head" or plan.spec.tree:
+        return
+    chains = compiled_chains(head, model, model.get_input_embeddings(), hf_features.lm_head(model))
+    if chains is None:
+        return
+    features = torch.zeros(ids.shape[0], int(head.config["hidden_size"]))
+    for depth in range(1, plan.spec.num_draft_tokens + 1):
+        chains.chains(features, ids[:, -1], depth)
 
 
 def explain(

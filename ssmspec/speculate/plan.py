@@ -183,28 +183,34 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     """The SpecConfig the call runs (defaults.spec_for), and why its drafter and sizes."""
     info = getattr(model, "ssmspec_info", None)
     chains = bool(call.model_inputs) or getattr(info, "path", "seams") == "generic"
-    # drafter "auto" drafts with the model's head on an eager target; a compiled one keeps n-grams (on the compiled
-    # embedded target n-grams measured 1.24x ssmspec's compiled plain decoding at batch 1, the head's trees 1.13-1.15x;
-    # at batch 4, 1.08x against 0.96x; steps compiled whole: 587 against 656 tok/s on held-out code, 707 plain; docs:
-    # Benchmarks). A head drafts where it is small against the model (HEAD_MAX_SHARE; sampling: a trained draft head
-    # whatever its size): the embedded Nemotron-H's MTP layer holds 9% of its parameters, and its default call drafts
-    # with it (docs/data/mtp.json)
-    compiled, sampling = compiled_as(model).compiled, bool(call.config.do_sample)
+    # drafter "auto" drafts with the model's head on an eager target. On a model compiled by Dynamo, and when sampling
+    # or with an MTP layer on one compiled whole, n-grams (on the Dynamo-compiled embedded target n-grams measured 1.24x
+    # ssmspec's compiled plain decoding at batch 1, the head's trees 1.13-1.15x; at batch 4, 1.08x against 0.96x; docs:
+    # Benchmarks). Greedy on a model compiled whole, a draft head drafts its argmax chains, each one compiled call
+    # (defaults.HEAD_CHAIN). A head drafts where it is small against the model (HEAD_MAX_SHARE; sampling: a trained
+    # draft head whatever its size): the embedded Nemotron-H's MTP layer holds 9% of its parameters, and its default
+    # call drafts with it (docs/data/mtp.json)
+    found, sampling = compiled_as(model), bool(call.config.do_sample)
+    compiled = found.compiled
+    head_chains = found.step_compiler is not None and isinstance(head, DraftHead) and not sampling
     small = head is not None and (
         size_share(head, model) <= HEAD_MAX_SHARE or (sampling and isinstance(head, DraftHead))
     )
     spec = spec_for(speculation, call.config, draft, trees=(info is None or bool(info.trees)) and not chains,
-                    head=small and not compiled, sampling=sampling, user_set=call.user_set,
-                    head_kind="mtp" if isinstance(head, MTPModule) else "draft_head")  # fmt: skip
+                    head=small and (not compiled or head_chains), sampling=sampling, user_set=call.user_set,
+                    head_kind="mtp" if isinstance(head, MTPModule) else "draft_head",
+                    compiled=head_chains)  # fmt: skip
     asked = speculation is not None and speculation.drafter != "auto"
     if asked:
         why = "asked for (SpecConfig.drafter)"
     elif draft is not None:
         why = "assistant_model= was given"
+    elif spec.drafter == "draft_head" and not spec.tree and head_chains:
+        why = "the model's draft head: its argmax chains, each one compiled call (the model's steps are compiled whole)"
     elif spec.drafter in ("draft_head", "mtp"):
         why = f"the model's {'MTP layer' if spec.drafter == 'mtp' else 'draft head'}, fused with n-gram lookup"
-    elif head is not None and compiled:
-        why = "a compiled model drafts with n-grams (its head's trees measured slower there)"
+    elif head is not None and compiled and not head_chains:
+        why = "a compiled model drafts with n-grams here (its head's trees measured slower there)"
     elif head is not None and not small:
         kind = "MTP layer" if isinstance(head, MTPModule) else "draft head"
         why = f"the model's {kind} holds over {HEAD_MAX_SHARE:.0%} of its parameters: n-gram lookup"

@@ -176,6 +176,47 @@ def test_head_drafter_proposes_trees_chains_and_sampled_trees():
         assert all(abs(float(q.sum()) - 1) < 1e-5 for q in qs.values())
 
 
+def test_a_target_compiled_whole_drafts_the_heads_chains_in_one_compiled_call():
+    """On a target whose steps are compiled whole on a CPU, the head's greedy chains are one call of a compiled step
+    (`CompiledChains`, one per batch size and depth, kept for later calls): the same chains as the head called op by op
+    (float64), each a replay once compiled; trees, a target not compiled whole, or recorded steps run without
+    Inductor keep the head's own calls."""
+    from ssmspec.compile.lower import StepCompiler
+    from ssmspec.speculate.drafters.head import CompiledChains
+
+    ref = cached_tiny_model("mamba2")
+    torch.manual_seed(0)
+    head = DraftHead.for_model(ref).double()
+    eager, compiled = _transformed("mamba2"), _transformed("mamba2")
+    compiled.__dict__["_ssmspec_step_compiler"] = StepCompiler(compiled, progress=False)
+    made = []
+
+    def propose(model, rows, depth, tree=False):
+        drafter = HeadDrafter(head, model, tree=tree)
+        drafter.start(torch.zeros(len(rows), 3, dtype=torch.long), torch.ones(len(rows), 3, dtype=torch.long))
+        for r in range(len(rows)):
+            drafter.observe_features(r, feats[r])
+        made.append(drafter)
+        return drafter.propose(rows, depth, depth)
+
+    feats = torch.randn(2, ref.config.hidden_size, dtype=torch.float64)
+    rows = [[5, 6], [7, 8]]
+    for depth in (1, 3, 3):
+        want = propose(eager, rows, depth)
+        assert made[-1].chains is None
+        got = propose(compiled, rows, depth)
+        assert got == want and all(parents == list(range(-1, depth)) for _, parents in got)
+        chains = made[-1].chains
+        assert isinstance(chains, CompiledChains) and made[-1].steps == depth
+    assert set(chains.graphs) == {(2, 1), (2, 3)} and chains.compiler.compilations == 2  # (the second 3 replayed)
+    assert chains.graphs[(2, 3)][0].replays == 1
+    propose(compiled, rows, 2, tree=True)
+    assert made[-1].chains is None  # (a tree: the head's own calls)
+    compiled.__dict__["_ssmspec_step_compiler"] = StepCompiler(compiled, progress=False, inductor=False)
+    propose(compiled, rows, 2)
+    assert made[-1].chains is None
+
+
 def test_a_fused_head_and_retrieval_tree_is_exact():
     ref = cached_tiny_model("mamba2")
     model = _transformed("mamba2", DraftHead.for_model(ref).double())

@@ -148,11 +148,13 @@ def test_ssmspec_plan_and_generate_explain(capsys):
     assert "add --sample" in capsys.readouterr().err
 
 
-def test_a_model_with_compiled_steps_plans_captured_steps_and_n_grams():
+def test_a_model_with_compiled_steps_plans_captured_steps_and_its_heads_chains(small_heads, monkeypatch):
     """On a model whose steps are captured and compiled (`transform(compile=True)` on a CPU: here its recorded graphs
-    without Inductor), the plan captures and replays every step under no_grad with static shapes, and drafter "auto"
-    keeps n-grams though the model has a head, saying why."""
+    without Inductor), the plan captures and replays every step under no_grad with static shapes; drafter "auto" drafts
+    a greedy call with the head's argmax chains (defaults.HEAD_CHAIN, each depth one compiled call) and a sampled one
+    with n-grams, saying why; a head over HEAD_MAX_SHARE leaves n-grams. Greedy output identical to HF's."""
     from ssmspec.compile.lower import StepCompiler
+    from ssmspec.speculate.defaults import HEAD_CHAIN
 
     ref, model = _model(head=True)
     model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
@@ -160,9 +162,14 @@ def test_a_model_with_compiled_steps_plans_captured_steps_and_n_grams():
     plan = _plan(model, max_new_tokens=12)
     assert plan.settings.graphs and plan.settings.static_shapes and not plan.inference
     lines = dict(plan.reasons)
-    assert lines["drafter"].startswith("prompt_lookup: a compiled model drafts with n-grams")
+    assert lines["drafter"].startswith("draft_head: the model's draft head: its argmax chains, each one compiled call")
+    assert (plan.spec.tree, plan.spec.num_draft_tokens) == (False, HEAD_CHAIN.num_draft_tokens)
     assert lines["steps"].startswith("captured and compiled whole, replayed (no_grad)")
     assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
+    sampled = dict(_plan(model, max_new_tokens=12, do_sample=True).reasons)
+    assert sampled["drafter"].startswith("prompt_lookup: a compiled model drafts with n-grams here")
+    monkeypatch.setattr(spec_plan, "HEAD_MAX_SHARE", 0.0)
+    assert dict(_plan(model, max_new_tokens=12).reasons)["drafter"].startswith("prompt_lookup: the model's draft head")
 
 
 def test_a_greedy_call_on_compiled_steps_prices_against_its_own_plain_steps(monkeypatch):

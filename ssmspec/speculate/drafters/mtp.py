@@ -62,6 +62,7 @@ class MTPDrafter(HeadDrafter):
 
     target_features = False
     target_history = True
+    compiles_chains = False  # (its layer attends over its own K/V: called op by op)
     # a round costs a forward of the layer (attention and MoE blocks: 0.8 ms on the embedded Nemotron-H against a draft
     # head's 0.3): fewer, wider rounds (docs/data/mtp.json)
     rounds = 3
