@@ -43,8 +43,8 @@ from ssmspec.probe import probe, probe_generic, probe_generic_batches, probe_gen
 from ssmspec.speculate import generate as spec_generate
 from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters import check_vocab
+from ssmspec.speculate.drafters.head import CHAINS_KEY, DraftHead, check_head, compiled_chains, find_head
 from ssmspec.speculate.drafters.head import WEIGHTS as HEAD_WEIGHTS
-from ssmspec.speculate.drafters.head import DraftHead, check_head, compiled_chains, find_head
 from ssmspec.speculate.generic import CHAINS_ONLY, ROW_BY_ROW
 from ssmspec.speculate.plan import plan_call
 
@@ -658,7 +658,7 @@ def _uncompile(model: nn.Module) -> None:
     model._compiled_call_impl = None
     for name in ("ssmspec_static_shapes", "ssmspec_compile_call", "ssmspec_compile_options", "_ssmspec_calibration",
                  "_ssmspec_compiled_commit", "_ssmspec_single_node_path", "ssmspec_graphs", "_ssmspec_step_compiler",
-                 "_ssmspec_workspaces"):  # fmt: skip
+                 "_ssmspec_workspaces", CHAINS_KEY):  # fmt: skip
         model.__dict__.pop(name, None)
 
 

@@ -158,6 +158,30 @@ def test_plain_greedy_steps_are_replays_of_the_one_node_step(family, monkeypatch
     assert torch.equal(torch.stack(streamed[1:], dim=1), want[:, IDS.shape[1] :])  # (the prompt, then column by column)
 
 
+def test_a_step_whose_drafter_proposed_nothing_is_a_replay_of_the_one_node_step(monkeypatch):
+    """A drafting call whose drafter finds nothing to propose for a step (n-grams without a match) takes that step as
+    the plain greedy step does, one replay of the fused one-node step and one read (ModelRunner.decode), not a verify
+    step, a host acceptance and a commit; the output HF's."""
+    from ssmspec.speculate.drafters import NoDrafter
+    from ssmspec.speculate.runner import ModelRunner
+    from ssmspec.speculate.step.verify import Verifier
+
+    ref = _model("mamba2")
+    want = ref.generate(IDS, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    model = _recorded(ref)
+    decodes, verifies = [], []
+    decode, verify = ModelRunner.decode, Verifier.verify
+    monkeypatch.setattr(ModelRunner, "decode", lambda self, t: decodes.append(1) or decode(self, t))
+    monkeypatch.setattr(Verifier, "verify", lambda self, *a: verifies.append(1) or verify(self, *a))
+    out, stats, runner = speculative_generate(
+        model, IDS, torch.ones_like(IDS), max_new_tokens=16, eos_token_ids=[], pad_token_id=0, drafter=NoDrafter(),
+        tree_budget=4, num_draft_tokens=4, static_shapes=True, graphs=True,
+    )  # fmt: skip
+    assert torch.equal(out, want)
+    assert len(verifies) == 1 and len(decodes) == stats.verify_steps == 15  # (the capture, then replays only)
+    assert set(runner.captured) == {(2, 1)}
+
+
 def test_an_adaptive_calls_plain_steps_and_shadow_drafts_replay_the_one_node_step(monkeypatch):
     """Where the adaptive depth decodes plainly, a compiled model's plain steps are replays of the fused one-node step,
     a shadow draft's too (the drafter drafts one level, the step replays, the shadow's hit is reported from the token

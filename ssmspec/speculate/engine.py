@@ -138,6 +138,13 @@ def speculative_generate(
             if lean and settings.verify_memory is None and not proposal.pads and proposal.nodes > 1:
                 policy.observe(greedy_step(runner, rows, proposal, proposer))  # (accepted, committed in its graph)
                 continue
+            if lean and settings.num_draft_tokens and not proposal.pads and proposal.nodes == 1:  # drafted nothing
+                active = [not d for d in rows.done]
+                chosen = plain_step(runner, rows, None, proposer)
+                if chosen is not None:
+                    emitted = [[g[-1]] for g in rows.generated]
+                    policy.observe(StepReport.of_rows(proposal, 1, active, emitted, 1))
+                    continue
             verified = verifier.verify(proposal, rows)
             accepted = accept(verified, decoding, stats.near_tie_tolerance, proposer.topk)
             proposer.observe(verified, accepted, rows)  # the drafter learns from the target's verdict

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import threading
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -120,6 +119,10 @@ def check_head(head: DraftHead, model: nn.Module) -> None:
         raise UnsupportedModelError(type(model).__name__, f"the draft head was made for another model ({diffs})")
 
 
+# where a target keeps its heads' compiled chains (id(head) -> CompiledChains) and the lock that guards them
+CHAINS_KEY = "_ssmspec_head_chains"
+
+
 class CompiledChains:
     """A draft head's greedy chains as one replay of a step compiled whole (ssmspec.compile.graphs.StepGraph, compiled
     by a CPU step compiler): every level's head call, the target's LM head and the argmax in one call, for a target
@@ -168,22 +171,21 @@ class CompiledChains:
         return torch.stack(out, 1)
 
 
-# per target, its heads' compiled chains (CompiledChains), kept while the target lives
-_CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CHAINS_LOCK = threading.Lock()
-
-
 def compiled_chains(head: DraftHead, target: nn.Module, embed: nn.Module, lm_head: nn.Module) -> CompiledChains | None:
-    """`head`'s compiled chains for `target` (made once per pair), where `target`'s steps are compiled whole on a CPU
-    and the head, the embedding and the LM head are on the CPU; else None (the head is called op by op)."""
+    """`head`'s compiled chains for `target` (made once per pair and kept on the target, as its compiled steps are),
+    where `target`'s steps are compiled whole on a CPU and the head, the embedding and the LM head are on the CPU; else
+    None (the head is called op by op)."""
     compiler = compiled_as(target).step_compiler
     if compiler is None or not getattr(compiler, "inductor", True):
         return None
     tensors = [*head.parameters(), *embed.parameters(), *lm_head.parameters()]
     if any(t.device.type != "cpu" for t in tensors):
         return None
-    with _CHAINS_LOCK:
-        per_target = _CHAINS.setdefault(target, {})
+    store = target.__dict__.get(CHAINS_KEY)
+    if store is None:
+        store = target.__dict__.setdefault(CHAINS_KEY, (threading.Lock(), {}))
+    lock, per_target = store
+    with lock:
         chains = per_target.get(id(head))
         if chains is None or chains.head is not head or chains.embed is not embed or chains.lm_head is not lm_head:
             chains = per_target[id(head)] = CompiledChains(head, embed, lm_head, compiler.options, compiler.progress)
