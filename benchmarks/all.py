@@ -31,15 +31,15 @@ LOOP = "5388010"  # the speculative call (drafter auto: a head where small; a pl
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
-# what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 2 to 32 rows
-# in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time; built beside the first steps' compilation) above 4
-# rows and fused one-row products below, each verify step one OpenMP region (sums over nodes, running cumsums, the
-# tree SSD node-major), each step's C++ wrapper built at -O1 apart from its kernels, its intermediates pooled
-# (Inductor's memory planning) and its near-tie check fused, a draft head's chains compiled, and the default call's
-# policy on those steps, which prices and judges drafts against the loop's plain steps (the files that time those
-# calls and the warm-up; `ssmspec bench --compiled` times the forward compiled by Dynamo, without the kernel); and how
-# llama.cpp is timed beside them (llama-bench once a round, its fastest kept)
-COMPILED_CPU = "2a7f411"
+# what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 5 to 32 rows
+# in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time; built beside the first steps' compilation) and of 2
+# to 4 fused one-row products, each small verify step one OpenMP region (sums over nodes, running cumsums, the tree SSD
+# node-major), each step's C++ wrapper built at -O1 apart from its kernels, its intermediates pooled (Inductor's memory
+# planning) and its near-tie check fused, a draft head's chains compiled, a step that drafted nothing a plain step's
+# replay, and the default call's policy on those steps, which prices and judges drafts against the loop's plain steps
+# (the files that time those calls and the warm-up; `ssmspec bench --compiled` times the forward compiled by Dynamo,
+# without the kernel); and how llama.cpp is timed beside them (llama-bench once a round, its fastest kept)
+COMPILED_CPU = "6fcc289"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
          TRACED: "2026-11-23", COMPILED_CPU: "2026-12-01"}  # fmt: skip
