@@ -266,6 +266,21 @@ def opaque_cumsums(gm: fx.GraphModule) -> int:
     return count
 
 
+def _replace(node: fx.Node, result: fx.Node, value) -> None:
+    """`result` (its value's shape `value`, for later passes) in place of `node`, which is removed."""
+    result.meta["val"] = value
+    node.replace_all_uses_with(result)
+    node.graph.erase_node(node)
+
+
+def _finished(gm: fx.GraphModule, count: int) -> int:
+    """After a pass that rewrote `count` nodes: the graph checked and its code regenerated where it changed."""
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def matmul_operands(node: fx.Node) -> tuple[object, object, object] | None:
     """(bias, left, right) of a matrix product call, `mm` (bias None) or `addmm`; None for any other node."""
     aten = torch.ops.aten
@@ -307,14 +322,9 @@ def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: 
         with graph.inserting_before(node):
             weight = graph.call_function(aten.t.default, (b,))  # [N, K]: a linear's weight as it is stored
             result = graph.call_function(torch.ops.ssmspec_cpu.rows_linear.default, (a, weight, bias))
-        result.meta["val"] = out
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
+        _replace(node, result, out)
         count += 1
-    if count and rewrite:
-        graph.lint()
-        gm.recompile()
-    return count
+    return _finished(gm, count) if rewrite else count
 
 
 def small_bmms_as_sums(gm: fx.GraphModule, max_inner: int, max_outputs: int) -> int:
@@ -351,14 +361,9 @@ def small_bmms_as_sums(gm: fx.GraphModule, max_inner: int, max_outputs: int) -> 
                 result = graph.call_function(aten.add.Tensor, (node.args[0], summed))
             else:
                 result = graph.call_function(aten.add_.Tensor, (node.args[0], summed))
-        result.meta["val"] = out
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
+        _replace(node, result, out)
         count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
+    return _finished(gm, count)
 
 
 def short_cumsums_unrolled(gm: fx.GraphModule, max_length: int) -> int:
@@ -391,14 +396,9 @@ def short_cumsums_unrolled(gm: fx.GraphModule, max_length: int) -> int:
                 total = term if total is None else graph.call_function(aten.add.Tensor, (total, term))
                 terms.append(graph.call_function(aten._to_copy.default, (total,), {"dtype": xv.dtype}))
             result = graph.call_function(aten.stack.default, (terms, dim))
-        result.meta["val"] = out
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
+        _replace(node, result, out)
         count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
+    return _finished(gm, count)
 
 
 def split_product_rows(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
@@ -427,11 +427,6 @@ def split_product_rows(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> 
                 part.meta["val"] = out[i : i + 1]
                 parts.append(part)
             result = graph.call_function(aten.cat.default, (parts, 0))
-        result.meta["val"] = out
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
+        _replace(node, result, out)
         count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
+    return _finished(gm, count)
