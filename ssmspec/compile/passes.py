@@ -291,6 +291,17 @@ def matmul_operands(node: fx.Node) -> tuple[object, object, object] | None:
     return node.args[0], *node.args[1:3]
 
 
+def _plain_products(graph: fx.Graph) -> list[tuple[fx.Node, tuple[object, object, object]]]:
+    """Each matrix product of `graph` (`mm`, `addmm`) with its default beta and alpha, and its (bias, left, right); an
+    `addmm` given either is left out (left to Inductor). A list: a pass may rewrite the graph as it goes."""
+    products = []
+    for node in graph.nodes:
+        operands = matmul_operands(node)
+        if operands is not None and not node.kwargs and len(node.args) == (2 if operands[0] is None else 3):
+            products.append((node, operands))
+    return products
+
+
 def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: bool = True) -> int:
     """Point each float32 matrix product of `min_rows` to `max_rows` rows of a recorded CPU step (`mm`, `addmm` with
     a 1-D bias; shapes in `meta["val"]`) at `ssmspec_cpu::rows_linear` (ssmspec.kernels.cpu_linear, which must be
@@ -300,11 +311,7 @@ def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: 
     aten = torch.ops.aten
     graph = gm.graph
     count = 0
-    for node in list(graph.nodes):
-        operands = matmul_operands(node)
-        if operands is None or node.kwargs or len(node.args) != (2 if operands[0] is None else 3):
-            continue  # (addmm's beta / alpha given: left to Inductor)
-        bias, a, b = operands
+    for node, (bias, a, b) in _plain_products(graph):
         av, bv, out = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (a, b, node))
         if not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in (av, bv, out)):
             continue
@@ -409,11 +416,7 @@ def split_product_rows(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> 
     aten = torch.ops.aten
     graph = gm.graph
     count = 0
-    for node in list(graph.nodes):
-        operands = matmul_operands(node)
-        if operands is None or node.kwargs or len(node.args) != (2 if operands[0] is None else 3):
-            continue
-        bias, a, b = operands
+    for node, (bias, a, b) in _plain_products(graph):
         av, out = a.meta.get("val") if isinstance(a, fx.Node) else None, node.meta.get("val")
         if not (isinstance(av, torch.Tensor) and av.dim() == 2 and min_rows <= av.shape[0] <= max_rows):
             continue
