@@ -54,12 +54,11 @@ SMALL_MATMUL_ROWS = 32
 # dispatcher. So before Inductor sees a step (ssmspec.compile.passes): batched products over a tree's or a path's nodes
 # (the tree SSD's sums over ancestors, the replay commit's outer products) become broadcast products summed; cumsums
 # over a path become running sums, in ATen's order and accumulation type; and products of 2 to SPLIT_ROWS rows become
-# one-row products, whose loops Inductor fuses into one pass over the weight with a sum per row in flight (the same
-# sums, bit for bit, as a plain step's one-row products). With the tree SSD's outputs computed node-major and the conv
-# windows committed a column at a time (ssmspec.ops), a greedy step of 2 and 4 nodes on the embedded 3M target became
-# one OpenMP region: 1.30 and 1.41 plain steps against 1.75 and 1.99 (2-core AVX-512 CPU, alternated in one process);
-# on the 19.6M Nemotron-H 1.07 and 1.23 against 1.18 and 1.42. Products of more rows stay the kernel's: at 8 rows
-# split ones cost the medium model 1.94 plain steps against the kernel's 1.70
+# one-row products, whose loops Inductor fuses into one pass over the weight with a sum per row in flight. With the
+# tree SSD's outputs computed node-major and the conv windows committed a column at a time (ssmspec.ops), a greedy step
+# of 2 and 4 nodes on the embedded 3M target became one OpenMP region: 1.30 and 1.41 plain steps against 1.75 and 1.99
+# (2-core AVX-512 CPU, alternated in one process); on the 19.6M Nemotron-H 1.07 and 1.23 against 1.18 and 1.42.
+# Products of more rows stay the kernel's: at 8 rows split ones cost the medium model 1.94 plain steps against 1.70
 SPLIT_ROWS = 4
 FUSED_BMM_INNER = 64
 FUSED_BMM_OUTPUTS = 4096

@@ -188,19 +188,17 @@ def _window_in_place(group: list, path: torch.Tensor, lengths: torch.Tensor) -> 
     idx = window_index(s, path, lengths)  # [B, S], shared by every layer
     stack = stacked([t for t, _, _ in group])
     exts = stacked([e.transpose(1, 2) for _, _, e in group])  # [layers, B, S+N, C]
-    if stack is not None and exts is not None and static() and stack.device.type == "cpu":
-        # a step compiled whole: one column at a time, each a row of contiguous channels per (layer, row) read at its
-        # index and written into the state's column (one gather over [S, C] would be vectorized over the state's few
-        # columns, with the index arithmetic redone for every element)
-        flat = _batch_rows(idx, exts.shape[2])  # [B, S]
-        rows = exts.flatten(1, 2)  # [layers, B * (S+N), C]
-        for j in range(s):
-            stack[..., j].copy_(rows.index_select(1, flat[:, j]).view(len(group), b, c))
-        return
     if stack is not None and exts is not None:
-        flat = _batch_rows(idx, exts.shape[2])  # one index_select over the batch's rows, as in tree_causal_conv1d
-        new = exts.flatten(1, 2).index_select(1, flat.view(-1).to(exts.device)).view(len(group), b, s, c)
-        stack.copy_(new.transpose(2, 3))
+        # the batch's rows laid end to end, [layers, B * (S+N), C], read by index_select, as in tree_causal_conv1d
+        flat, rows = _batch_rows(idx, exts.shape[2]).to(exts.device), exts.flatten(1, 2)
+        if static() and stack.device.type == "cpu":
+            # a step compiled whole: one column at a time, each a row of contiguous channels per (layer, row) read at
+            # its index and written into the state's column (one gather over [S, C] would be vectorized over the
+            # state's few columns, with the index arithmetic redone for every element)
+            for j in range(s):
+                stack[..., j].copy_(rows.index_select(1, flat[:, j]).view(len(group), b, c))
+            return
+        stack.copy_(rows.index_select(1, flat.view(-1)).view(len(group), b, s, c).transpose(2, 3))
         return
     for target, _, ext in group:
         if b == 1:
