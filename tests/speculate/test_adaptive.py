@@ -40,13 +40,16 @@ def test_depth_follows_acceptance_and_cost():
     knee = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3, 16: 4.0}  # cheap up to 8 tokens, dear after: a carried prefix costs
     assert _choose_depth([0.7], knee, 8, 1.0) == 7 and _choose_depth([0.7], knee, 8, 1.0, reruns=True) == 4
     assert _choose_depth([0.999], COST, 8, 1.0, reruns=True) == 8
+    # a row's rates follow its steps: after ten rejected drafts it decodes plainly, after ten accepted ones it drafts
+    # as deep as allowed
     acc = Acceptance(1)
     for _ in range(10):
         acc.update(0, 4, 0)
-    assert acc.rate(0) < 0.1
+    assert acc.rate(0) < 0.1 and _choose_depth([acc.survival(0, 4)], COST, 4, 1.0) == 0
     for _ in range(10):
         acc.update(0, 4, 4)
-    assert acc.rate(0) > 0.85 and min(acc.level_rates(0, 4)) > 0.85
+    assert acc.rate(0) > 0.8 and min(acc.level_rates(0, 4)) > 0.8
+    assert _choose_depth([acc.survival(0, 4)], COST, 4, 1.0) == 4
     # a survival (P(at least j accepted)) prices a chain as the rate does where every level has that rate
     assert expected_tokens([0.5, 0.25], 2) == expected_tokens(0.5, 2)
     assert depth_gains([[0.5**j for j in range(1, 9)]], COST, 8, 1.0) == pytest.approx(depth_gains([0.5], COST, 8, 1.0))
@@ -57,13 +60,15 @@ def test_acceptance_is_measured_level_by_level():
     """Drafts are accepted in runs: a draft that got past its first token goes on more often than first tokens are
     accepted. A row whose 6-deep drafts are rejected at once or accepted whole, half and half, gains 4 tokens a step:
     its first level is at 0.5 and deeper levels near 1. One rate per token (6 accepted of 7 tried) prices the chain
-    at 4.6 tokens and a one-token draft at 1.86, not 1.5."""
+    at 4.6 tokens and a one-token draft at 1.86, not 1.5. Level by level the chain is priced at 3.4: the deeper
+    levels, reached every other step, hold about 2.5 of the decayed trials, and each is pulled toward the prior by
+    one more (0.86 for a level never rejected)."""
     acc = Acceptance(1)
     for step in range(40):
         acc.update(0, 6, 6 if step % 2 else 0)
     rates = acc.level_rates(0, 6)
     assert 0.3 < rates[0] < 0.7 and min(rates[1:]) > 0.85
-    assert expected_tokens(acc.survival(0, 6), 6) == pytest.approx(4.0, abs=0.4)
+    assert 3.2 < expected_tokens(acc.survival(0, 6), 6) <= 4.0
     assert expected_tokens(acc.survival(0, 1), 1) == pytest.approx(1.5, abs=0.2)
     assert expected_tokens(6 / 7, 6) > 4.5 and expected_tokens(6 / 7, 1) > 1.8  # one rate for every token
     # a level never reached is its prior's; a profile (a list) is a prior per level, its last for deeper levels
@@ -88,6 +93,27 @@ def test_acceptance_is_measured_level_by_level():
     assert Acceptance(1).update(0, 0, 0) is None and Acceptance(1).level_rates(0, 2) == [0.5, 0.5]
     # one row: the batch's progress is the row's tokens
     assert lone.progress_survival([1], [0], 6) == pytest.approx(lone.survival(1, 6))
+
+
+def test_one_row_is_pulled_toward_its_prior_once():
+    """At batch 1 the rates over all rows are the row's own counts: pulled toward them, the row counted its steps
+    twice, and two misses at a first level of prior 0.7 read 0.17 instead of about 0.35 (the 19.6M Nemotron-H's
+    compiled default then decoded plainly where its head's chains paid: 1.02x against 1.23x ssmspec's plain
+    decoding on held-out code). One row's rate is its counts pulled once toward the prior, as a batch's rates over
+    all rows are."""
+    acc = Acceptance(1, prior=0.7)
+    acc.update(0, 3, 0)
+    acc.update(0, 3, 0)
+    trials = acc.decay + 1.0  # the first miss decayed once by the second
+    w = Acceptance.ONE_ROW_WEIGHT
+    assert acc.rate(0) == pytest.approx((0 + w * 0.7) / (trials + w)) and acc.rate(0) > 0.2
+    # levels not reached yet keep their prior
+    assert acc.level_rates(0, 3)[1:] == pytest.approx([0.7, 0.7])
+    # with more rows a row is still pulled toward the rates over all of them
+    two = Acceptance(2, prior=0.7)
+    two.update(0, 3, 0)
+    two.update(1, 3, 3)
+    assert two.rate(0) < two._pooled(1)[0] < two.rate(1)
 
 
 def test_a_few_failures_do_not_collapse_the_next_calls_deeper_levels():
