@@ -38,7 +38,7 @@ from ssmspec.errors import not_one_of
 from ssmspec.hf import layers as hf_layers
 from ssmspec.ops import Record
 from ssmspec.tree import TokenTree
-from ssmspec.verification import COMMIT_STRATEGIES, Verification
+from ssmspec.verification import COMMIT_STRATEGIES, Verification, write_slots
 
 # static K/V in eager mode: the whole call's slots are allocated at its start where they take at most this much (all
 # attention layers, K and V, every row); beyond it the buffers start at what this holds and grow by half when full
@@ -228,7 +228,7 @@ class SpecCache(DynamicCache):
         n = key_states.shape[-2]
         slots = self.block[:, None] + torch.arange(n, device=self.block.device)
         for buf, new in ((keys, key_states), (values, value_states)):  # K and V may differ in width (MLA)
-            buf.scatter_(2, slots[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]), new.to(buf.dtype))
+            write_slots(buf, slots, new)
         width = self.visible(n)
         return (keys, values) if width is None else (keys[:, :, :width], values[:, :, :width])
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ssmspec.hf.mtp import MTPModule
 from ssmspec.speculate.drafters.head import HeadDrafter
+from ssmspec.verification import write_slots
 
 
 class Slots:
@@ -42,9 +43,8 @@ class Slots:
                 grown[1][:, :, : v_buf.shape[2]] = v_buf
             k_buf, v_buf = grown
             self.kv[layer_idx] = (k_buf, v_buf)
-        index = self.at[:, None, :, None]
-        k_buf.scatter_(2, index.expand(b, h, q, d), keys)
-        v_buf.scatter_(2, index.expand(b, h, q, values.shape[-1]), values)
+        write_slots(k_buf, self.at, keys)
+        write_slots(v_buf, self.at, values)
         return k_buf[:, :, : self.width], v_buf[:, :, : self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
