@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 from tqdm.auto import tqdm
 
+from ssmspec.compile import wrapper
 from ssmspec.compile.passes import (
     matmul_operands,
     rows_linears,
@@ -79,6 +80,7 @@ OPTIONS = {
     "cpp_wrapper": True,
     "cpp_wrapper_build_separate": True,
     "memory_planning": True,
+    "post_grad_custom_post_pass": wrapper.CACHE_KEY,  # (the wrapper's rewrite keys the cache: ssmspec.compile.wrapper)
     "post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_first_dimension_decomposition": SMALL_MATMUL_ROWS}},
 }
 # Products the kernel does not take (another dtype, no kernel built): Inductor leaves a product with a weight dimension
@@ -202,8 +204,9 @@ class StepCompiler:
                    leave=False)  # fmt: skip
         try:
             # a tracing context with a shape environment, as Dynamo gives Inductor: its FX graph cache keys on it
+            # (and its wrapper's intermediate buffers as raw pointers: ssmspec.compile.wrapper)
             with (tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad(),
-                  _decomposition(options)):  # fmt: skip
+                  _decomposition(options), wrapper.rewriting()):  # fmt: skip
                 compiled = compile_fx(gm, inputs, config_patches=dict(options))
         except Exception as e:  # noqa: BLE001 - any compiler failure: the graph still runs, op by op
             warnings.warn(
