@@ -14,8 +14,8 @@ registry: torch internals, named here), and `CACHE_KEY` goes into their Inductor
 not) is cached under its own key in Inductor's on-disk cache.
 
 On the embedded 3M target (2-core CPU, 11 held-out prompts, 128 new tokens, alternated in one process) compiled plain
-decoding ran 1.06x as fast with the rewritten wrappers (faster on 11 of 11 prompts; the whole calls, eager prefill
-included), the default call 1.05x.
+decoding ran 1.04x and 1.06x as fast with the rewritten wrappers in two runs (faster on 9 and 11 of the 11 prompts;
+whole calls, eager prefill included), the default call 1.03x and 1.05x.
 """
 
 from __future__ import annotations
