@@ -192,6 +192,17 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     # call drafts with it (docs/data/mtp.json)
     found, sampling = compiled_as(model), bool(call.config.do_sample)
     compiled = found.compiled
+    # a sampled call on steps compiled whole on a CPU verifies and commits in two graphs with the host accepting
+    # between them, unlike a greedy call's one graph, and its depths are priced by the greedy steps the calibration
+    # times: its default decodes plainly (held-out code, temperature 0.7, 8 prompts alternated in one process: the
+    # default with n-grams 0.83x plain decoding on the 3M target and 0.92x on the 19.6M Nemotron-H, whose head's
+    # chains and trees ran at 0.81-0.90x; docs: Sampling)
+    if speculation is None and draft is None and sampling and found.step_compiler is not None and (
+            call.config.prompt_lookup_num_tokens is None):  # fmt: skip
+        speculation = SpecConfig(drafter="none")
+        reasons.append(("drafter", "none: a sampled call on steps compiled whole decodes plainly (its drafted steps, "
+                        "verified and committed apart, measured slower than plain decoding)"))  # fmt: skip
+        return spec_for(speculation, call.config, draft, sampling=sampling, user_set=call.user_set)
     head_chains = found.step_compiler is not None and isinstance(head, DraftHead) and not sampling
     small = head is not None and (
         size_share(head, model) <= HEAD_MAX_SHARE or (sampling and isinstance(head, DraftHead))

@@ -13,6 +13,7 @@ import ssmspec
 from ssmspec.cli import main
 from ssmspec.errors import UnsupportedSettingError
 from ssmspec.speculate import plan as spec_plan
+from ssmspec.speculate.config import SpecConfig
 from ssmspec.speculate.drafters.head import DraftHead
 from ssmspec.speculate.engine import speculative_generate
 from ssmspec.speculate.plan import LoopSettings
@@ -151,8 +152,9 @@ def test_ssmspec_plan_and_generate_explain(capsys):
 def test_a_model_with_compiled_steps_plans_captured_steps_and_its_heads_chains(small_heads, monkeypatch):
     """On a model whose steps are captured and compiled (`transform(compile=True)` on a CPU: here its recorded graphs
     without Inductor), the plan captures and replays every step under no_grad with static shapes; drafter "auto" drafts
-    a greedy call with the head's argmax chains (defaults.HEAD_CHAIN, each depth one compiled call) and a sampled one
-    with n-grams, saying why; a head over HEAD_MAX_SHARE leaves n-grams. Greedy output identical to HF's."""
+    a greedy call with the head's argmax chains (defaults.HEAD_CHAIN, each depth one compiled call), and a sampled one
+    decodes plainly unless it asks for drafts, saying why; a head over HEAD_MAX_SHARE leaves n-grams. Greedy output
+    identical to HF's."""
     from ssmspec.compile.lower import StepCompiler
     from ssmspec.speculate.defaults import HEAD_CHAIN
 
@@ -166,8 +168,14 @@ def test_a_model_with_compiled_steps_plans_captured_steps_and_its_heads_chains(s
     assert (plan.spec.tree, plan.spec.num_draft_tokens) == (False, HEAD_CHAIN.num_draft_tokens)
     assert lines["steps"].startswith("captured and compiled whole, replayed (no_grad)")
     assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
-    sampled = dict(_plan(model, max_new_tokens=12, do_sample=True).reasons)
-    assert sampled["drafter"].startswith("prompt_lookup: a compiled model drafts with n-grams here")
+    # a sampled call decodes plainly (its drafted steps verify and commit apart); asked for, it drafts
+    sampled = _plan(model, max_new_tokens=12, do_sample=True)
+    assert dict(sampled.reasons)["drafter"].startswith("none: a sampled call on steps compiled whole decodes plainly")
+    assert sampled.spec.drafter == "none" and sampled.settings.num_draft_tokens == 0
+    asked = _plan(model, max_new_tokens=12, do_sample=True, speculation=SpecConfig(drafter="prompt_lookup"))
+    assert asked.spec.drafter == "prompt_lookup" and asked.settings.num_draft_tokens > 0
+    looked_up = _plan(model, max_new_tokens=12, do_sample=True, prompt_lookup_num_tokens=4)
+    assert looked_up.spec.drafter == "prompt_lookup" and looked_up.spec.num_draft_tokens == 4
     monkeypatch.setattr(spec_plan, "HEAD_MAX_SHARE", 0.0)
     assert dict(_plan(model, max_new_tokens=12).reasons)["drafter"].startswith("prompt_lookup: the model's draft head")
 
