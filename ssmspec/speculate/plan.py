@@ -197,23 +197,26 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     # times: its default decodes plainly (held-out code, temperature 0.7, 8 prompts alternated in one process: the
     # default with n-grams 0.83x plain decoding on the 3M target and 0.92x on the 19.6M Nemotron-H, whose head's
     # chains and trees ran at 0.81-0.90x; docs: Sampling)
-    if speculation is None and draft is None and sampling and found.step_compiler is not None and (
-            call.config.prompt_lookup_num_tokens is None):  # fmt: skip
-        speculation = SpecConfig(drafter="none")
-        reasons.append(("drafter", "none: a sampled call on steps compiled whole decodes plainly (its drafted steps, "
-                        "verified and committed apart, measured slower than plain decoding)"))  # fmt: skip
-        return spec_for(speculation, call.config, draft, sampling=sampling, user_set=call.user_set)
-    head_chains = found.step_compiler is not None and isinstance(head, DraftHead) and not sampling
+    whole = found.step_compiler is not None
+    plain_sampled = (speculation is None and draft is None and sampling and whole
+                     and call.config.prompt_lookup_num_tokens is None)  # fmt: skip
+    head_chains = whole and isinstance(head, DraftHead) and not sampling
     small = head is not None and (
         size_share(head, model) <= HEAD_MAX_SHARE or (sampling and isinstance(head, DraftHead))
     )
-    spec = spec_for(speculation, call.config, draft, trees=(info is None or bool(info.trees)) and not chains,
+    spec = spec_for(SpecConfig(drafter="none") if plain_sampled else speculation, call.config, draft,
+                    trees=(info is None or bool(info.trees)) and not chains,
                     head=small and (not compiled or head_chains), sampling=sampling, user_set=call.user_set,
                     head_kind="mtp" if isinstance(head, MTPModule) else "draft_head",
                     compiled=head_chains)  # fmt: skip
     asked = speculation is not None and speculation.drafter != "auto"
     if asked:
         why = "asked for (SpecConfig.drafter)"
+    elif plain_sampled:
+        why = (
+            "a sampled call on steps compiled whole decodes plainly (its drafted steps, verified and committed "
+            "apart, measured slower than plain decoding)"
+        )
     elif draft is not None:
         why = "assistant_model= was given"
     elif spec.drafter == "draft_head" and not spec.tree and head_chains:
