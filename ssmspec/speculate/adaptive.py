@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 
 class Acceptance:
@@ -126,8 +126,7 @@ class Acceptance:
         call at least FLOOR times the level above's (as the priors: `_priors`), so that the level gets drafted and
         measured once the levels above it prove better than their priors said."""
         rates = self._pulled(self.pooled_success, self.pooled_trials, self._priors(depth))
-        unreached = (j for j in range(1, depth) if j >= len(self.pooled_trials) or self.pooled_trials[j] < 1.0)
-        return self._floored(rates, unreached)
+        return self._floored(rates, _unreached(self.pooled_trials, depth))
 
     def level_rates(self, row: int, depth: int, pooled: list[float] | None = None) -> list[float]:
         """The rates of levels 1..depth for `row` (each given the levels before it were accepted), pulled toward the
@@ -137,8 +136,7 @@ class Acceptance:
             # one row: the pooled counts are its own, and pulled toward them it was shrunk twice (two misses at a
             # first level of prior 0.7 read 0.17): its counts pulled once toward the priors, with ONE_ROW_WEIGHT
             rates = self._pulled(self.success[row], self.trials[row], self._priors(depth), self.ONE_ROW_WEIGHT)
-            trials = self.trials[row]
-            return self._floored(rates, (j for j in range(1, depth) if j >= len(trials) or trials[j] < 1.0))
+            return self._floored(rates, _unreached(self.trials[row], depth))
         pooled = self._pooled(depth) if pooled is None else pooled
         return self._pulled(self.success[row], self.trials[row], pooled[:depth])
 
@@ -178,6 +176,11 @@ class Acceptance:
     def rate(self, row: int) -> float:
         """The first level's rate: how often `row`'s next token is among the draft's first."""
         return self.level_rates(row, 1)[0]
+
+
+def _unreached(trials: Sequence[float], depth: int) -> Iterator[int]:
+    """Levels 2..depth (as indices 1..depth - 1) these counts hold less than one trial of: not reached yet."""
+    return (j for j in range(1, depth) if j >= len(trials) or trials[j] < 1.0)
 
 
 def survival_of(rates: float | Sequence[float], depth: int) -> list[float]:
