@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -35,13 +36,13 @@ ELEMENT_BYTES = {
     "uint8": 1, "bool": 1,
 }  # fmt: skip
 _ALLOC = re.compile(
-    r"^(?P<indent>\s*)AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch__alloc_from_pool\((?P<pool>\w+), (?P<offset>.+), "
+    r"^\s*AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch__alloc_from_pool\((?P<pool>\w+), (?P<offset>.+), "
     r"cached_torch_dtype_(?P<dtype>\w+), \d+, \w+, \w+, &(?P<tmp>tmp_tensor_handle_\d+)\)\);$"
 )
-_WRAP = re.compile(r"^(?P<indent>\s*)auto (?P<buf>buf\d+) = RAIIAtenTensorHandle\((?P<tmp>tmp_tensor_handle_\d+)\);$")
+_WRAP = re.compile(r"^\s*auto (?P<buf>buf\d+) = RAIIAtenTensorHandle\((?P<tmp>tmp_tensor_handle_\d+)\);$")
 _VIEW = re.compile(
-    r"^(?P<indent>\s*)auto (?P<buf>buf\d+) = wrap_with_raii_handle_if_needed\(reinterpret_tensor_wrapper\("
-    r"(?P<base>buf\d+), \d+, \w+, \w+, (?P<offset>-?\d+)L?\)\);(?P<comment>\s*//.*)?$"
+    r"^\s*auto (?P<buf>buf\d+) = wrap_with_raii_handle_if_needed\(reinterpret_tensor_wrapper\("
+    r"(?P<base>buf\d+), \d+, \w+, \w+, (?P<offset>-?\d+)L?\)\);(?:\s*//.*)?$"
 )
 _NAME = re.compile(r"\b(buf\d+|pool\d+)\b")
 
@@ -56,12 +57,13 @@ def raw_buffers(code: str) -> str:
             rest = line[m.end() :]
             how = "ptr" if rest.startswith(".data_ptr()") else "reset" if rest.startswith(".reset();") else "other"
             uses.setdefault(m.group(1), []).append((i, how))
-    # candidates: (line of the alloc, line of its handle, buffer, pool, byte offset expression, dtype)
+    # candidates: buffer -> (line of its alloc, its handle's tmp name, pool, byte offset expression, dtype); and each
+    # candidate's (and view's) line of declaration
     allocs, declared = {}, {}
     for i, line in enumerate(lines[:-1]):
         m, w = _ALLOC.match(line), _WRAP.match(lines[i + 1])
         if m and w and w.group("tmp") == m.group("tmp") and m.group("dtype") in ELEMENT_BYTES:
-            allocs[w.group("buf")] = (i, m.group("pool"), m.group("offset"), m.group("dtype"))
+            allocs[w.group("buf")] = (i, m.group("tmp"), m.group("pool"), m.group("offset"), m.group("dtype"))
             declared[w.group("buf")] = i + 1
     views = {}
     for i, line in enumerate(lines):
@@ -85,13 +87,13 @@ def raw_buffers(code: str) -> str:
 
     raw = {}
     for buf, (i, base, offset) in views.items():  # (views first: a base used only by kernels and raw views is raw)
-        _, pool, _, dtype = allocs[base]
+        _, _, pool, _, dtype = allocs[base]
         if not kernels_only(buf) or not pool_outlives(pool, last_use(buf)):
             continue
         # (the base's pointer: a handle's data or a raw buffer's, both valid here, and the same address)
         raw[buf] = (i, f"static_cast<char*>({base}.data_ptr()) + {offset * ELEMENT_BYTES[dtype]}")
         rewritten_views.add(i)
-    for buf, (i, pool, offset, _) in allocs.items():
+    for buf, (i, _, pool, offset, _) in allocs.items():
         if kernels_only(buf) and pool_outlives(pool, last_use(buf)):
             raw[buf] = (i, f"static_cast<char*>({pool}.data_ptr()) + ({offset})")
     if not raw:
@@ -100,7 +102,7 @@ def raw_buffers(code: str) -> str:
     for buf, (i, pointer) in raw.items():
         indent = re.match(r"\s*", lines[declared[buf]]).group(0)
         if buf in allocs:  # the alloc's two lines (the handle's declaration before them stays unused: dropped too)
-            tmp = _ALLOC.match(lines[i]).group("tmp")
+            tmp = allocs[buf][1]
             if i > 0 and lines[i - 1].strip() == f"AtenTensorHandle {tmp};":
                 drop.add(i - 1)
             drop.add(i)
@@ -125,8 +127,10 @@ class _CacheKey(CustomGraphPass):
 CACHE_KEY = _CacheKey()
 
 
+@functools.cache
 def _wrapper_class(base: type) -> type:
-    """A subclass of Inductor's CPU C++ wrapper codegen whose generated wrapper goes through `raw_buffers`."""
+    """A subclass of Inductor's CPU C++ wrapper codegen whose generated wrapper goes through `raw_buffers` (made once
+    per base class)."""
 
     class RawBufferWrapper(base):
         @staticmethod
