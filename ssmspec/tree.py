@@ -227,6 +227,22 @@ class TokenTree:
                 self.__dict__.pop(name, None)
         self._derived_tensors = {}
 
+    def refill_chains(self, chains: Sequence[Sequence[int]], pad_token_id: int = 0) -> None:
+        """Become per row the chain `chains[b]` (root first; shorter rows padded with never-acceptable nodes, as
+        `from_lists` pads them) in place, this tree being a batch of chains of as many rows: only its tokens and
+        which nodes are acceptable change (a captured step reads them where they are)."""
+        b, n = self.tokens.shape
+        if len(chains) != b or not self.depth_is_index or self.origin is not None:
+            raise InvalidTreeError(f"{len(chains)} chains into a tree of {b} rows that is not a batch of chains")
+        if any(len(row) > n or not row for row in chains):
+            raise InvalidTreeError(f"a chain of {max(map(len, chains))} nodes into a tree of {n}")
+        tokens = [list(row) + [pad_token_id] * (n - len(row)) for row in chains]
+        acceptable = [[True] * len(row) + [False] * (n - len(row)) for row in chains]
+        self.tokens.copy_(torch.tensor(tokens, dtype=self.tokens.dtype))
+        if acceptable != self._acceptable_list:
+            self.acceptable.copy_(torch.tensor(acceptable))
+        self._tokens_host, self._acceptable_host = tokens, acceptable
+
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> TokenTree:
         """A chain (each node the child of the previous) for every row.

@@ -272,6 +272,7 @@ def test_a_draft_heads_features_come_out_of_the_compiled_greedy_steps(monkeypatc
 
     verify_greedy = ModelRunner.verify_greedy
     monkeypatch.setattr(ModelRunner, "verify_greedy", lambda self, t: greedy.append(1) or verify_greedy(self, t))
+    monkeypatch.setattr(HeadDrafter, "step_draft", lambda self: None)  # (the chain drafted on the host, from them)
     head = model.__dict__["ssmspec_draft_head"]
     monkeypatch.setattr("ssmspec.speculate.plan.build_drafter", lambda *a, **k: Recording(head, model))
     ids = IDS[:1]
@@ -283,6 +284,86 @@ def test_a_draft_heads_features_come_out_of_the_compiled_greedy_steps(monkeypatc
     assert torch.equal(out.sequences, want)
     assert greedy and seen == roots and len(roots) >= len(greedy)
     assert out.spec_stats["accepted_tokens"] >= 4  # (paths of several nodes: the feature is their last node's)
+
+
+def test_a_draft_heads_next_chain_is_drafted_in_the_compiled_greedy_step(monkeypatch):
+    """On a model whose steps are compiled whole on a CPU, a draft head's next greedy chain is drafted in the greedy
+    step's own graph, from the target's features at each row's last accepted node and its bonus token: every chain
+    handed back is the head's own chain from those (float64, long accepted paths and rejected drafts, two rows), the
+    head's next proposal is it (no features handed, no head call), and the output is HF's."""
+    from ssmspec.hf import features
+    from ssmspec.speculate.drafters.head import DraftHead, HeadChain, HeadDrafter
+    from ssmspec.speculate.runner import ModelRunner
+
+    ref = _model("mamba2")
+    torch.manual_seed(0)
+    model = ssmspec.transform(copy.deepcopy(ref), draft_head=DraftHead.for_model(ref).double())
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    model.ssmspec_graphs = True
+    head = model.__dict__["ssmspec_draft_head"]
+    chain = HeadChain(head, model.get_input_embeddings(), features.lm_head(model))
+    checked, handed, served, expected, proposed, after = [], [], [], [], [], [0]
+    verify_greedy = ModelRunner.verify_greedy
+
+    def checking(self, tree):
+        tokens, ties = verify_greedy(self, tree)
+        if self.drafted is None:  # (a step that drafted nothing)
+            return tokens, ties
+        rows = torch.arange(len(tokens))
+        last = self.features[rows, torch.tensor([len(t) - 1 for t in tokens])]  # (the path's last node)
+        bonus = [t[-1] for t in tokens]
+        want = chain(last, torch.tensor(bonus), len(self.drafted[0]) - 1).tolist()
+        checked.append(self.drafted == [[b, *w] for b, w in zip(bonus, want)])
+        after[0] = len(self.drafted[0]) - 1  # (as deep as the step's tree: its bucket's depth)
+        return tokens, ties
+
+    class Recording(HeadDrafter):
+        def observe_features(self, row, feature):
+            handed.append(row)
+            super().observe_features(row, feature)
+
+        def propose(self, contexts, max_nodes, max_depth):
+            served.append(self.has_drafted(contexts, min(max_nodes, max_depth)))
+            expected.append(after[0] >= min(max_nodes, max_depth))  # (the step before drafted as deep)
+            after[0] = 0
+            drafts = super().propose(contexts, max_nodes, max_depth)
+            if served[-1]:
+                proposed.append(all(d[0] == c[: len(d[0])] for d, c in zip(drafts, self.drafted[0])))
+            # every other step the reference's own tokens: long accepted paths
+            return oracle.propose(contexts, max_nodes, max_depth) if len(served) % 2 else drafts
+
+    monkeypatch.setattr(ModelRunner, "verify_greedy", checking)
+    monkeypatch.setattr("ssmspec.speculate.plan.build_drafter", lambda *a, **k: Recording(head, model, tree=False))
+    want = ref.generate(IDS, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    oracle = Varying([w.tolist() for w in want], vocab_size=96)
+    spec = SpecConfig(drafter="draft_head", tree=False, num_draft_tokens=3, adaptive=False)
+    out = model.generate(IDS, max_new_tokens=20, eos_token_id=None, pad_token_id=0, speculation=spec,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, want)
+    assert len(checked) >= 4 and all(checked)
+    assert served == expected and sum(served) >= len(served) // 2 and proposed and all(proposed)
+    assert len(handed) <= 2 * served.count(False)  # (features only for a proposal the chains could not serve)
+    assert out.spec_stats["accepted_tokens"] >= 8  # (accepted paths: the chain is drafted from their last node)
+
+
+def test_a_step_compiler_adopts_a_modules_tensors_as_constants_named_in_order():
+    """`StepCompiler.adopt`: a draft head's parameters become constants of the steps recorded after it (read where they
+    are, not inputs), named by the order modules were adopted in (the same graph code in every process); adopting
+    one again changes nothing, and a recorded step reads them as constants."""
+    model = _recorded(_model("mamba2"))
+    compiler = model.__dict__["_ssmspec_step_compiler"]
+    first, second = torch.nn.Linear(3, 2).double(), torch.nn.LayerNorm(3).double()
+    before = dict(compiler.constants)
+    for module in (first, second, first):
+        compiler.adopt(module)
+    added = {name: t for key, (name, t) in compiler.constants.items() if key not in before}
+    assert added == {"c_adopted0__weight": first.weight, "c_adopted0__bias": first.bias,
+                     "c_adopted1__weight": second.weight, "c_adopted1__bias": second.bias}  # fmt: skip
+    x = torch.randn(1, 3, dtype=torch.float64)
+    graph = StepGraph(torch.device("cpu"), compiler=compiler)
+    with torch.no_grad():
+        out = graph.capture(lambda: first(second(x))).clone()
+        assert len(graph.inputs) == 1 and graph.inputs[0] is x and torch.equal(graph.replay(), out)
 
 
 def test_an_mtp_layer_drafts_from_the_compiled_greedy_steps_paths(monkeypatch):

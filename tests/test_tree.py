@@ -201,3 +201,22 @@ def test_the_device_greedy_walk_accepts_what_the_host_walk_accepts(tree, data):
                else data.draw(st.integers(0, 2)) for kids in children[b]] for b in range(tree.batch_size)]  # fmt: skip
     want, _ = greedy_accept(tree, None, target=target)
     assert tree.greedy_last(torch.tensor(target)).tolist() == want.tolist()
+
+
+def test_refilling_a_batch_of_chains_in_place_is_building_it_anew():
+    """`refill_chains` writes other chains (any lengths up to the tree's nodes) into a batch of chains where it is:
+    its tensors keep their addresses and equal those `from_lists` builds for the chains padded to its nodes; a tree that
+    is not a batch of chains, or a chain too long, is refused."""
+    tree = TokenTree.from_lists([[1, 2, 3, 4], [5, 6]], [[-1, 0, 1, 2], [-1, 0]])
+    where = [t.data_ptr() for t in tree.tensors()]
+    for chains in ([[7, 8], [9, 10, 11, 12]], [[3], [4, 5, 6]], [[1, 2, 3, 4], [5, 6, 7, 8]]):
+        tree.refill_chains(chains)
+        want = TokenTree.from_lists(chains, [list(range(-1, len(c) - 1)) for c in chains], num_nodes=4)
+        assert [t.data_ptr() for t in tree.tensors()] == where
+        for got, new in zip(tree.tensors(), want.tensors()):
+            assert torch.equal(got, new)
+        assert tree._tokens_list == want.tokens.tolist() and tree._acceptable_list == want.acceptable.tolist()
+    with pytest.raises(InvalidTreeError, match="chain of 5 nodes"):
+        tree.refill_chains([[1, 2, 3, 4, 5], [1]])
+    with pytest.raises(InvalidTreeError, match="not a batch of chains"):
+        TokenTree.from_lists([[1, 2, 3]], [[-1, 0, 0]]).refill_chains([[1, 2, 3]])

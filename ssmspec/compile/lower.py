@@ -152,8 +152,24 @@ class StepCompiler:
         self.compilations = 0  # graphs compiled (not found among the model's)
         self.compile_seconds = 0.0
         self.fallbacks = 0  # graphs Inductor failed on, run op by op from Python instead
+        # id(module) -> (the module, held: its id stays its own; the prefix its constants are named with): `adopt`
+        self._adopted: dict[int, tuple[nn.Module, str]] = {}
         if inductor and kernels:
             cpu_linear.prepare()  # (built while the first steps compile: a plain step has no product it takes)
+
+    def adopt(self, module: nn.Module) -> None:
+        """Make `module`'s parameters and buffers constants of the graphs compiled from now on, as the model's are (a
+        draft head that a greedy step drafts with in its own graph): read where they live rather than inputs of the
+        step. Named by the order modules were adopted in (the same names in every process: Inductor's cache keys on
+        the graph's code)."""
+        with self._lock:
+            if id(module) in self._adopted:
+                return
+            prefix = f"c_adopted{len(self._adopted)}__"
+            self._adopted[id(module)] = (module, prefix)
+            named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+            for name, t in reversed(named):
+                self.constants.setdefault(id(t), (prefix + name.replace(".", "__"), t))
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
         """The compiled function of a recorded step (compiled once per graph and input layout)."""

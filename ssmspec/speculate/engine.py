@@ -105,6 +105,8 @@ def speculative_generate(
     extra = {"model_inputs": model_inputs} if model_inputs else {}  # only the generic path takes them
     logits = runner.prefill(input_ids, attention_mask, all_positions=proposer.topk > 0, **extra)
     logits = proposer.start(runner, rows, attention_mask, logits)
+    if isinstance(runner, ModelRunner):  # (a greedy step compiled whole drafts the drafter's next chain in its graph)
+        runner.step_draft = proposer.step_draft
     rows.first(logits, None if decoding.do_sample else near_ties(logits, stats.near_tie_tolerance))
     policy = StepPolicy.for_call(model, runner, drafter, decoding, settings)
     verifier = Verifier(runner, stats)
@@ -198,13 +200,18 @@ def greedy_step(runner: ModelRunner, rows: Rows, proposal: Proposal, proposer: P
     (`ModelRunner.verify_greedy`: verified, accepted and committed in one compiled graph) and one read of each row's
     accepted tokens, emitted (`Rows.emit_greedy`), the drafter told what it learns (`Proposer.observe_path`); returns
     the step's report for the policy."""
-    tree = runner.prepare(proposal.trees)
+    # chains refill the captured chain's tokens in place (no tree built); the drafter's next chain, where it drafts in
+    # the step's graph, comes back with this step's tokens
+    chains = proposal.chains
+    tree = [tokens for tokens, _ in proposal.trees] if chains else runner.prepare(proposal.trees)
     active = [not d for d in rows.done]
     tokens, ties = runner.verify_greedy(tree)
     if proposer.wants_features:
         proposer.observe_path(runner.features, [len(t) for t in tokens], [r for r, a in enumerate(active) if a])
     progress = rows.emit_greedy(tokens, ties, proposal.nodes)
-    return StepReport.of_rows(proposal, tree.num_nodes, active, tokens, progress)
+    proposer.observe_drafted(runner.drafted, rows)
+    nodes = runner.padded_size(proposal.nodes) if chains else tree.num_nodes
+    return StepReport.of_rows(proposal, nodes, active, tokens, progress)
 
 
 def open_runner(

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from ssmspec.hf.cache import SpecCache
 from ssmspec.speculate.ties import near_tie_tolerance, near_ties
 from ssmspec.tree import TokenTree
 from ssmspec.verification import Verification, fold_states
+
+if TYPE_CHECKING:  # (the step's types import the drafters, which import this module)
+    from ssmspec.speculate.step import StepDraft
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -88,6 +92,7 @@ class Captured:
     commit: StepGraph | None = None  # the bucket's commit, captured at its second commit (its first runs eagerly)
     committed: bool = False
     fused: bool = False  # a one-node step verified in place and committed inside the same graph
+    drafts: int = 0  # the depth of the next chain a greedy step drafts in its graph (`verify_greedy`'s `draft`)
 
 
 @dataclass
@@ -188,6 +193,10 @@ class ModelRunner:
         if capture_features:
             features.enable(model)
         self.features: torch.Tensor | None = None
+        # the call's drafter's next chain as a greedy step drafts it in its graph (Drafter.step_draft), set by the
+        # engine, and the chain per row the last greedy step drafted (`verify_greedy`)
+        self.step_draft: StepDraft | None = None
+        self.drafted: list[list[int]] | None = None
         self.cache: SpecCache | None = None
         self._pending: tuple[TokenTree, Verification | None] | None = None
         self._pending_capture: Captured | None = None  # the pending verification's captured step, if captured
@@ -513,7 +522,7 @@ class ModelRunner:
         return picks
 
     @torch.no_grad()
-    def verify_greedy(self, tree: TokenTree) -> tuple[list[list[int]], list[list[int]]]:
+    def verify_greedy(self, tree: TokenTree | Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]]:
         """A greedy step (no logits processors) as one replay of the bucket's greedy step (a model whose steps are
         compiled on a CPU): the tree verified, each row's accepted path found on the device (`TokenTree.greedy_last`,
         the host walk's rule) and committed, in one compiled graph; one read. Returns per row the tokens the step
@@ -521,33 +530,55 @@ class ModelRunner:
         and whether the target's top two nearly tie at each; with `capture_features`, `features` [B, W, H] holds the
         target's features along each row's path (root first, padded with its last node). A row is committed past a
         stop inside its path (EOS): its state is not read again. The bucket's first tree captures (compiles) the
-        step."""
+        step.
+
+        `tree`: a prepared tree (`prepare`), or per row a chain's tokens (root first), which refill a captured chain's
+        tokens in place (nothing else of a chain changes between steps). With `step_draft` (and `capture_features`),
+        the step drafts the next chain in its graph as well, from the features at each row's last accepted node and its
+        bonus token, as deep as the bucket's tree (at most `max_depth`): `drafted` holds it per row, root first (None
+        after a step without one). The calibration times these steps as calls run them, drafting included."""
         if not self.fuse_single_nodes:
             raise RuntimeError("greedy steps are compiled only on a CPU model whose steps are compiled")
         if self._pending is not None:
             raise RuntimeError(PENDING_TREE)
-        self.cache.reserve(tree.num_nodes)
-        key = (tree.batch_size, tree.num_nodes, "greedy")
+        chains = None if isinstance(tree, TokenTree) else [list(row) for row in tree]
+        nodes = tree.num_nodes if chains is None else self.padded_size(max(len(row) for row in chains))
+        batch = tree.batch_size if chains is None else len(chains)
+        draft = self.step_draft if self.capture_features else None
+        key = (batch, nodes, "greedy") + (() if draft is None else draft.key)
+        self.cache.reserve(nodes)
         entry = self._bucket(key)
-        if entry is None:
-            entry = self._capture_greedy(tree, key)
-            picks = entry.graph.outputs
-        else:
-            entry.tree.copy_from(tree)
+        if entry is not None and chains is not None and entry.tree.depth_is_index:
+            entry.tree.refill_chains(chains)
             picks = entry.graph.replay()
+        else:
+            if chains is not None:
+                tree = self.prepare([(row, list(range(-1, len(row) - 1))) for row in chains])
+            if entry is None:
+                entry = self._capture_greedy(tree, key, draft)
+                picks = entry.graph.outputs
+            else:
+                entry.tree.copy_from(tree)
+                picks = entry.graph.replay()
         picks, feats = picks
         self.features = feats.clone() if feats is not None else None
         rows = picks.tolist()
-        width = (len(rows[0]) - 1) // 2
+        drafts = entry.drafts
+        self.drafted = [row[len(row) - drafts - 1 :] for row in rows] if drafts else None
+        width = (len(rows[0]) - 1 - (drafts + 1 if drafts else 0)) // 2
         self.cache.settle_static(max(row[0] for row in rows))
         return [row[1 : 1 + row[0]] for row in rows], [row[1 + width : 1 + width + row[0]] for row in rows]
 
-    def _capture_greedy(self, tree: TokenTree, key: tuple) -> Captured:
+    def _capture_greedy(self, tree: TokenTree, key: tuple, draft: StepDraft | None = None) -> Captured:
         """Capture (compile) the greedy step of `tree`'s bucket and run it once (`verify_greedy`): its outputs
-        [B, 1 + 2W] per row its path's length, the target's choice at each of the path's W nodes and their near-ties,
-        and the features along the path (or None)."""
+        [B, 1 + 2W (+ 1 + D)] per row its path's length, the target's choice at each of the path's W nodes and their
+        near-ties (and with `draft`, its bonus token and the D tokens drafted after it), and the features along the
+        path (or None)."""
         static = tree.owned()
         width, tolerance = self.max_depth + 1, near_tie_tolerance(self.dtype)
+        drafts = min(tree.num_nodes - 1, self.max_depth) if draft is not None else 0
+        if drafts:
+            self.compiler.adopt(draft.module)
 
         def step():
             with self.cache.verifying(static) as verification:
@@ -560,9 +591,14 @@ class ModelRunner:
             feats = self.features
             if feats is not None:  # (along each path: a drafter that drafts from them takes its last or all)
                 feats = torch.gather(feats, 1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
+            if drafts:  # the next chain, from the last accepted node (the path is padded with it) and the bonus token
+                bonus = torch.gather(target, 1, path[:, -1:])
+                picks = torch.cat([picks, bonus, draft(feats[:, -1], bonus[:, 0], drafts).to(picks.dtype)], 1)
             return picks, feats
 
-        return self._capture(key, static, static.tokens.new_zeros(tree.batch_size), step, fused=True)
+        entry = self._capture(key, static, static.tokens.new_zeros(tree.batch_size), step, fused=True)
+        entry.drafts = drafts
+        return entry
 
     def _bucket(self, key: tuple) -> Captured | None:
         """The captured step of `key`, or None where there is none yet (every one is dropped once the K/V buffers grew:

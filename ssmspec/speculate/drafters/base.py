@@ -64,6 +64,21 @@ class Drafter:
         (the engine chooses depth and budget from the rows' acceptance rates)."""
         return False
 
+    def step_draft(self):
+        """(A greedy call on steps compiled whole.) The next chain as tensor ops the target's greedy step runs in its
+        own graph (a `ssmspec.speculate.step.StepDraft`), each step's draft then handed over by `observe_drafted`; None
+        (default): the drafter drafts on the host."""
+        return None
+
+    def observe_drafted(self, chains: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]]) -> None:
+        """After a greedy step that drafted with `step_draft`: per row the next chain it drafted (root first: the bonus
+        token the step emitted last) and the rows' contexts after the step. Default: nothing."""
+
+    def has_drafted(self, contexts: Sequence[Sequence[int]], max_depth: int) -> bool:
+        """Whether the chains handed by `observe_drafted` serve a proposal for `contexts` `max_depth` deep (the engine
+        then skips handing over the target's features, which they were drafted from). Default: False."""
+        return False
+
     # whether the engine hands this drafter the target's features (its LM head's input, ssmspec.hf.features) at the
     # last position it committed, before every proposal (`observe_features`; plain steps between hand it nothing)
     target_features: bool = False
@@ -99,7 +114,7 @@ class Drafter:
 
 # every hook the engine calls on a drafter, and the flags it reads (a test checks that each wrapper handles them all)
 HOOKS = ("set_decoding", "start", "propose", "ahead", "finish", "size_by_goodput", "observe_features",
-         "observe_history", "observe_prompt", "observe")  # fmt: skip
+         "observe_history", "observe_prompt", "observe", "step_draft", "observe_drafted", "has_drafted")  # fmt: skip
 FLAGS = ("target_features", "target_history", "target_topk", "works_ahead")
 
 
@@ -130,6 +145,15 @@ class Wrapper(Drafter):
 
     def size_by_goodput(self, cost: Callable[[int], float]) -> bool:
         return False  # (the wrapper splits the budget it is given between the drafters it wraps)
+
+    def step_draft(self):
+        return None  # (a wrapper composes its drafters' proposals on the host)
+
+    def observe_drafted(self, chains, contexts) -> None:
+        pass  # (nothing it wraps drafted in the step: `step_draft`)
+
+    def has_drafted(self, contexts, max_depth: int) -> bool:
+        return False
 
     def _asking(self, flag: str) -> list[Drafter]:
         """The wrapped drafters that ask for what `flag` names (the target's features, history or top-k)."""

@@ -119,6 +119,27 @@ def check_head(head: DraftHead, model: nn.Module) -> None:
         raise UnsupportedModelError(type(model).__name__, f"the draft head was made for another model ({diffs})")
 
 
+class HeadChain:
+    """A head's greedy chain as tensor ops (a `ssmspec.speculate.step.StepDraft`): each level the head's predicted
+    feature, the target's LM head and the argmax. What `CompiledChains` compiles alone, and what a greedy step compiled
+    whole runs in its own graph after its commit (`ModelRunner.verify_greedy`)."""
+
+    def __init__(self, head: DraftHead, embed: nn.Module, lm_head: nn.Module) -> None:
+        self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.module = head  # (the embedding and the LM head are the target's: constants of its steps already)
+        self.key = ("head chain", id(head), id(embed), id(lm_head))
+
+    def __call__(self, features: torch.Tensor, roots: torch.Tensor, depth: int) -> torch.Tensor:
+        """`depth` levels of head, LM head and argmax from features [B, H] and roots [B]: the chain [B, depth]."""
+        dtype = next(self.head.parameters()).dtype
+        out, f, t = [], features.to(dtype), roots
+        for _ in range(depth):
+            f = self.head(f, self.embed(t).to(dtype))
+            t = self.lm_head(f.to(self.lm_head.weight.dtype)).float().argmax(-1)
+            out.append(t)
+        return torch.stack(out, 1)
+
+
 # where a target keeps its heads' compiled chains (id(head) -> CompiledChains) and the lock that guards them
 CHAINS_KEY = "_ssmspec_head_chains"
 
@@ -136,6 +157,7 @@ class CompiledChains:
         from ssmspec.compile.lower import StepCompiler
 
         self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.step = HeadChain(head, embed, lm_head)
         self.compiler = StepCompiler(nn.ModuleList([head, embed, lm_head]), options=options, progress=progress)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (batch, depth) -> (graph, features, roots)
         self.lock = threading.Lock()
@@ -152,7 +174,7 @@ class CompiledChains:
                 dtype = next(self.head.parameters()).dtype
                 feats, tokens = features.to(dtype).clone(), roots.clone()
                 graph = StepGraph(torch.device("cpu"), compiler=self.compiler)
-                graph.capture(lambda: self._chain(feats, tokens, depth))
+                graph.capture(lambda: self.step(feats, tokens, depth))
                 self.graphs[key] = (graph, feats, tokens)
             else:
                 graph, feats, tokens = entry
@@ -161,25 +183,21 @@ class CompiledChains:
                 graph.replay()
             return graph.outputs.tolist()
 
-    def _chain(self, feats: torch.Tensor, tokens: torch.Tensor, depth: int) -> torch.Tensor:
-        """The captured step: `depth` levels of head, LM head and argmax from features [B, H] and roots [B]."""
-        out, f, t = [], feats, tokens
-        for _ in range(depth):
-            f = self.head(f, self.embed(t).to(feats.dtype))
-            t = self.lm_head(f.to(self.lm_head.weight.dtype)).float().argmax(-1)
-            out.append(t)
-        return torch.stack(out, 1)
+
+def compiled_whole_on_cpu(head: DraftHead, target: nn.Module, embed: nn.Module, lm_head: nn.Module):
+    """The step compiler of `target` where its steps are compiled whole on a CPU and the head, the embedding and the LM
+    head are on the CPU (the head's greedy chains may then run in the target's greedy steps: `HeadChain`), else None."""
+    compiler = compiled_as(target).step_compiler
+    tensors = [*head.parameters(), *embed.parameters(), *lm_head.parameters()]
+    return None if compiler is None or any(t.device.type != "cpu" for t in tensors) else compiler
 
 
 def compiled_chains(head: DraftHead, target: nn.Module, embed: nn.Module, lm_head: nn.Module) -> CompiledChains | None:
     """`head`'s compiled chains for `target` (made once per pair and kept on the target, as its compiled steps are),
     where `target`'s steps are compiled whole on a CPU and the head, the embedding and the LM head are on the CPU; else
     None (the head is called op by op)."""
-    compiler = compiled_as(target).step_compiler
+    compiler = compiled_whole_on_cpu(head, target, embed, lm_head)
     if compiler is None or not getattr(compiler, "inductor", True):
-        return None
-    tensors = [*head.parameters(), *embed.parameters(), *lm_head.parameters()]
-    if any(t.device.type != "cpu" for t in tensors):
         return None
     store = target.__dict__.get(CHAINS_KEY)
     if store is None:
@@ -235,6 +253,10 @@ class HeadDrafter(Drafter):
         self.scored: list[dict[int, torch.Tensor]] = []
         self.predicted: list[dict[int, torch.Tensor]] = []  # per row, node -> the head's output there (this proposal)
         self.chains: CompiledChains | None = None  # bound at `start` where the target's steps are compiled whole
+        self.in_step: HeadChain | None = None  # ... and its chains as the target's greedy steps run them (`step_draft`)
+        # the next chain per row a greedy step drafted in its graph (`observe_drafted`) and the context lengths it
+        # follows, or None
+        self.drafted: tuple[list[list[int]], list[int]] | None = None
 
     def start(self, input_ids, attention_mask):
         """Bind to the target for this call: its embedding and LM head, where they execute now (a device_map may put
@@ -250,13 +272,33 @@ class HeadDrafter(Drafter):
         self.features = [None] * batch
         self.steps = 0
         self.chain_fallbacks = 0  # rows a greedy tree fell back to a chain for (`trees.best_first_tree`)
-        self.chains = None
+        self.chains, self.drafted, self.in_step = None, None, None
         if self.compiles_chains and not self.tree:
             self.chains = compiled_chains(self.head, self.target, self.embed, self.lm_head)
+            if compiled_whole_on_cpu(self.head, self.target, self.embed, self.lm_head) is not None:
+                self.in_step = self.chains.step if self.chains is not None else HeadChain(self.head, self.embed,
+                                                                                          self.lm_head)  # fmt: skip
 
     def observe_features(self, row: int, feature: torch.Tensor) -> None:
         """The target's feature [H] at the last position it committed for `row` (whose logits chose the next root)."""
         self.features[row] = feature
+
+    def step_draft(self) -> HeadChain | None:
+        """The head's greedy chains in the target's greedy steps, where those are compiled whole on a CPU."""
+        sampling = self.decoding is not None and self.decoding.do_sample
+        return None if sampling else self.in_step
+
+    def observe_drafted(self, chains, contexts) -> None:
+        self.drafted = ([list(c) for c in chains], [len(c) for c in contexts])
+
+    def has_drafted(self, contexts, max_depth: int) -> bool:
+        if self.drafted is None:
+            return False
+        chains, lengths = self.drafted
+        return len(chains) == len(contexts) and all(
+            len(chain) > max_depth and len(c) == n and int(c[-1]) == chain[0]
+            for chain, c, n in zip(chains, contexts, lengths)
+        )
 
     def finish(self, stats) -> None:
         stats.drafter["head_calls"] = self.steps
@@ -295,6 +337,9 @@ class HeadDrafter(Drafter):
         depth = min(max_nodes, max_depth)
         self.scored = []
         sampling = self.decoding is not None and self.decoding.do_sample
+        if not sampling and depth > 0 and self.has_drafted(contexts, depth):
+            self.steps += depth  # (drafted in the step before: `step_draft`)
+            return [(chain[: depth + 1], list(range(-1, depth))) for chain in self.drafted[0]]
         if self.chains is not None and not sampling and depth > 0 and all(f is not None for f in self.features):
             roots = torch.tensor([int(c[-1]) for c in contexts])
             self.steps += depth

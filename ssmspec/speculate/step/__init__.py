@@ -84,6 +84,24 @@ class Runner(Protocol):
         `chooses_single_node_path`. A choice not given stays as it is."""
 
 
+class StepDraft(Protocol):
+    """A drafter's next greedy chain as tensor ops that a compiled greedy step runs in its own graph, after it has
+    accepted and committed (`ModelRunner.verify_greedy`): the next step's draft comes back with this step's tokens, in
+    the same replay and the same read, so a run of drafted steps calls nothing between them but the step.
+
+    Attributes:
+        module: what the ops read besides the target (a draft head): its parameters are the graph's constants.
+        key: what tells two drafts apart (one captured step per bucket and draft).
+    """
+
+    module: nn.Module
+    key: tuple
+
+    def __call__(self, features: torch.Tensor, roots: torch.Tensor, depth: int) -> torch.Tensor:
+        """The chain [B, depth] after each row's root [B] (its bonus token), from the target's features [B, H] at the
+        last node the row accepted."""
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What the policy allows one step.
@@ -128,6 +146,11 @@ class Proposal:
     def nodes(self) -> int:
         """Nodes of the widest row (root included)."""
         return max(len(tokens) for tokens, _ in self.trees)
+
+    @property
+    def chains(self) -> bool:
+        """Whether every row's tree is a chain (each node the child of the one before)."""
+        return all(parents == list(range(-1, len(parents) - 1)) for _, parents in self.trees)
 
     def capped(self, cap: int) -> Proposal:
         """Every row cut to its first `cap` nodes (parents precede children, so a prefix is a tree), its

@@ -39,6 +39,7 @@ class Proposer:
         # committed node per row, the rows to tell); deferred to the next drafting call, so a run of plain steps (a
         # batch where speculation does not pay) pays for none of it
         self._features: tuple | None = None
+        self.step_draft = None  # the drafter's next chains drafted in the target's greedy step (set at `start`)
 
     def start(self, runner, rows: Rows, attention_mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """After the prefill: the drafter sees the prompt (and, a recycling drafter, the target's top-k after every
@@ -47,6 +48,7 @@ class Proposer:
         drafter, b = self.drafter, rows.batch
         drafter.set_decoding(rows.decoding)
         drafter.start(rows.input_ids, attention_mask)
+        self.step_draft = drafter.step_draft()
         if drafter.target_features:
             self._features = (runner.features, [-1] * b, range(b))
         if self.history:  # the features of every real prompt position (the prefill computed them all)
@@ -71,13 +73,13 @@ class Proposer:
         shadow, shadow_seconds = None, 0.0
         if plan.shadow:
             t0 = time.perf_counter()
-            self._hand_features()
+            self._hand_features(contexts, 1)
             shadow = self.drafter.propose(contexts, plan.shadow, 1)
             shadow_seconds = time.perf_counter() - t0
         if depth == 0 and not self.calls_every_step:
             proposed: list = [([int(c[-1])], [-1]) for c in contexts]
         else:
-            self._hand_features()
+            self._hand_features(contexts, depth)
             proposed = self.drafter.propose(contexts, plan.budget, depth)
         trees, qs, pads = [], [], {}
         remaining = rows.remaining
@@ -132,10 +134,17 @@ class Proposer:
             for r in rows:
                 self.drafter.observe_history(r, features[r, : counts[r]])
 
-    def _hand_features(self) -> None:
+    def observe_drafted(self, chains: list[list[int]] | None, rows: Rows) -> None:
+        """After a greedy step that drafted the next chains in its graph (`step_draft`; None: it did not): the drafter
+        is handed them with the rows' contexts."""
+        if chains is not None:
+            self.drafter.observe_drafted(chains, rows.contexts)
+
+    def _hand_features(self, contexts=None, depth: int = 0) -> None:
         """Hand the drafter the target's features at each row's last committed position (one gather, a view per
-        row), where some are pending."""
-        if self._features is None:
+        row), where some are pending and the chains the last step drafted (`observe_drafted`) do not serve a proposal
+        `depth` deep for `contexts`."""
+        if self._features is None or contexts is not None and self.drafter.has_drafted(contexts, depth):
             return
         feats, cut, rows = self._features
         self._features = None
