@@ -335,6 +335,9 @@ class Goodput:
             took back to back (`record(run=True)`) once there are any.
         plain_prior: (with `loop_base`) a plain step's seconds as the last greedy call's loop took them back to back,
             the base until this call's are measured (`AdaptiveDepth` keeps it on the model).
+        padded: the node count a tree of n nodes is verified with (static shapes: its bucket, whose forward it costs;
+            a 3-node chain in a 4-node bucket, priced between the 2- and 4-node forwards, looked cheaper than the
+            4-node chain beside it, which drafts a token more for the same step); None: n.
     """
 
     MAX_BACKOFF = 64
@@ -359,8 +362,10 @@ class Goodput:
         measured: bool = True,
         loop_base: bool = False,
         plain_prior: float | None = None,
+        padded: Callable[[int], int] | None = None,
     ) -> None:
         self.curve = curve
+        self.padded = padded
         self.measured = measured
         self.loop_base = loop_base
         self.plain_prior = plain_prior if loop_base else None
@@ -443,9 +448,10 @@ class Goodput:
         bookkeeping included."""
         if nodes <= 1:
             return 1.0
+        forward = step_cost(self.curve, self.padded(nodes) if self.padded is not None else nodes)
         if not self.decode_seconds:  # a curve without its timing: the forward alone
-            return step_cost(self.curve, nodes)
-        return (step_cost(self.curve, nodes) * self.decode_seconds + self.spec_overhead(nodes)) / self.seconds
+            return forward
+        return (forward * self.decode_seconds + self.spec_overhead(nodes)) / self.seconds
 
     def record(self, nodes: int, seconds: float, tokens: float, rows: int = 1, run: bool = False) -> None:
         """A step verified `nodes` nodes per row (1: a plain step) in `seconds` and gained `tokens` over `rows` rows

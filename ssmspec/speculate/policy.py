@@ -269,10 +269,11 @@ class AdaptiveDepth:
             measured=not sampling,
             loop_base=loop_base,
             plain_prior=(profiles or {}).get((PLAIN_STEP, batch)),
+            padded=runner.padded_size if runner.static_shapes else None,
         )
         # a drafter with calibrated per-node estimates sizes each tree itself; depth and budget then stay at their
         # maximum
-        sized = drafter.size_by_goodput(lambda n: goodput.cost(runner.padded_size(n)))
+        sized = drafter.size_by_goodput(goodput.cost)
         return cls(acceptance, goodput, tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, prices=not sized,
                    reruns=bool(runner.reruns), profiles=profiles, profile_key=key,
                    agreement=runner.agreement)  # fmt: skip

@@ -904,3 +904,20 @@ def test_a_plain_run_leaves_the_policy_as_its_steps_one_by_one(case):
     assert one_by_one.acceptance.level_rates(0, 3) == pytest.approx(run.acceptance.level_rates(0, 3))
     if case == "pause":  # the step after the run drafts a shadow (paid for by then), as `plain_run` foresaw
         assert run.plain_run() == 0 and one_by_one.choose(None, 4, 8)[2] > 0
+
+
+def test_a_step_padded_to_its_bucket_is_priced_at_the_buckets_forward():
+    """With static shapes a tree is verified at the node count it is padded to: a 3-node chain in a 4-node bucket costs
+    the 4-node forward (not the 2-4 interpolation, which made it look cheaper than the 4-node chain that drafts a token
+    more for the same step); without `padded`, sizes between measured ones are interpolated."""
+    from ssmspec.speculate.adaptive import Goodput
+    from ssmspec.speculate.runner import bucket
+
+    curve = {1: 1.0, 2: 1.2, 4: 2.0, 8: 3.0}
+    padded = Goodput(curve, None, padded=bucket)
+    assert padded.cost(3) == padded.cost(4) == 2.0 and padded.cost(5) == 3.0 and padded.cost(2) == 1.2
+    assert Goodput(curve, None).cost(3) == pytest.approx(1.6)
+    timed = Goodput(curve, 1e-3, padded=bucket)  # (with the step's overhead: per drafted node, on the nodes drafted)
+    assert timed.cost(3) < timed.cost(4) and timed.cost(3) - timed.cost(4) == pytest.approx(
+        (timed.spec_overhead(3) - timed.spec_overhead(4)) / timed.seconds
+    )
