@@ -338,6 +338,11 @@ class Goodput:
         padded: the node count a tree of n nodes is verified with (static shapes: its bucket, whose forward it costs;
             a 3-node chain in a 4-node bucket, priced between the 2- and 4-node forwards, looked cheaper than the
             4-node chain beside it, which drafts a token more for the same step); None: n.
+        overhead_prior: (with `measured`) the overhead's fit (fixed seconds, seconds per drafted node and row) as the
+            last greedy call with this drafter measured it (`AdaptiveDepth` keeps it on the model), the prior until
+            this call's steps are measured. From PRIOR_FIXED alone every call priced its first drafted steps as the
+            calibration's forwards timed alone, where a call's greedy steps on the compiled 3M target took 1.5 to 2.5
+            plain steps more: each call's first tries, with n-grams on held-out code, lost them.
     """
 
     MAX_BACKOFF = 64
@@ -363,6 +368,7 @@ class Goodput:
         loop_base: bool = False,
         plain_prior: float | None = None,
         padded: Callable[[int], int] | None = None,
+        overhead_prior: tuple[float, float] | None = None,
     ) -> None:
         self.curve = curve
         self.padded = padded
@@ -372,7 +378,9 @@ class Goodput:
         self.decode_seconds = decode_seconds or 0.0  # 0: unknown (a curve given without its timing)
         self.batch = batch
         # what speculative steps take beyond their forward (the first one, which also sets the drafter up, aside)
-        self.overhead = StepOverhead(self.PRIOR_FIXED * self.decode_seconds, self.PRIOR_SLOPE)
+        self.carried = measured and overhead_prior is not None  # (the overhead's prior measured by a call before)
+        prior = overhead_prior if self.carried else (self.PRIOR_FIXED * self.decode_seconds, self.PRIOR_SLOPE)
+        self.overhead = StepOverhead(*prior)
         self.spec_steps = 0
         self.plain_steps = 0
         self.since_plain = 0  # speculative steps since the last plain one
@@ -392,7 +400,7 @@ class Goodput:
     def recalibrate(self, curve: dict[int, float], decode_seconds: float | None) -> None:
         """Price with what the calibration measured since (between steps: ssmspec.speculate.calibration)."""
         self.curve = curve
-        if decode_seconds and not self.decode_seconds:  # the overhead's prior is in plain steps: known now
+        if decode_seconds and not self.decode_seconds and not self.carried:  # the prior is in plain steps: known now
             self.overhead.prior = (self.PRIOR_FIXED * decode_seconds, self.PRIOR_SLOPE)
             self.overhead._fit = None
         self.decode_seconds = decode_seconds or 0.0
@@ -443,12 +451,16 @@ class Goodput:
         """Seconds a speculative step verifying `nodes` nodes per row takes beyond its forward (`StepOverhead`)."""
         return self.overhead((nodes - 1) * self.batch)
 
+    def _forward(self, nodes: int) -> float:
+        """The curve's cost of verifying `nodes` nodes (at the size they are padded to)."""
+        return step_cost(self.curve, self.padded(nodes) if self.padded is not None else nodes)
+
     def cost(self, nodes: int) -> float:
         """A step verifying `nodes` nodes per row, relative to a plain step of this loop (`seconds`), drafting and
         bookkeeping included."""
         if nodes <= 1:
             return 1.0
-        forward = step_cost(self.curve, self.padded(nodes) if self.padded is not None else nodes)
+        forward = self._forward(nodes)
         if not self.decode_seconds:  # a curve without its timing: the forward alone
             return forward
         return (forward * self.decode_seconds + self.spec_overhead(nodes)) / self.seconds
@@ -479,7 +491,7 @@ class Goodput:
         if self.spec_steps == 1:  # it also set the drafter up (its first calls): neither its time nor its rate counts
             return
         if self.decode_seconds:
-            excess = seconds - step_cost(self.curve, nodes) * self.decode_seconds
+            excess = seconds - self._forward(nodes) * self.decode_seconds
             # a stall (another process, the collector) counts as at most 3x what the model expects
             self.overhead.add((nodes - 1) * self.batch, min(excess, 3 * self.spec_overhead(nodes)))
         if self._recent:  # a stall counts as at most 3x the recent steps' mean: it must not price speculation out

@@ -58,6 +58,8 @@ LEVEL_DECAY = 0.9
 WIDEST = 4.0
 # what the seconds of a plain step taken back to back are kept under among the acceptance profiles (per batch size)
 PLAIN_STEP = "plain step"
+# ... and what a drafted step took beyond its forward (`Goodput.overhead_prior`), per batch size and drafter
+STEP_OVERHEAD = "step overhead"
 
 
 class StepPolicy:
@@ -270,6 +272,7 @@ class AdaptiveDepth:
             loop_base=loop_base,
             plain_prior=(profiles or {}).get((PLAIN_STEP, batch)),
             padded=runner.padded_size if runner.static_shapes else None,
+            overhead_prior=(profiles or {}).get((STEP_OVERHEAD, batch, key)),
         )
         # a drafter with calibrated per-node estimates sizes each tree itself; depth and budget then stay at their
         # maximum
@@ -408,12 +411,15 @@ class AdaptiveDepth:
         self.goodput.recalibrate(calibration.curve(), calibration.decode_seconds())
 
     def finish(self) -> None:
-        """Keep the call's acceptance profile as the next greedy call's prior, and on steps compiled whole the plain
-        step's seconds its loop measured back to back (`Goodput.plain_prior`)."""
+        """Keep the call's acceptance profile as the next greedy call's prior, on steps compiled whole the plain
+        step's seconds its loop measured back to back (`Goodput.plain_prior`), and what its drafted steps took beyond
+        their forwards (`Goodput.overhead_prior`)."""
         if self.profiles is not None:
             self.profiles[self.profile_key] = self.acceptance.profile()
             if self.goodput.run_seconds:
                 self.profiles[(PLAIN_STEP, self.goodput.batch)] = self.goodput.run_seconds
+            if self.goodput.overhead.sums[0] > 0:  # (measured on this call's drafted steps)
+                self.profiles[(STEP_OVERHEAD, self.goodput.batch, self.profile_key)] = self.goodput.overhead.fit()
 
 
 def drafter_kind(drafter: Drafter) -> str:

@@ -921,3 +921,50 @@ def test_a_step_padded_to_its_bucket_is_priced_at_the_buckets_forward():
     assert timed.cost(3) < timed.cost(4) and timed.cost(3) - timed.cost(4) == pytest.approx(
         (timed.spec_overhead(3) - timed.spec_overhead(4)) / timed.seconds
     )
+
+
+def test_a_greedy_call_prices_its_first_drafted_steps_with_the_overhead_the_call_before_measured():
+    """What a drafted step took beyond its forward is kept on the model per batch size and drafter (`STEP_OVERHEAD`)
+    and is the next greedy call's prior (`Goodput.overhead_prior`): a call priced from PRIOR_FIXED alone tried drafts
+    its steps then showed to cost more. A sampled call's pricing follows no timing: it keeps PRIOR_FIXED."""
+    from ssmspec.speculate.adaptive import Goodput
+
+    curve = {1: 1.0, 2: 1.2, 4: 2.0}
+    fresh = Goodput(curve, 1e-3)
+    assert fresh.overhead.fit() == pytest.approx((Goodput.PRIOR_FIXED * 1e-3, Goodput.PRIOR_SLOPE))
+    carried = Goodput(curve, 1e-3, overhead_prior=(2e-3, 1e-4))
+    assert carried.overhead.fit() == (2e-3, 1e-4) and carried.cost(4) > fresh.cost(4)
+    carried.recalibrate(curve, 1e-3)  # (the calibration's base does not replace a measured prior)
+    assert carried.overhead.fit() == (2e-3, 1e-4)
+    sampled = Goodput(curve, 1e-3, measured=False, overhead_prior=(2e-3, 1e-4))
+    assert sampled.overhead.fit() == fresh.overhead.fit()
+
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    want = ref.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+
+    def call():  # (the reference's own tokens drafted: every step drafts)
+        return speculative_generate(
+            model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
+            drafter=OracleDrafter([w.tolist() for w in want], vocab_size=96), tree_budget=4, num_draft_tokens=4,
+            adaptive=True,
+        )  # fmt: skip
+
+    calibration.fixed(model, 1, COST, decode_seconds=1e-4)  # (a forward's seconds: the overhead is the rest)
+    call()
+    kept = [(k, v) for k, v in model.__dict__["_ssmspec_acceptance"].items() if k[0] == policy.STEP_OVERHEAD]
+    assert len(kept) == 1 and kept[0][0][1] == 1 and all(x >= 0 for x in kept[0][1])
+    priors = []
+    init = adaptive.Goodput.__init__
+
+    def recording(self, *args, **kwargs):
+        priors.append(kwargs.get("overhead_prior"))
+        init(self, *args, **kwargs)
+
+    adaptive.Goodput.__init__ = recording
+    try:
+        assert torch.equal(call()[0], want)
+    finally:
+        adaptive.Goodput.__init__ = init
+    assert priors == [kept[0][1]]

@@ -148,10 +148,10 @@ class CompiledChains:
     """A draft head's greedy chains as one replay of a step compiled whole (ssmspec.compile.graphs.StepGraph, compiled
     by a CPU step compiler): every level's head call, the target's LM head and the argmax in one call, for a target
     whose own steps are compiled whole on a CPU, where the step before did not draft the chain in its graph (after the
-    prompt or a plain step, or deeper than it drafted: `HeadChain`). Called op by op the head's one-row linears cost as much as the target's
-    compiled step (on the 19.6M Nemotron-H, 2.1 ms of head calls a drafted step against a 2.6 ms plain step). One
-    graph per batch size and depth, kept for the target's later calls; a replay and its read hold a lock (two calls
-    on one model in two threads share the graph's buffers)."""
+    prompt or a plain step, or deeper than it drafted: `HeadChain`). Called op by op the head's one-row linears cost as
+    much as the target's compiled step (on the 19.6M Nemotron-H, 2.1 ms of head calls a drafted step against a 2.6 ms
+    plain step). One graph per batch size and depth, kept for the target's later calls; a replay and its read hold a
+    lock (two calls on one model in two threads share the graph's buffers)."""
 
     def __init__(self, head: DraftHead, embed: nn.Module, lm_head: nn.Module, options: dict | None,
                  progress: bool) -> None:  # fmt: skip
