@@ -338,11 +338,11 @@ class Goodput:
         padded: the node count a tree of n nodes is verified with (static shapes: its bucket, whose forward it costs;
             a 3-node chain in a 4-node bucket, priced between the 2- and 4-node forwards, looked cheaper than the
             4-node chain beside it, which drafts a token more for the same step); None: n.
-        overhead_prior: (with `measured`) the overhead's fit (fixed seconds, seconds per drafted node and row) as the
-            last greedy call with this drafter measured it (`AdaptiveDepth` keeps it on the model), the prior until
-            this call's steps are measured. From PRIOR_FIXED alone every call priced its first drafted steps as the
-            calibration's forwards timed alone, where a call's greedy steps on the compiled 3M target took 1.5 to 2.5
-            plain steps more: each call's first tries, with n-grams on held-out code, lost them.
+        overhead_prior: (with `measured` and `loop_base`) the overhead's fit (fixed seconds, seconds per drafted node
+            and row) as the last greedy call with this drafter measured it (`AdaptiveDepth` keeps it on the model),
+            the prior until this call's steps are measured. From PRIOR_FIXED alone every call priced its first drafted
+            steps as the calibration's forwards timed alone, where a call's greedy steps on the compiled 3M target took
+            1.5 to 2.5 plain steps more: each call's first tries, with n-grams on held-out code, lost them.
     """
 
     MAX_BACKOFF = 64
@@ -378,7 +378,8 @@ class Goodput:
         self.decode_seconds = decode_seconds or 0.0  # 0: unknown (a curve given without its timing)
         self.batch = batch
         # what speculative steps take beyond their forward (the first one, which also sets the drafter up, aside)
-        self.carried = measured and overhead_prior is not None  # (the overhead's prior measured by a call before)
+        # the overhead's prior as a call before measured it (steps compiled whole, where it was measured to matter)
+        self.carried = measured and loop_base and overhead_prior is not None
         prior = overhead_prior if self.carried else (self.PRIOR_FIXED * self.decode_seconds, self.PRIOR_SLOPE)
         self.overhead = StepOverhead(*prior)
         self.spec_steps = 0

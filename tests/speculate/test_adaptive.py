@@ -924,23 +924,27 @@ def test_a_step_padded_to_its_bucket_is_priced_at_the_buckets_forward():
 
 
 def test_a_greedy_call_prices_its_first_drafted_steps_with_the_overhead_the_call_before_measured():
-    """What a drafted step took beyond its forward is kept on the model per batch size and drafter (`STEP_OVERHEAD`)
-    and is the next greedy call's prior (`Goodput.overhead_prior`): a call priced from PRIOR_FIXED alone tried drafts
-    its steps then showed to cost more. A sampled call's pricing follows no timing: it keeps PRIOR_FIXED."""
+    """On steps compiled whole, what a drafted step took beyond its forward is kept on the model per batch size and
+    drafter (`STEP_OVERHEAD`) and is the next greedy call's prior (`Goodput.overhead_prior`): a call priced from
+    PRIOR_FIXED alone tried drafts its steps then showed to cost more. A sampled call's pricing follows no timing, and
+    an eager loop's is as it was: both keep PRIOR_FIXED."""
+    from ssmspec.compile.lower import StepCompiler
     from ssmspec.speculate.adaptive import Goodput
 
     curve = {1: 1.0, 2: 1.2, 4: 2.0}
-    fresh = Goodput(curve, 1e-3)
+    fresh = Goodput(curve, 1e-3, loop_base=True)
     assert fresh.overhead.fit() == pytest.approx((Goodput.PRIOR_FIXED * 1e-3, Goodput.PRIOR_SLOPE))
-    carried = Goodput(curve, 1e-3, overhead_prior=(2e-3, 1e-4))
+    assert Goodput(curve, 1e-3, overhead_prior=(2e-3, 1e-4)).overhead.fit() == fresh.overhead.fit()  # (eager)
+    carried = Goodput(curve, 1e-3, loop_base=True, overhead_prior=(2e-3, 1e-4))
     assert carried.overhead.fit() == (2e-3, 1e-4) and carried.cost(4) > fresh.cost(4)
     carried.recalibrate(curve, 1e-3)  # (the calibration's base does not replace a measured prior)
     assert carried.overhead.fit() == (2e-3, 1e-4)
-    sampled = Goodput(curve, 1e-3, measured=False, overhead_prior=(2e-3, 1e-4))
+    sampled = Goodput(curve, 1e-3, measured=False, loop_base=True, overhead_prior=(2e-3, 1e-4))
     assert sampled.overhead.fit() == fresh.overhead.fit()
 
     ref = cached_tiny_model("mamba2")
-    model = ssmspec.transform(copy.deepcopy(ref))
+    model = ssmspec.transform(copy.deepcopy(ref))  # (its steps recorded and replayed as compiled ones, op by op)
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
     want = ref.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
 
@@ -948,7 +952,7 @@ def test_a_greedy_call_prices_its_first_drafted_steps_with_the_overhead_the_call
         return speculative_generate(
             model, ids, torch.ones_like(ids), max_new_tokens=40, eos_token_ids=[], pad_token_id=0,
             drafter=OracleDrafter([w.tolist() for w in want], vocab_size=96), tree_budget=4, num_draft_tokens=4,
-            adaptive=True,
+            adaptive=True, static_shapes=True, graphs=True,
         )  # fmt: skip
 
     calibration.fixed(model, 1, COST, decode_seconds=1e-4)  # (a forward's seconds: the overhead is the rest)
