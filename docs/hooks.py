@@ -295,8 +295,8 @@ def _source_line(names: list[str]) -> str:
 
 # (what was measured, data file, path of the speed-up, its baseline, the speed-up over the fastest plain decoder
 # measured in the same run: its path, or (the run's methods, the method, its plain decoders) where the file records
-# only rates); every figure is the embedded 3M-parameter Mamba2 target on held-out Python files, outputs
-# identical to HF's
+# only rates); every figure is the embedded 3M-parameter Mamba2 target on held-out Python files (a row naming the
+# 19.6M medium model aside), outputs identical to HF's
 SPEED_SUMMARY = (
     ("Default call, greedy (n-gram tree: the head is too large here)", "e2e_defaults",
      "methods/ssmspec default/speedup_vs_hf", "HF greedy", "methods/ssmspec default/speedup_vs_best_baseline"),
@@ -316,6 +316,10 @@ SPEED_SUMMARY = (
     ("Plain decoding, compiled, decoding rate", "llamacpp",
      "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp",
      "llama.cpp f32 (llama-bench)", "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp"),
+    ("19.6M medium model: default call, compiled, decoding rate", "llamacpp_medium",
+     "models/[model=nemotron-medium]/rows/[method=ssmspec default (compiled)]/x_llamacpp",
+     "llama.cpp f32 (llama-bench)",
+     "models/[model=nemotron-medium]/rows/[method=ssmspec default (compiled)]/x_best_ssmspec_plain"),
     ("Default call on a GPU, batches of 1 to 32, eager (nothing compiled)", "batched_gpu",
      "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_hf", "HF greedy, eager",
      "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_best_plain"),
