@@ -22,9 +22,10 @@ SAMPLING_TREES = ("gumbel_top_k", "stochastic_beam")
 class SpecConfig:
     """Speculation settings for `model.generate(..., speculation=SpecConfig(...))` (immutable).
 
-    The defaults are the configuration that measured fastest on held-out code without a corpus (docs:
-    Benchmarks, "The default configuration"): an n-gram tree of 16 nodes, 8 deep, with adaptive depth; sizes left
-    None take the ones measured fastest for the drafter a call runs (ssmspec.speculate.defaults.sized).
+    Left at their defaults: the drafter `drafter="auto"` picks for the model and call, each size the one measured
+    fastest for that drafter on held-out code (ssmspec.speculate.defaults.sized; an n-gram tree of 16 nodes, 8 deep),
+    and each step's depth chosen by its measured price (`adaptive`). On a given model a fixed configuration may
+    measure faster (docs: Benchmarks, "The default configuration").
 
     Attributes:
         drafter: "auto" (default): "draft_model" where the call passes `assistant_model`, else "draft_head" where
