@@ -972,3 +972,29 @@ def test_a_greedy_call_prices_its_first_drafted_steps_with_the_overhead_the_call
     finally:
         adaptive.Goodput.__init__ = init
     assert priors == [kept[0][1]]
+
+
+def test_on_steps_compiled_whole_a_priced_speculative_depth_holds_for_the_next_steps():
+    """On steps compiled whole (`Goodput.loop_base`) a priced speculative depth holds for PRICE_HOLD steps: the later
+    ones take its size (within their own limits) without pricing; a back-off ends the hold. An eager loop prices every
+    step."""
+    from ssmspec.speculate.adaptive import Goodput
+
+    rows = SimpleNamespace(batch=1, done=[False], remaining=[100])
+    for compiled in (True, False):
+        goodput = Goodput({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 1e-3, loop_base=compiled)
+        depth = policy.AdaptiveDepth(Acceptance(1, prior=0.9), goodput, tree_budget=4, num_draft_tokens=4)
+        priced = []
+        price = depth._priced
+        depth._priced = lambda r, d: priced.append(d) or price(r, d)
+        chosen = [depth.choose(rows, 4, 4) for _ in range(2 * policy.PRICE_HOLD)]
+        assert chosen[0][0] > 0 and all(c == chosen[0] for c in chosen)
+        assert len(priced) == (2 if compiled else 2 * policy.PRICE_HOLD)
+        if compiled:  # (a held size within the step's own limits: a row's last tokens)
+            depth.choose(rows, 4, 4)
+            assert depth.choose(rows, 1, 1)[:2] == (1, 1) and len(priced) == 3
+    goodput = Goodput({1: 1.0, 2: 1.05, 4: 1.1}, 1e-3, loop_base=True)
+    depth = policy.AdaptiveDepth(Acceptance(1, prior=0.9), goodput, tree_budget=4, num_draft_tokens=4)
+    assert depth.choose(rows, 4, 4)[0] > 0
+    goodput.forced = 4  # (a back-off: plain steps, the hold ended)
+    assert depth.choose(rows, 4, 4)[0] == 0 and depth.held_for == 0
