@@ -31,6 +31,12 @@ def upload(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     return t.to(device)
 
 
+def _padded(rows: Sequence[Sequence[int]], n: int, pad_token_id: int) -> tuple[list[list[int]], list[list[bool]]]:
+    """Each row's tokens padded to `n` nodes with `pad_token_id`, and which nodes are acceptable (the padding not)."""
+    return ([list(row) + [pad_token_id] * (n - len(row)) for row in rows],
+            [[True] * len(row) + [False] * (n - len(row)) for row in rows])  # fmt: skip
+
+
 @dataclass
 class TokenTree:
     """A batch of B token trees of N nodes each, in topological order (node 0 = root, parent[t] < t); rows
@@ -169,13 +175,9 @@ class TokenTree:
             roots = torch.tensor([t[0] for t in tokens], dtype=torch.long).view(-1, 1)
             host = cls(roots, torch.tensor([p[0] for p in parents], dtype=torch.long).view(-1, 1))
         else:
-            tok, par, ok = [], [], []
-            for row_t, row_p in zip(tokens, parents):
-                pad = n - len(row_t)
-                tok.append(list(row_t) + [pad_token_id] * pad)
-                # padding continues the row's last node as a chain: a row of chains stays a chain
-                par.append(list(row_p) + list(range(len(row_t) - 1, n - 1)))
-                ok.append([True] * len(row_t) + [False] * pad)
+            tok, ok = _padded(tokens, n, pad_token_id)
+            # padding continues the row's last node as a chain: a row of chains stays a chain
+            par = [list(row_p) + list(range(len(row_p) - 1, n - 1)) for row_p in parents]
             host = cls(torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long), torch.tensor(ok))
         return host.to(device) if device is not None else host
 
@@ -236,8 +238,7 @@ class TokenTree:
             raise InvalidTreeError(f"{len(chains)} chains into a tree of {b} rows that is not a batch of chains")
         if any(len(row) > n or not row for row in chains):
             raise InvalidTreeError(f"a chain of {max(map(len, chains))} nodes into a tree of {n}")
-        tokens = [list(row) + [pad_token_id] * (n - len(row)) for row in chains]
-        acceptable = [[True] * len(row) + [False] * (n - len(row)) for row in chains]
+        tokens, acceptable = _padded(chains, n, pad_token_id)
         self.tokens.copy_(torch.tensor(tokens, dtype=self.tokens.dtype))
         if acceptable != self._acceptable_list:
             self.acceptable.copy_(torch.tensor(acceptable))

@@ -92,7 +92,7 @@ class Captured:
     commit: StepGraph | None = None  # the bucket's commit, captured at its second commit (its first runs eagerly)
     committed: bool = False
     fused: bool = False  # a one-node step verified in place and committed inside the same graph
-    drafts: int = 0  # the depth of the next chain a greedy step drafts in its graph (`verify_greedy`'s `draft`)
+    drafts: int = 0  # the depth of the next chain a greedy step drafts in its graph (`ModelRunner.step_draft`)
 
 
 @dataclass
@@ -563,9 +563,8 @@ class ModelRunner:
         picks, feats = picks
         self.features = feats.clone() if feats is not None else None
         rows = picks.tolist()
-        drafts = entry.drafts
+        drafts, width = entry.drafts, self.max_depth + 1  # (the capture's path width: `_capture_greedy`)
         self.drafted = [row[len(row) - drafts - 1 :] for row in rows] if drafts else None
-        width = (len(rows[0]) - 1 - (drafts + 1 if drafts else 0)) // 2
         self.cache.settle_static(max(row[0] for row in rows))
         return [row[1 : 1 + row[0]] for row in rows], [row[1 + width : 1 + width + row[0]] for row in rows]
 

@@ -274,11 +274,10 @@ class HeadDrafter(Drafter):
         self.steps = 0
         self.chain_fallbacks = 0  # rows a greedy tree fell back to a chain for (`trees.best_first_tree`)
         self.chains, self.drafted, self.in_step = None, None, None
-        if self.compiles_chains and not self.tree:
+        if self.compiles_chains and not self.tree and compiled_whole_on_cpu(self.head, self.target, self.embed,
+                                                                            self.lm_head) is not None:  # fmt: skip
             self.chains = compiled_chains(self.head, self.target, self.embed, self.lm_head)
-            if compiled_whole_on_cpu(self.head, self.target, self.embed, self.lm_head) is not None:
-                self.in_step = self.chains.step if self.chains is not None else HeadChain(self.head, self.embed,
-                                                                                          self.lm_head)  # fmt: skip
+            self.in_step = HeadChain(self.head, self.embed, self.lm_head)
 
     def observe_features(self, row: int, feature: torch.Tensor) -> None:
         """The target's feature [H] at the last position it committed for `row` (whose logits chose the next root)."""
