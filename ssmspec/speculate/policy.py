@@ -11,6 +11,7 @@ shadow drafts that follow acceptance while it does not.
 
 from __future__ import annotations
 
+import math
 import time
 
 from torch import nn
@@ -66,6 +67,10 @@ WIDEST = 4.0
 PLAIN_STEP = "plain step"
 # ... and what a drafted step took beyond its forward (`Goodput.overhead_prior`), per batch size and drafter
 STEP_OVERHEAD = "step overhead"
+# ... and on steps compiled whole, how many pricings in a row had found every depth far from paying when the call
+# ended: the next call's pauses start there (the compiled embedded target, whose n-gram trees never paid on held-out
+# code, priced at steps 0, 4, 12 and 28 of every call before its pauses reached REPRICE_FAR_MAX)
+FAR_PRICED = "far from paying"
 
 
 class StepPolicy:
@@ -173,8 +178,8 @@ class StepPolicy:
         it."""
         if self.adaptive is None or self.schedule != "constant":
             return 0
-        # (every step of the run plans a depth above 0, as `plan` would: the shadow schedule counts those)
-        return max(0, min(self.adaptive.plain_run(), max(rows.remaining) - 2))
+        # (every step of the run but a call's last would plan a depth above 0: the shadow schedule counts those)
+        return max(0, min(self.adaptive.plain_run(), max(rows.remaining) - 1))
 
     def observe_plain(self, steps: int, seconds: float, rows: list[int]) -> None:
         """`steps` plain steps of a `plain_run` took `seconds` together (`rows`: the rows that took part): the
@@ -286,9 +291,12 @@ class AdaptiveDepth:
         # a drafter with calibrated per-node estimates sizes each tree itself; depth and budget then stay at their
         # maximum
         sized = drafter.size_by_goodput(goodput.cost)
-        return cls(acceptance, goodput, tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, prices=not sized,
-                   reruns=bool(runner.reruns), profiles=profiles, profile_key=key,
-                   agreement=runner.agreement)  # fmt: skip
+        depth = cls(acceptance, goodput, tree_budget=tree_budget, num_draft_tokens=num_draft_tokens, prices=not sized,
+                    reruns=bool(runner.reruns), profiles=profiles, profile_key=key,
+                    agreement=runner.agreement)  # fmt: skip
+        if loop_base and profiles:
+            depth.far = profiles.get((FAR_PRICED, batch, key), 0)
+        return depth
 
     def choose(self, rows: Rows, depth: int, budget: int) -> tuple[int, int, int]:
         """(depth, budget, shadow nodes) of the next step, within `depth` and `budget`."""
@@ -395,11 +403,13 @@ class AdaptiveDepth:
         if not self.prices or self.steps >= self.reprice_at:
             return 0
         shadow = self.next_shadow - self.plain_steps - 1  # plain steps before a shadow draft is due
-        if shadow <= 0 and self.goodput.measured:
-            # due, waiting until the plain steps paid for it (`choose`): the steps that earn it at the recent pace
+        if self.goodput.measured:
+            # ... and before the plain steps paid for it (`choose`): the steps that earn it at the recent pace, all in
+            # one run (a run that ended where the draft fell due, or one step short of its price, left the compiled
+            # embedded target planning a step alone that drafted nothing)
             step = self.goodput.plain_seconds
             owed = self.shadow_cost - self.shadow_budget
-            shadow = int(owed / (SHADOW_SHARE * step)) - 1 if step and owed > 0 else 0
+            shadow = max(shadow, math.ceil(owed / (SHADOW_SHARE * step)) if step and owed > 0 else 0)
         return max(0, min(self.reprice_at - self.steps, shadow))
 
     def observe_plain(self, steps: int, seconds: float, rows: list[int]) -> None:
@@ -413,8 +423,7 @@ class AdaptiveDepth:
                 self.acceptance.elapse(r, steps)
         if self.agreement is not None:  # (every process agrees on the run's time, as on each step's)
             seconds = self.agreement.seconds([seconds, 0.0])[0]
-        for _ in range(steps):
-            self.goodput.record(1, seconds / steps, 1, run=True)
+        self.goodput.record_run(steps, seconds)
         self._earn_shadow(seconds)
 
     def _earn_shadow(self, seconds: float) -> None:
@@ -429,13 +438,16 @@ class AdaptiveDepth:
     def finish(self) -> None:
         """Keep the call's acceptance profile as the next greedy call's prior, on steps compiled whole the plain
         step's seconds its loop measured back to back (`Goodput.plain_prior`), and what its drafted steps took beyond
-        their forwards (`Goodput.overhead_prior`)."""
+        their forwards (`Goodput.overhead_prior`), and there how far from paying its last pricings found drafts
+        (FAR_PRICED)."""
         if self.profiles is not None:
             self.profiles[self.profile_key] = self.acceptance.profile()
             if self.goodput.run_seconds:
                 self.profiles[(PLAIN_STEP, self.goodput.batch)] = self.goodput.run_seconds
             if self.goodput.overhead.sums[0] > 0:  # (measured on this call's drafted steps)
                 self.profiles[(STEP_OVERHEAD, self.goodput.batch, self.profile_key)] = self.goodput.overhead.fit()
+            if self.goodput.loop_base:
+                self.profiles[(FAR_PRICED, self.goodput.batch, self.profile_key)] = self.far
 
 
 def drafter_kind(drafter: Drafter) -> str:

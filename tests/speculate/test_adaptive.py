@@ -4,6 +4,7 @@ output stays exactly HF's."""
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -865,10 +866,11 @@ def test_plain_steps_age_a_rows_counts_when_they_are_next_read():
         assert lazy.profile() == eager.profile()
 
 
-@pytest.mark.parametrize("case", ["pause", "shadow unpaid", "backing off"])
+@pytest.mark.parametrize("case", ["pause", "shadow unpaid", "due before paid", "backing off"])
 def test_a_plain_run_leaves_the_policy_as_its_steps_one_by_one(case):
     """`AdaptiveDepth.plain_run` counts the steps `choose` would decode plainly without pricing or a shadow draft (a
-    pause in pricing up to the next shadow draft, a shadow due but not paid for yet, a back-off), and `observe_plain`
+    pause in pricing up to the next shadow draft, a shadow due, or falling due, before the steps paid for it, a
+    back-off), and `observe_plain`
     of them leaves the policy as choosing and observing each would: the same counts, the rows' acceptance aged as far,
     the same plain steps timed, the same shadow budget."""
     from ssmspec.speculate.step import StepReport
@@ -877,8 +879,8 @@ def test_a_plain_run_leaves_the_policy_as_its_steps_one_by_one(case):
         goodput = adaptive.Goodput(COST, decode_seconds=0.004, batch=2)
         out = policy.AdaptiveDepth(Acceptance(2), goodput, tree_budget=8, num_draft_tokens=4)
         out.steps, out.plain_steps, out.reprice_at = 10, 6, 40
-        out.next_shadow = 7 if case == "shadow unpaid" else 30
-        out.shadow_cost, out.shadow_budget = (1e-3 if case == "shadow unpaid" else 1e-5), 0.0
+        out.next_shadow = {"shadow unpaid": 7, "due before paid": 9}.get(case, 30)
+        out.shadow_cost, out.shadow_budget = (1e-3 if case in ("shadow unpaid", "due before paid") else 1e-5), 0.0
         out.acceptance.update(0, 3, 1)
         for _ in range(3):  # (plain steps measured: the bar and its pace)
             goodput.record(1, 0.004, 1)
@@ -889,7 +891,8 @@ def test_a_plain_run_leaves_the_policy_as_its_steps_one_by_one(case):
     one_by_one, run = depth(), depth()
     ahead = run.plain_run()
     # the back-off's steps; the steps before the shadow is due; the steps that pay for it (1% of 4 ms each)
-    assert ahead == {"pause": 30 - 6 - 1, "shadow unpaid": int(1e-3 / (0.01 * 0.004)) - 1, "backing off": 7}[case]
+    paid = math.ceil(1e-3 / (0.01 * 0.004))
+    assert ahead == {"pause": 30 - 6 - 1, "shadow unpaid": paid, "due before paid": paid, "backing off": 7}[case]
     for _ in range(ahead):
         chosen, _, shadow = one_by_one.choose(None, 4, 8)  # (unpriced: `rows` is never read)
         assert chosen == 0 and shadow == 0
@@ -904,6 +907,28 @@ def test_a_plain_run_leaves_the_policy_as_its_steps_one_by_one(case):
     assert one_by_one.acceptance.level_rates(0, 3) == pytest.approx(run.acceptance.level_rates(0, 3))
     if case == "pause":  # the step after the run drafts a shadow (paid for by then), as `plain_run` foresaw
         assert run.plain_run() == 0 and one_by_one.choose(None, 4, 8)[2] > 0
+
+
+@pytest.mark.parametrize("loop_base", [True, False])
+def test_a_plain_run_recorded_at_once_is_its_steps_recorded_one_by_one(loop_base):
+    """`Goodput.record_run` (a back-to-back run of plain steps) leaves the goodput as recording each step would: the
+    long memory's sums, the back-off's count and its retry, the plain steps and the bar's samples (the call's first
+    plain step not among them)."""
+    for forced, steps, first in ((0, 5, True), (3, 5, False), (9, 5, False), (5, 5, True), (2, 20, False)):
+        one, run = (adaptive.Goodput(COST, 0.004, loop_base=loop_base) for _ in range(2))
+        for g in (one, run):
+            g._sums = [1.0, 2.0, 3.0, 4.0, 5.0]
+            g.forced = forced
+            if not first:
+                g.record(1, 0.005, 1, run=True)
+        for _ in range(steps):
+            one.record(1, 0.012 / steps, 1, run=True)
+        run.record_run(steps, 0.012)
+        for name in ("forced", "retry_due", "plain_steps", "since_plain"):
+            assert getattr(one, name) == getattr(run, name), name
+        assert run._sums == pytest.approx(one._sums, rel=1e-12)
+        assert list(run._runs) == pytest.approx(list(one._runs)) and list(run._plain) == pytest.approx(list(one._plain))
+        assert run.plain_seconds == pytest.approx(one.plain_seconds)
 
 
 def test_a_step_padded_to_its_bucket_is_priced_at_the_buckets_forward():
@@ -972,6 +997,41 @@ def test_a_greedy_call_prices_its_first_drafted_steps_with_the_overhead_the_call
     finally:
         adaptive.Goodput.__init__ = init
     assert priors == [kept[0][1]]
+
+
+def test_on_steps_compiled_whole_the_next_call_starts_pricing_as_far_apart_as_the_last_one_ended(monkeypatch):
+    """On steps compiled whole, how many pricings in a row had found drafts far from paying when a greedy call ended is
+    kept on the model (FAR_PRICED): the next call's pauses start that far apart, so it prices less often than the
+    first; an eager loop keeps nothing and prices as it did. The outputs are HF's."""
+    from ssmspec.compile.lower import StepCompiler
+
+    priced = []
+    gains = policy.depth_gains
+    monkeypatch.setattr(policy, "depth_gains", lambda *a, **k: priced.append(1) or gains(*a, **k))
+    ref = cached_tiny_model("mamba2")
+    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(1))
+    want = ref.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    counts = {}
+    for compiled in (True, False):
+        model = ssmspec.transform(copy.deepcopy(ref))
+        if compiled:  # (its steps recorded and replayed as compiled ones, op by op)
+            model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+        calibration.fixed(model, 1, {1: 1.0, 2: 3.0, 4: 5.0})  # (far from paying, whatever is measured)
+        model._ssmspec_acceptance = {}
+        counts[compiled] = []
+        for _ in range(2):
+            priced.clear()
+            out, stats, _ = speculative_generate(
+                model, ids, torch.ones_like(ids), max_new_tokens=60, eos_token_ids=[], pad_token_id=0,
+                drafter=RandomDrafter(96, chain=True), tree_budget=4, num_draft_tokens=4, adaptive=True,
+                static_shapes=compiled, graphs=compiled,
+            )  # fmt: skip
+            assert torch.equal(out, want) and max(stats.tree_nodes_per_step) == 1
+            counts[compiled].append(len(priced))
+        kept = {k[0] for k in model._ssmspec_acceptance if isinstance(k, tuple)}
+        assert (policy.FAR_PRICED in kept) == compiled
+    assert counts[True][1] < counts[True][0]
+    assert counts[False][1] == counts[False][0]
 
 
 def test_on_steps_compiled_whole_a_priced_speculative_depth_holds_for_the_next_steps():
