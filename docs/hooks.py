@@ -57,7 +57,9 @@ README = ROOT / "README.md"
 MAX_PAGE_WORDS = 2500
 MAX_README_WORDS = 1000
 # the project's own history has no place in the docs: they state what the code does and what was measured
-HISTORY = re.compile(r"sto[p] [0-9]+|sess[i]on|len[t] ", re.I)  # (bracketed: this line is no match itself)
+HISTORY = re.compile(
+    r"sto[p] [0-9]+|sess[i]on|len[t] |devic[e] call|cal[l] limit|call[s]? (?:was |were )?stopped", re.I
+)  # (bracketed: this line is no match itself)
 
 _DIRECTIVE = re.compile(r"<!-- ssmspec:([\w-]+)(?: (.*?))? -->")
 _PLACEHOLDER = re.compile(r"\{\{\s*([\w.-]+)\s*:\s*(.+?)\s*(?:\|\s*([^}|]*?)\s*)?\}\}")
@@ -293,10 +295,14 @@ def _source_line(names: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------------- the README's table
 
+# the plain decoders a llama.cpp run times beside ssmspec (benchmarks/llamacpp.py): llama.cpp's among them, the
+# fastest plain decoding a CPU user has (llama-bench times decoding alone: it has no whole-call rate)
+LLAMACPP_PLAIN = ("HF generate", "ssmspec plain (eager)", "ssmspec plain (compiled)", "llama.cpp (Python bindings)",
+                  "llama.cpp (llama-bench)")  # fmt: skip
 # (what was measured, data file, path of the speed-up, its baseline, the speed-up over the fastest plain decoder
-# measured in the same run: its path, or (the run's methods, the method, its plain decoders) where the file records
-# only rates); every figure is the embedded 3M-parameter Mamba2 target on held-out Python files (a row naming the
-# 19.6M medium model aside), outputs identical to HF's
+# measured in the same run: its path, or (the run's methods, the method, its plain decoders[, the rate compared]) where
+# the file records only rates); every figure is the embedded 3M-parameter Mamba2 target on held-out Python files (a row
+# naming the 19.6M medium model aside), outputs identical to HF's
 SPEED_SUMMARY = (
     ("Default call, greedy (n-gram tree: the head is too large here)", "e2e_defaults",
      "methods/ssmspec default/speedup_vs_hf", "HF greedy", "methods/ssmspec default/speedup_vs_best_baseline"),
@@ -312,35 +318,42 @@ SPEED_SUMMARY = (
      "HF greedy, batched", "batches/*/ssmspec default/speedup_vs_best_plain"),
     ("Default call, compiled (`transform(model, compile=True)`)", "llamacpp",
      "models/[model=mamba2-target]/rows/[method=ssmspec default (compiled)]/x_hf", "eager HF greedy",
-     "models/[model=mamba2-target]/rows/[method=ssmspec default (compiled)]/x_best_ssmspec_plain"),
+     ("models/[model=mamba2-target]/rows", "ssmspec default (compiled)", LLAMACPP_PLAIN, "tokens_per_s")),
     ("Plain decoding, compiled, decoding rate", "llamacpp",
      "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp",
-     "llama.cpp f32 (llama-bench)", "models/[model=mamba2-target]/rows/[method=ssmspec plain (compiled)]/x_llamacpp"),
+     "llama.cpp f32 (llama-bench)",
+     ("models/[model=mamba2-target]/rows", "ssmspec plain (compiled)", LLAMACPP_PLAIN, "decode_tokens_per_s")),
     ("19.6M medium model: default call, compiled, decoding rate", "llamacpp_medium",
      "models/[model=nemotron-medium]/rows/[method=ssmspec default (compiled)]/x_llamacpp",
      "llama.cpp f32 (llama-bench)",
-     "models/[model=nemotron-medium]/rows/[method=ssmspec default (compiled)]/x_best_ssmspec_plain"),
+     ("models/[model=nemotron-medium]/rows", "ssmspec default (compiled)", LLAMACPP_PLAIN, "decode_tokens_per_s")),
     ("Default call on a GPU, batches of 1 to 32, eager (nothing compiled)", "batched_gpu",
-     "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_hf", "HF greedy, eager",
-     "runs/[code=@last]/batches/*/ssmspec default/speedup_vs_best_plain"),
+     "runs/*/batches/*/ssmspec default/speedup_vs_hf", "HF greedy, eager",
+     "runs/*/batches/*/ssmspec default/speedup_vs_best_plain"),
     ("Plain decoding on a GPU, compiled (captured steps)", "gpu_quick",
      "quick/rows/ssmspec plain (compiled)/speedup_vs_hf_compiled", "HF greedy, compiled",
      "quick/rows/ssmspec plain (compiled)/speedup_vs_best_plain"),
-    ("Fastest speculative call on a GPU, compiled (n-gram tree)", "gpu_quick",
-     "quick/rows/ssmspec n-gram (compiled)/speedup_vs_hf", "eager HF greedy",
-     "quick/rows/ssmspec n-gram (compiled)/speedup_vs_best_plain"),
+    ("Default call on a GPU, compiled", "gpu_quick",
+     "quick/rows/ssmspec default (compiled)/speedup_vs_hf", "eager HF greedy",
+     "quick/rows/ssmspec default (compiled)/speedup_vs_best_plain"),
 )  # fmt: skip
 
 
 def over_plain(data: dict, best):
     """The speed-up over the fastest plain decoder of the same run: at a path, or (where the file records only rates)
-    a method's tokens/s over the best of its plain decoders' (`best`: (the methods' path, the method, the plain
-    decoders))."""
+    a method's rate over the best of its plain decoders' (`best`: (the methods' path, the method, the plain decoders,
+    optionally the rate: tokens_per_s where not given))."""
     if isinstance(best, str):
         return lookup(data, best)
-    where, method, plains = best
+    where, method, plains, *rate = best
+    key = rate[0] if rate else "tokens_per_s"
     rates = lookup(data, where)
-    return rates[method]["tokens_per_s"] / max(rates[p]["tokens_per_s"] for p in plains)
+    if isinstance(rates, list):  # (rows naming their method, of the one run a selector found)
+        (rows,) = [rates] if rates and isinstance(rates[0], dict) else rates
+        rates = {row["method"]: row for row in rows}
+    if key == "tokens_per_s":  # (a whole call's rate: a decoder timed on decoding alone has none)
+        plains = [p for p in plains if p != "llama.cpp (llama-bench)"]
+    return rates[method][key] / max(rates[p][key] for p in plains if p in rates)
 
 
 def speed_summary() -> str:
@@ -350,7 +363,10 @@ def speed_summary() -> str:
     for what, name, path, base, best in SPEED_SUMMARY:
         data = load(name)
         cells = [what, f"**{fmt(lookup(data, path), 'x')}**", base, fmt(over_plain(data, best), "x")]
-        cells.append(f"`{name}.json`: {machine(data)}, {data.get('date') or 'date not recorded'}")
+        source = f"`{name}.json`: {machine(data)}, {data.get('date') or 'date not recorded'}"
+        if data.get("revision") and _registry().older_than_cutoff(name, data):
+            source += ", **before its last change**"
+        cells.append(source)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -684,9 +700,7 @@ def _gpu() -> str:
                 lines.append(f"| {fam} | ran | {r['identical']} | {r['near_ties']} | {r['inductor_fallbacks']} |")
             else:
                 lines.append(f"| {fam} | failed: {r.get('error', '')[-120:]} | | | |")
-    for key, note in data.get("notes", {}).items():
-        lines += ["", f"*{key}: {note}*"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"  # (how the sections were run is in the data file's notes)
 
 
 def _bench(name: str) -> str:
@@ -749,12 +763,12 @@ def _batched_gpu() -> str:
     sizes = sorted({int(b) for run in data["runs"] for b in run["batches"]})
     lines = [f"*{data['setup']}. {data.get('notes', '')}*", "",
              "The default call over the fastest plain decoder of the same run (HF's or ssmspec's), per run:", "",
-             "| code | command | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+             "| run | command | " + " | ".join(f"batch {b}" for b in sizes) + " |",
              "|---|---|" + "---:|" * len(sizes)]  # fmt: skip
-    for run in data["runs"]:
+    for i, run in enumerate(data["runs"], 1):  # (each run's revision is in the data file)
         cells = [fmt(run["batches"][str(b)]["ssmspec default"]["speedup_vs_best_plain"], "x")
                  if str(b) in run["batches"] else "not measured" for b in sizes]  # fmt: skip
-        lines.append(f"| `{run['code']}` | `{run['command']}` | " + " | ".join(cells) + " |")
+        lines.append(f"| {i} | `{run['command']}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + _source_line(["batched_gpu"])
 
 

@@ -176,6 +176,29 @@ def test_the_readme_compares_sampling_with_the_fastest_plain_decoder_of_its_run(
         assert row.split("|")[4].strip() == hooks.fmt(want, "x")
 
 
+def test_the_readmes_llamacpp_rows_compare_with_llamacpps_plain_decoding_too():
+    """In a run that timed llama.cpp beside ssmspec, "over the fastest plain decoder" counts llama.cpp's plain decoding
+    among the plain decoders, at the row's own rate (a decoding rate against decoding rates, llama-bench's included;
+    a whole call's against whole calls)."""
+    table = hooks.speed_summary().splitlines()
+    for what, name, model, method, key in (
+        ("Default call, compiled", "llamacpp", "mamba2-target", "ssmspec default (compiled)", "tokens_per_s"),
+        ("Plain decoding, compiled", "llamacpp", "mamba2-target", "ssmspec plain (compiled)", "decode_tokens_per_s"),
+        ("19.6M medium model", "llamacpp_medium", "nemotron-medium", "ssmspec default (compiled)",
+         "decode_tokens_per_s"),
+    ):  # fmt: skip
+        rows = {r["method"]: r for m in hooks.load(name)["models"] if m["model"] == model for r in m["rows"]}
+        assert {"llama.cpp (llama-bench)", "llama.cpp (Python bindings)"} <= set(rows)
+        plains = [
+            r[key]
+            for m, r in rows.items()
+            if "plain" in m or m.startswith(("HF", "llama.cpp"))
+            if not (key == "tokens_per_s" and m == "llama.cpp (llama-bench)")
+        ]  # (llama-bench: no whole call)
+        row = next(line for line in table if line.startswith(f"| {what}"))
+        assert row.split("|")[4].strip() == hooks.fmt(rows[method][key] / max(plains), "x")
+
+
 # terms a reader may not know, the glossary's section for each, and the pages that define them where they are used
 GLOSSARY_TERMS = {
     "kernel seam": ("kernel-seam", {"explanation/how-it-works.md", "explanation/generic-path.md"}),
@@ -212,14 +235,14 @@ def test_every_page_that_uses_a_term_of_the_glossary_links_it():
 
 def test_the_readmes_gpu_rows_never_hide_a_faster_compiled_decoder():
     """A GPU row's "over the fastest plain decoder" names a run that timed compiled plain decoding, or its label says
-    the run compiled nothing; and the fastest speculative call measured on a GPU is shown against HF's compiled
-    decoding of the same run."""
+    the run compiled nothing; and the default call compiled on a GPU is shown against the fastest plain decoder of the
+    same run, HF's compiled decoding among them."""
     rows = [r for r in hooks.SPEED_SUMMARY if "GPU" in r[0]]
     assert rows
     for what, name, *_ in rows:
         text = json.dumps(hooks.load(name))
         assert "(compiled)" in text or "nothing compiled" in what, what
-    compiled = next(r for r in rows if "speculative" in r[0])
+    compiled = next(r for r in rows if r[0] == "Default call on a GPU, compiled")
     data = hooks.load(compiled[1])["quick"]["rows"]
     assert "tokens_per_s" in data["HF greedy (compiled)"]
     best_plain = max(v["tokens_per_s"] for k, v in data.items() if k.startswith("HF") or "plain" in k)
@@ -236,6 +259,8 @@ def test_the_history_check_reads_rendered_pages_too():
     assert hooks.rendered_history(f"<p>Measured in one {word} of the GPU.</p>")
     assert not hooks.rendered_history(f'<a class="{word}-x" href="#">a link</a><p>Measured on the GPU.</p>')
     assert not hooks.rendered_history(f"<script>var {word} = 1;</script><p>text</p>")
+    for note in ("A device call limited in time ran it in parts.", "Rows past the call limit were not measured."):
+        assert hooks.rendered_history(f"<p>{note}</p>"), note
 
 
 def _data_dir(tmp_path, monkeypatch, **files: dict) -> None:

@@ -22,10 +22,10 @@ SAMPLING_TREES = ("gumbel_top_k", "stochastic_beam")
 class SpecConfig:
     """Speculation settings for `model.generate(..., speculation=SpecConfig(...))` (immutable).
 
-    Left at their defaults: the drafter `drafter="auto"` picks for the model and call, each size the one measured
-    fastest for that drafter on held-out code (ssmspec.speculate.defaults.sized; an n-gram tree of 16 nodes, 8 deep),
-    and each step's depth chosen by its measured price (`adaptive`). On a given model a fixed configuration may
-    measure faster (docs: Benchmarks, "The default configuration").
+    Left at their defaults: the drafter `drafter="auto"` picks for the model and call, each size the one that
+    drafter's size sweep on held-out code measured fastest (ssmspec.speculate.defaults.sized; an n-gram tree of 16
+    nodes, 8 deep), and each step's depth chosen by its measured price (`adaptive`). On a given model a fixed
+    configuration may measure faster (docs: Benchmarks, "The default configuration").
 
     Attributes:
         drafter: "auto" (default): "draft_model" where the call passes `assistant_model`, else "draft_head" where
@@ -94,10 +94,11 @@ class SpecConfig:
             step that runs out of memory (torch.OutOfMemoryError) is retried with half the nodes, down to a plain
             decode step, and later steps keep that size. None: no budget.
         graphs: capture each tree-size bucket's verify step and its commit once over static buffers and replay them
-            every step (ssmspec.compile.graphs: a CUDA graph on a GPU; on a CPU an op tape that replays the same
-            ops, for tests); needs static shapes, which it turns on. None: on for a model compiled on CUDA
-            (`transform(compile=True)`), off otherwise. A step that cannot be captured raises CaptureError
-            naming the op and where it was called.
+            every step (ssmspec.compile.graphs: a CUDA graph on a GPU; on a CPU model compiled whole, each step
+            compiled by Inductor into one graph, verified, accepted and committed in it when greedy; otherwise on a
+            CPU an op tape that replays the same ops, for tests); needs static shapes, which it turns on. None: on
+            for a model `transform(compile=True)` compiled (on CUDA, or its steps compiled whole on a CPU), off
+            otherwise. A step that cannot be captured raises CaptureError naming the op and where it was called.
 
     Raises:
         TypeError: a field of the wrong type (named).

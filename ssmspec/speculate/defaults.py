@@ -5,8 +5,9 @@ A call with `speculation=SpecConfig(...)` runs that config. Otherwise HF's own k
 `assistant_model=` a draft model (depth `num_assistant_tokens` when set), `prompt_lookup_num_tokens=k` n-grams k
 deep, and nothing at all the default n-gram drafting; drafter "auto" (the default) is the model's draft head fused
 with n-gram lookup where an eager model has a head (HEAD_GREEDY, HEAD_SAMPLING), else n-gram lookup. Each then gets
-the configuration that measured fastest for its drafter on held-out text without a corpus: a tree with adaptive
-depth (plain decode steps where drafts are not accepted); a draft model under HF's heuristic schedule
+the sizes its drafter's sweep on held-out text without a corpus measured fastest (on a given model another
+configuration may measure faster: docs: Benchmarks): a tree with adaptive depth (plain decode steps where drafts are
+not accepted); a draft model under HF's heuristic schedule
 (`num_assistant_tokens_schedule`) drafts HF's chains, sized by that schedule.
 """
 
@@ -38,19 +39,21 @@ from ssmspec.speculate.retrieval import SuffixIndex, frequent_tokens
 # cost a forward per level): 4 deep, 3 nodes per level
 DRAFT_MODEL_DEPTH = 4
 DRAFT_MODEL_NODES_PER_LEVEL = 3
-# a model with a draft head (drafter "auto" -> "draft_head", fused with prompt lookup), as measured fastest on held-out
-# code with the embedded target (docs: Benchmarks, "Draft heads"): greedy, a wider tree than n-grams alone (the head
-# adds its own branches); sampling, a shallower one (its drafts are accepted with the target's probability)
+# a model with a draft head (drafter "auto" -> "draft_head", fused with prompt lookup), the sizes its sweep on held-out
+# code with the embedded target measured fastest (docs: Benchmarks, "Draft heads"): greedy, a wider tree than n-grams
+# alone (the head adds its own branches); sampling, a shallower one (its drafts are accepted with the target's
+# probability)
 HEAD_GREEDY = SpecConfig(tree_budget=24, num_draft_tokens=8)
 # (a chain: measured as a 12-node budget, whose fused half left the head one branch a level; given the whole budget
 # when sampling, three branches at the root were no faster: 1.35x and 1.42x HF's sampling at temperatures 0.7 and 1.0
-# against the chain's 1.41x and 1.50x in one side-by-side run, 1.48x and 1.37x against 1.37x and 1.44x in another)
+# against the chain's 1.41x and 1.50x in one side-by-side run, 1.48x and 1.37x against 1.37x and 1.44x in another; in
+# docs/data/e2e_defaults.json a 12-node tree 4 deep ran at 1.53x at temperature 0.7 against the default's 1.39x)
 HEAD_SAMPLING = SpecConfig(tree_budget=4, num_draft_tokens=4)
-# a checkpoint's MTP layer (drafter "mtp", or "auto" on a model whose MTP layer is small: ssmspec.speculate.plan),
-# as measured fastest on the embedded Nemotron-H (docs/data/mtp.json): greedy, the head's tree (each of its levels
-# costs a forward of the layer: fewer rounds, MTPDrafter.rounds); sampling, 3 branches at the root, 3 deep (the
-# layer fed its own outputs is accepted less at every level: a 4th level was accepted 0.25 of the times it was
-# reached, and 4 deep ran 1.24x HF's sampling against 1.34x for 3)
+# a checkpoint's MTP layer (drafter "mtp", or "auto" on a model whose MTP layer is small: ssmspec.speculate.plan), the
+# sizes its sweep on the embedded Nemotron-H measured fastest (docs/data/mtp.json): greedy, the head's tree (each of its
+# levels costs a forward of the layer: fewer rounds, MTPDrafter.rounds); sampling, 3 branches at the root, 3 deep (the
+# layer fed its own outputs is accepted less at every level: a 4th level was accepted 0.25 of the times it was reached,
+# and 4 deep ran 1.24x HF's sampling against 1.34x for 3)
 MTP_GREEDY = HEAD_GREEDY
 MTP_SAMPLING = SpecConfig(tree_budget=9, num_draft_tokens=3)
 # a draft head on a model whose steps are compiled whole on a CPU, greedy: the head's argmax chain, each depth one
@@ -63,7 +66,7 @@ NGRAM = SpecConfig(tree_budget=16, num_draft_tokens=8)  # n-gram lookup (and the
 
 
 def head_sizes(sampling: bool, mtp: bool, compiled: bool = False) -> SpecConfig:
-    """The sizes measured fastest for a draft head (HEAD_GREEDY / HEAD_SAMPLING; greedy on a model compiled whole,
+    """The sizes a draft head's sweep measured fastest (HEAD_GREEDY / HEAD_SAMPLING; greedy on a model compiled whole,
     `compiled`: HEAD_CHAIN) or an MTP layer (`mtp`: MTP_GREEDY / MTP_SAMPLING), greedy or `sampling`."""
     if mtp:
         return MTP_SAMPLING if sampling else MTP_GREEDY
@@ -73,10 +76,10 @@ def head_sizes(sampling: bool, mtp: bool, compiled: bool = False) -> SpecConfig:
 
 
 def sized(spec: SpecConfig, sampling: bool = False, mtp: bool = False) -> SpecConfig:
-    """`spec` with the sizes it leaves None (num_draft_tokens, tree_budget) set to the ones measured fastest for its
-    drafter (a draft head: HEAD_GREEDY / HEAD_SAMPLING as `sampling`; an MTP layer, drafter "mtp" or a head that is
-    one (`mtp`): MTP_GREEDY / MTP_SAMPLING; a draft model: DRAFT_MODEL_DEPTH deep, DRAFT_MODEL_NODES_PER_LEVEL nodes
-    a level; anything else, n-gram lookup's NGRAM); sizes given are kept."""
+    """`spec` with the sizes it leaves None (num_draft_tokens, tree_budget) set to the ones its drafter's size sweep
+    measured fastest (a draft head: HEAD_GREEDY / HEAD_SAMPLING as `sampling`; an MTP layer, drafter "mtp" or a head
+    that is one (`mtp`): MTP_GREEDY / MTP_SAMPLING; a draft model: DRAFT_MODEL_DEPTH deep, DRAFT_MODEL_NODES_PER_LEVEL
+    nodes a level; anything else, n-gram lookup's NGRAM); sizes given are kept."""
     if spec.num_draft_tokens is not None and spec.tree_budget is not None:
         return spec
     if spec.drafter in ("draft_head", "mtp"):

@@ -38,10 +38,10 @@ from ssmspec.speculate.retrieval import corpus_index
 # drafter "auto" drafts greedily with the model's head (a trained draft head, or a checkpoint's MTP layer: one layer of
 # dozens in released checkpoints) where it holds at most this share of the model's parameters: each drafted level runs
 # it once, so a head that is a large share costs that share of a step per level. On the embedded 3M target, whose head
-# holds 13%, greedy n-gram trees ran at 2.12x HF on held-out code against 1.86x with the head (accepting 2.7 against
-# 3.6 tokens a step); the 19.6M Nemotron-H's head (8%) pays. A sampled call drafts with a trained draft head whatever
-# its share: n-gram drafts are seldom accepted by sampled tokens (the 3M target at temperature 0.7: 1.39x HF with its
-# head, 1.29x without; docs/data/e2e_defaults.json)
+# holds 13%, greedy n-gram trees ran at 2.19x HF on held-out code against 2.02x with the head (accepting 2.7 against
+# 3.1 tokens a step); the 19.6M Nemotron-H's head (8%) pays. A sampled call drafts with a trained draft head whatever
+# its share: n-gram drafts are seldom accepted by sampled tokens (the 3M target at temperature 0.7: 1.06 tokens a step
+# without the head, 1.78 with it; docs/data/e2e_defaults.json)
 HEAD_MAX_SHARE = 0.1
 
 
@@ -240,7 +240,7 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
         elif draft is not None and "num_assistant_tokens" in call.user_set:
             source = "num_assistant_tokens deep"
         else:
-            source = "measured fastest for the drafter" + (", sampling" if sampling else "")
+            source = "the drafter's default, from its size sweep" + (", sampling" if sampling else "")
         shape = f"a tree of up to {spec.tree_budget} nodes" if spec.tree else f"a chain of {spec.num_draft_tokens}"
         reasons.append(("sizes", f"{shape}, {spec.num_draft_tokens} deep ({source})"))
         if not spec.tree and info is not None and not info.trees:

@@ -73,7 +73,7 @@ def test_the_plan_says_what_runs_and_why(small_heads):
     lines = dict(_plan(model, max_new_tokens=12).reasons)
     assert set(lines) == {"call", "drafter", "sizes", "path", "policy", "steps"}
     assert lines["drafter"].startswith("draft_head: the model's draft head")
-    assert "24 nodes, 8 deep (measured fastest" in lines["sizes"] and lines["path"].startswith("seams")
+    assert "24 nodes, 8 deep (the drafter's default" in lines["sizes"] and lines["path"].startswith("seams")
     assert lines["policy"].startswith("adaptive") and lines["steps"].startswith("eager (inference_mode)")
     sampled = dict(_plan(model, max_new_tokens=12, do_sample=True).reasons)
     assert "4 nodes, 4 deep" in sampled["sizes"] and sampled["call"].endswith("sampling")
