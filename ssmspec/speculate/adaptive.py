@@ -473,20 +473,10 @@ class Goodput:
         if not self.measured:  # priced by the prior alone, never backing off: decisions that no timing moves
             return
         rate = tokens / max(seconds * rows, 1e-12)  # tokens per row and second
-        self._sums = [self.LONG_DECAY * v for v in self._sums]
         if nodes <= 1:
-            if self.forced == 1:
-                self.retry_due = True
-            self.forced = max(0, self.forced - 1)
-            self.plain_steps += 1
-            self.since_plain = 0
-            # the first one warms the loop up; the others' median: single steps on this 2-core machine vary by 30%
-            # (two slow first steps at batch 16, 9-10 ms against 7.3, once set a bar that let speculation at 0.9x
-            # plain decoding run for a whole call)
-            if self.plain_steps > 1:
-                (self._runs if run and self.loop_base else self._plain).append((seconds, rate))
-                self._plain_medians = None  # (computed where read: pricing reads them far less often)
+            self._plain_steps(1, seconds, rate, run)
             return
+        self._sums = [self.LONG_DECAY * v for v in self._sums]
         self.spec_steps += 1
         self.retry_due = False
         if self.spec_steps == 1:  # it also set the drafter up (its first calls): neither its time nor its rate counts
@@ -544,18 +534,26 @@ class Goodput:
         decoding)."""
         if not self.measured or steps <= 0:
             return
+        each = seconds / steps
+        self._plain_steps(steps, each, 1 / max(each, 1e-12), run=True)
+
+    def _plain_steps(self, steps: int, seconds: float, rate: float, run: bool) -> None:
+        """`steps` plain steps of `seconds` and `rate` each (`record`, `record_run`): the long memory aged, the back-off
+        counted down, the bar's samples taken."""
         self._sums = [self.LONG_DECAY**steps * v for v in self._sums]
         if 0 < self.forced <= steps:
             self.retry_due = True
         self.forced = max(0, self.forced - steps)
-        counted = steps - (self.plain_steps == 0)  # (the call's first plain step warms the loop up: not counted)
+        # the first one warms the loop up; the others' median: single steps on this 2-core machine vary by 30% (two
+        # slow first steps at batch 16, 9-10 ms against 7.3, once set a bar that let speculation at 0.9x plain decoding
+        # run for a whole call)
+        counted = steps - (self.plain_steps == 0)
         self.plain_steps += steps
         self.since_plain = 0
         if counted > 0:
-            each = seconds / steps
-            sample = (each, 1 / max(each, 1e-12))
-            (self._runs if self.loop_base else self._plain).extend([sample] * min(counted, self.PLAIN_SAMPLES))
-            self._plain_medians = None
+            samples = self._runs if run and self.loop_base else self._plain
+            samples.extend([(seconds, rate)] * min(counted, self.PLAIN_SAMPLES))
+            self._plain_medians = None  # (computed where read: pricing reads them far less often)
 
     def keeps_speculating(self, predicted: float) -> bool:
         """Whether to speculate where the acceptance model would decode plainly (`predicted`: its best expected gain
