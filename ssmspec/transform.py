@@ -539,7 +539,9 @@ def compile_fast(
     whole (`SpecConfig.graphs` with ssmspec.compile.lower's compiler): a speculative generate per batch size in
     `warmup` on a dummy prompt compiles the plain step and, through the calibration (measured then, never read from
     disk for a compiled model), the greedy step of every tree-size bucket (verified, accepted and committed in one
-    graph; a sampled call compiles its buckets' verify steps and commits on first use); the prompt runs eagerly. Where
+    graph; a sampled call compiles its buckets' verify steps and commits on first use); the prompt runs eagerly. The
+    steps compile side by side in worker processes, one per core (StepCompiler.ahead), meanwhile run op by op, so the
+    warm-up runs again on the compiled steps to measure the calibration. Where
     the steps cannot be captured (the generic path, positions read from cache slots, a host read in the model's
     forward) and with `compile_kwargs`, the forward is compiled with `model.compile` (`compile_options`, overridden by
     `compile_kwargs`) and warmed up on prompts of four lengths. A failure leaves the model eager, with one warning
@@ -550,9 +552,16 @@ def compile_fast(
              and not getattr(info, "slot_positions", False))  # fmt: skip
     if steps:
         try:
-            model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=progress)
+            compiler = model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=progress)
             model.ssmspec_graphs = True
-            _warm_up(model, device, warmup, (8,), progress, plain=True)
+            measured = {k: copy.deepcopy(model.__dict__[k]) for k in _MEASURED if k in model.__dict__}
+            with compiler.ahead():  # each step recorded compiled in a worker process, side by side with the others
+                _warm_up(model, device, warmup, (8,), progress, plain=True)
+            if compiler.handed_ahead:  # measured on steps run op by op: measured again, compiled
+                for name in _MEASURED:
+                    model.__dict__.pop(name, None)
+                model.__dict__.update(measured)
+                _warm_up(model, device, warmup, (8,), progress, plain=True)
             return model
         except Exception as e:  # noqa: BLE001 - any failure to capture or compile: Dynamo's forward, as below
             _uncompile(model)
@@ -575,6 +584,11 @@ def compile_fast(
         warnings.warn(f"ssmspec: compiling {type(model).__name__} failed, running eager ({type(e).__name__}: {e})",
                       stacklevel=2)  # fmt: skip
     return model
+
+
+# what a warm-up measures and keeps on the model: the calibration, and the acceptance profiles with the plain step's
+# cost (ssmspec.speculate.calibration, .adaptive)
+_MEASURED = ("_ssmspec_calibration", "_ssmspec_acceptance")
 
 
 def _warm_up(

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ssmspec
 from ssmspec import SpecConfig
+from ssmspec.compile import lower
 from ssmspec.compile.graphs import StepGraph
 from ssmspec.compile.lower import StepCompiler
 from ssmspec.speculate.engine import speculative_generate
@@ -710,6 +711,8 @@ def test_transform_compile_true_compiles_whole_steps(family):
     assert model._compiled_call_impl is None and model.ssmspec_graphs
     warm = compiler.compilations
     assert warm >= 3 and compiler.fallbacks == 0
+    if lower._cores() > 1:  # compiled ahead, side by side in worker processes, and loaded from Inductor's cache
+        assert compiler.handed_ahead == compiler.compiled_ahead == warm
     for _ in range(2):
         assert torch.equal(model.generate(ids, max_new_tokens=20), want)
     plain = model.generate(ids, max_new_tokens=20, speculation=SpecConfig(drafter="none"))
@@ -726,3 +729,80 @@ def test_transform_compile_true_compiles_whole_steps(family):
         with ops, torch.no_grad():
             graph.compiled(*graph.inputs)
         assert ops.count == 0, ops.ops
+
+
+def _step_with_constant_ops():
+    """A step over a static tensor whose recording has ops that read no input (an index built by `arange`, as a
+    tree's is), a memory format among its arguments and a module's weight as a constant."""
+    lin = torch.nn.Linear(4, 4, bias=False)
+    x = torch.arange(8.0).view(2, 4)
+
+    def step():
+        index = torch.arange(2).flip(0)
+        y = lin(x[index]).transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        return y * 2
+
+    return lin, x, step
+
+
+def test_a_recorded_step_is_the_same_graph_after_its_job_file():
+    """A step handed to a worker goes through a file as plain data (`graph_data`): loaded back it is node for node
+    the graph recorded (pickling the GraphModule instead re-traces it, folding the ops that read no input into
+    constants: another graph, another key in Inductor's cache) and computes the same."""
+    import io
+
+    lin, x, step = _step_with_constant_ops()
+    compiler = StepCompiler(lin, progress=False, inductor=False)
+    kept = []
+    gm = _recording(compiler, lambda: kept.append(step()))
+    buffer = io.BytesIO()
+    torch.save(lower.graph_data(gm), buffer)
+    buffer.seek(0)
+    loaded = lower.graph_from_data(torch.load(buffer, weights_only=False))
+    assert loaded.code == gm.code
+    assert "arange" in loaded.code and not any(n.target.startswith("_tensor_constant")
+                                               for n in loaded.graph.nodes if n.op == "get_attr")  # fmt: skip
+    inputs = [x]
+    with torch.no_grad():
+        assert torch.equal(loaded(*inputs)[0], gm(*inputs)[0])
+
+
+def test_steps_recorded_ahead_compile_in_worker_processes_and_load_from_the_cache(tmp_path, monkeypatch):
+    """Inside `StepCompiler.ahead` a recorded step is compiled by a worker process (into Inductor's on-disk cache)
+    while it replays op by op; when the block ends this process loads it from the cache, and a replay is then the
+    compiled function alone: no ATen op dispatched from Python."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    lin, x, step = _step_with_constant_ops()
+    compiler = StepCompiler(lin, progress=False, kernels=False)
+    graph = StepGraph(torch.device("cpu"), compiler=compiler)
+    with torch.no_grad():
+        want = step().clone()
+        with compiler.ahead(workers=2):
+            out = graph.capture(step)
+            assert torch.equal(out, want)
+            assert torch.allclose(graph.replay(), want, rtol=1e-6, atol=1e-6)  # (op by op meanwhile)
+        assert compiler.handed_ahead == compiler.compiled_ahead == compiler.compilations == 1
+        ops = _Ops()
+        with ops:
+            graph.compiled(*graph.inputs)
+        assert ops.count == 0, ops.ops
+        x.mul_(-1)
+        assert torch.allclose(graph.replay(), step(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_step_whose_worker_fails_is_compiled_by_the_recording_process(monkeypatch):
+    """A worker that cannot run (here: no interpreter) leaves its steps to this process, compiled as outside
+    `ahead`, with the same result."""
+    import sys
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    monkeypatch.setattr(lower, "compile_step", lambda gm, inputs, options: gm)  # (Inductor's part: not under test)
+    lin, x, step = _step_with_constant_ops()
+    compiler = StepCompiler(lin, progress=False, kernels=False)
+    graph = StepGraph(torch.device("cpu"), compiler=compiler)
+    with torch.no_grad():
+        with compiler.ahead(workers=2):
+            graph.capture(step)
+        assert compiler.handed_ahead == 1 and compiler.compiled_ahead == 0 and compiler.compilations == 1
+        assert graph.compiled.compiled is not None
+        assert torch.allclose(graph.replay(), step(), rtol=1e-6, atol=1e-6)  # (the products split into rows)
