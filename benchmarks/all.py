@@ -41,11 +41,11 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # policy on those steps, which prices a step at its bucket's forward, holds a priced depth for a few steps and judges
 # drafts against the loop's plain steps, a lone row's acceptance pulled once toward its prior, the step overhead
 # and how far apart its pricings had grown carried from call to call, its plain runs lasting until a shadow draft is
-# due and paid for (the files that
+# due and paid for, and the warm-up's steps compiled side by side in worker processes (the files that
 # time those calls and the warm-up; `ssmspec bench
 # --compiled` times the forward compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them
 # (llama-bench once a round, its fastest kept)
-COMPILED_CPU = "b22a7ce"
+COMPILED_CPU = "69ebe89"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
          TRACED: "2026-11-23", COMPILED_CPU: "2026-12-02"}  # fmt: skip
