@@ -554,14 +554,16 @@ def compile_fast(
         try:
             compiler = model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=progress)
             model.ssmspec_graphs = True
-            measured = {k: copy.deepcopy(model.__dict__[k]) for k in _MEASURED if k in model.__dict__}
+            kept = {name: model.__dict__.pop(name) for name in _MEASURED if name in model.__dict__}
             with compiler.ahead():  # each step recorded compiled in a worker process, side by side with the others
                 _warm_up(model, device, warmup, (8,), progress, plain=True)
-            if compiler.handed_ahead:  # measured on steps run op by op: measured again, compiled
+            if compiler.handed_ahead:  # what it measured, it measured on steps run op by op: made anew, compiled
                 for name in _MEASURED:
                     model.__dict__.pop(name, None)
-                model.__dict__.update(measured)
+                model.__dict__.update(kept)
                 _warm_up(model, device, warmup, (8,), progress, plain=True)
+            else:
+                model.__dict__.update({k: v for k, v in kept.items() if k not in model.__dict__})
             return model
         except Exception as e:  # noqa: BLE001 - any failure to capture or compile: Dynamo's forward, as below
             _uncompile(model)
@@ -586,9 +588,11 @@ def compile_fast(
     return model
 
 
-# what a warm-up measures and keeps on the model: the calibration, and the acceptance profiles with the plain step's
-# cost (ssmspec.speculate.calibration, .adaptive)
-_MEASURED = ("_ssmspec_calibration", "_ssmspec_acceptance")
+# what a warm-up measures or captures and keeps on the model: the calibration, the acceptance profiles with the plain
+# step's cost, the one-node path chosen, the captured steps (ssmspec.speculate.calibration, .adaptive, .runner) and a
+# draft head's compiled chains
+_MEASURED = ("_ssmspec_calibration", "_ssmspec_acceptance", "_ssmspec_single_node_path", "_ssmspec_workspaces",
+             CHAINS_KEY)  # fmt: skip
 
 
 def _warm_up(

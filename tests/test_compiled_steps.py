@@ -770,7 +770,7 @@ def test_a_recorded_step_is_the_same_graph_after_its_job_file():
 def test_steps_recorded_ahead_compile_in_worker_processes_and_load_from_the_cache(tmp_path, monkeypatch):
     """Inside `StepCompiler.ahead` a recorded step is compiled by a worker process (into Inductor's on-disk cache)
     while it replays op by op; when the block ends this process loads it from the cache, and a replay is then the
-    compiled function alone: no ATen op dispatched from Python."""
+    compiled function alone: no ATen op dispatched from Python. A later block meeting the same step starts no worker."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     lin, x, step = _step_with_constant_ops()
     compiler = StepCompiler(lin, progress=False, kernels=False)
@@ -788,6 +788,11 @@ def test_steps_recorded_ahead_compile_in_worker_processes_and_load_from_the_cach
         assert ops.count == 0, ops.ops
         x.mul_(-1)
         assert torch.allclose(graph.replay(), step(), rtol=1e-6, atol=1e-6)
+        # a step a worker compiled before (marked in the cache's folder) is loaded at once: no worker
+        again = StepCompiler(lin, progress=False, kernels=False)
+        with again.ahead(workers=2):
+            StepGraph(torch.device("cpu"), compiler=again).capture(step)
+        assert again.handed_ahead == 0 and again.compilations == 1 and not again._pool
 
 
 def test_a_step_whose_worker_fails_is_compiled_by_the_recording_process(monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import shutil
 import subprocess
@@ -109,11 +110,19 @@ _DECOMPOSING = threading.Lock()
 # recorded is sent to one of a few worker processes (one per core, started as the block begins, each compiling its
 # steps in turn), which writes it to Inductor's on-disk cache; the warm-up goes on with the step run op by op, and
 # loads every step from the cache when the block ends (about 0.5 s each), then measures its calibration on them.
-# Cold `transform(compile=True)` of the embedded 3M target (empty caches, 2-core CPU, 5 steps): 83 s against 144 s
-# one after another; the embedded Bamba 83 s. The worker gets the recorded graph node for node (`graph_data`)
+# Cold `transform(compile=True)` of the embedded 3M target (empty caches, 2-core CPU, 5 steps): 83-99 s against 144 s
+# one after another; the embedded Bamba 83 s; from a full cache 5.8 s, no worker started. The worker gets the
+# recorded graph node for node (`graph_data`). What the first warm-up measured or captured on the model (`_MEASURED`
+# in ssmspec.transform) is made anew by the second: measured on steps run op by op, it priced the default call's
+# drafts wrong (0.74x compiled plain decoding, against 0.92-0.97x)
 # A step whose tensors (the model's weights it reads, its static inputs) exceed AHEAD_MAX_BYTES compiles in process:
 # a worker is handed a copy of them on disk
 AHEAD_MAX_BYTES = 1 << 30
+# at most this many workers (each a process with torch imported, about 0.5 GB), started at the first step handed to
+# them; a step a worker compiled before, for this torch, graph, inputs' layouts, settings and constants' values (a
+# marker in Inductor's cache directory), is loaded from the cache at once instead: a warm-up from a full cache starts
+# no worker
+AHEAD_WORKERS = 4
 
 
 def _decompose_pass() -> Any:
@@ -176,6 +185,7 @@ class StepCompiler:
         self._ahead: list[_Pending] | None = None  # inside `ahead`: the steps handed to workers
         self._ahead_dir = ""
         self._pool: list[_Worker] = []
+        self._workers = 0
         if inductor and kernels:
             cpu_linear.prepare()  # (built while the first steps compile: a plain step has no product it takes)
 
@@ -209,8 +219,10 @@ class StepCompiler:
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is None and self._ahead is not None and _fits_a_worker(gm, inputs):
-                compiled = self._compiled[key] = self._submit(key, gm, inputs, options)
-            elif compiled is None:
+                marker = _marker(gm, inputs, options)
+                if not marker.exists():  # (else in the cache already: loaded at once)
+                    compiled = self._compiled[key] = self._submit(key, gm, inputs, options, marker)
+            if compiled is None:
                 compiled = self._compiled[key] = self._compile(gm, inputs, options)
         return compiled
 
@@ -221,13 +233,12 @@ class StepCompiler:
         for them and load each compiled step from Inductor's on-disk cache (a warm-up that records every step first:
         the module's notes on compiling ahead). With one core, without Inductor or its on-disk cache, the block
         compiles as outside it. A step whose worker failed is compiled by this process, as outside the block."""
-        workers = _cores() if workers is None else workers
+        workers = min(_cores(), AHEAD_WORKERS) if workers is None else workers
         if not self.inductor or workers < 2 or self._ahead is not None or not _disk_cache():
             yield
             return
         folder = tempfile.mkdtemp(prefix="ssmspec-steps-")
-        self._ahead, self._ahead_dir = [], folder
-        self._pool = [_Worker(Path(folder) / f"worker{i}.log") for i in range(workers)]
+        self._ahead, self._ahead_dir, self._workers = [], folder, workers
         try:
             yield
             pending, self._ahead = self._ahead, None
@@ -243,17 +254,20 @@ class StepCompiler:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _submit(
-        self, key: tuple, gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any]
+        self, key: tuple, gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any], marker: Path
     ) -> Callable[..., Any]:  # fmt: skip
         """Hand a recorded step to the worker with the fewest steps in hand; it runs op by op until `_finish` loads
         it."""
         assert self._ahead is not None
         pending = _Pending(key, gm, inputs, options, Path(self._ahead_dir) / f"step{len(self._ahead)}.pt")
+        pending.marker = marker
         try:
             torch.save({"graph": graph_data(gm), "inputs": inputs, "options": options,
                         "kernel": cpu_linear.OP.split("::")[0] in gm.code}, pending.job)  # fmt: skip
         except Exception:  # noqa: BLE001 - an argument the job file cannot hold: compiled here, as outside `ahead`
             return self._compile(gm, inputs, options)
+        if not self._pool:
+            self._pool = [_Worker(Path(self._ahead_dir) / f"worker{i}.log") for i in range(self._workers)]
         min(self._pool, key=lambda w: w.in_hand()).send(pending)
         self._ahead.append(pending)
         self.handed_ahead += 1
@@ -275,7 +289,11 @@ class StepCompiler:
                     hits = counters["inductor"]["fxgraph_cache_hit"]
                     with self._lock:
                         p.compiled = self._compiled[p.key] = self._compile(p.gm, p.inputs, p.options)
-                    self.compiled_ahead += int(p.ok and counters["inductor"]["fxgraph_cache_hit"] > hits)
+                    if p.ok and counters["inductor"]["fxgraph_cache_hit"] > hits:
+                        self.compiled_ahead += 1
+                        with contextlib.suppress(OSError):
+                            p.marker.parent.mkdir(parents=True, exist_ok=True)
+                            p.marker.touch()
                     p.gm = None
                     bar.update()
         finally:
@@ -418,6 +436,7 @@ class _Pending:
     ) -> None:  # fmt: skip
         self.key, self.gm, self.inputs, self.options, self.job = key, gm, inputs, options, job
         self.compiled: Callable[..., Any] | None = None
+        self.marker: Path | None = None  # marked once compiled by a worker (`_marker`)
         self.done = threading.Event()  # the worker is done with it
         self.ok = False  # ... and compiled it
 
@@ -508,6 +527,31 @@ def _worker_env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
     return env
+
+
+def _marker(gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any]) -> Path:
+    """Where a worker's compilation of this step is marked as in Inductor's cache (AHEAD_WORKERS): keyed by torch's
+    version, the graph's code, its inputs' layouts, the settings and the constants' values."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    digest = hashlib.sha256(f"{torch.__version__}\n{gm.code}\n{_settings_text(options)}".encode())
+    for t in inputs:
+        digest.update(repr((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)).encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            t = getattr(gm, node.target).detach()
+            digest.update(repr((node.target, tuple(t.shape), t.dtype)).encode())
+            digest.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return Path(cache_dir()) / "ssmspec" / "steps" / digest.hexdigest()
+
+
+def _settings_text(value: Any) -> str:
+    """Inductor settings as text that is the same in every process: a custom pass by its own `uuid()`."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_settings_text(v)}" for k, v in sorted(value.items(), key=str)) + "}"
+    if hasattr(value, "uuid"):
+        return f"{type(value).__qualname__}/{value.uuid()}"
+    return repr(value)
 
 
 def _fits_a_worker(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> bool:
