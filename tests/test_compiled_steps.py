@@ -698,10 +698,12 @@ def test_float32_steps_that_call_the_cpu_kernel_equal_hf_greedy():
 
 
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
-def test_transform_compile_true_compiles_whole_steps(family):
+def test_transform_compile_true_compiles_whole_steps(family, tmp_path, monkeypatch):
     """`transform(model, compile=True)` on a CPU: no Dynamo, the warm-up compiles the default call's steps with Inductor
     (each one function), the first request compiles nothing more, output identical to HF greedy (float64); the plain
-    step of a model whose every op fuses runs without dispatching a single ATen op from Python."""
+    step of a model whose every op fuses runs without dispatching a single ATen op from Python. (An empty Inductor
+    cache: every step compiled by the warm-up's workers.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     ref = _model(family)
     ids = IDS[:1]
     want = ref.generate(ids, max_new_tokens=20, do_sample=False)
