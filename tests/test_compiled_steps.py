@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ssmspec
@@ -676,6 +677,33 @@ def test_a_step_without_products_of_a_few_rows_does_not_wait_for_the_kernel(monk
         assert asked == want
 
 
+def test_a_step_handed_to_a_worker_is_recorded_without_waiting_for_the_kernel(monkeypatch):
+    """Inside `ahead`, a step with a product of more than SPLIT_ROWS rows is handed to a worker as recorded, without
+    asking for the kernel (whose build a warm-up's first verify step would otherwise wait for); the kernel is asked
+    for where the step compiles (here the recording process, its worker unable to start)."""
+    import sys
+
+    from ssmspec.compile.lower import SPLIT_ROWS
+    from ssmspec.kernels import cpu_linear
+
+    asked = []
+    monkeypatch.setattr(cpu_linear, "available", lambda: asked.append(1) or False)
+    monkeypatch.setattr(cpu_linear, "prepare", lambda: None)
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(SPLIT_ROWS + 1, 8)
+    compiler = StepCompiler(lin, progress=False)
+    graph = StepGraph(torch.device("cpu"), compiler=compiler)
+    with torch.no_grad():
+        with compiler.ahead(workers=2):
+            out = graph.capture(lambda: torch.relu(lin(x)))
+            assert compiler.handed_ahead == 1 and asked == []
+        assert asked == [1] and compiler.compilations == 1
+        x.copy_(torch.randn(SPLIT_ROWS + 1, 8))
+        graph.replay()
+        torch.testing.assert_close(out, torch.relu(lin(x)), rtol=1e-5, atol=1e-5)
+
+
 def test_float32_steps_that_call_the_cpu_kernel_equal_hf_greedy():
     """A float32 model compiled whole (`transform(compile=...)`) whose drafted steps' products call the CPU kernel:
     greedy output equals HF's, or first differs where HF's top-2 logits are a float32 near-tie (the checker's rule)."""
@@ -762,6 +790,9 @@ def test_a_recorded_step_is_the_same_graph_after_its_job_file():
     buffer.seek(0)
     loaded = lower.graph_from_data(torch.load(buffer, weights_only=False))
     assert loaded.code == gm.code
+    shapes = [[tuple(v.shape) for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
+              for g in (gm, loaded) for n in g.graph.nodes]  # fmt: skip
+    assert shapes[: len(shapes) // 2] == shapes[len(shapes) // 2 :] and any(shapes)  # (the worker's passes read them)
     assert "arange" in loaded.code and not any(n.target.startswith("_tensor_constant")
                                                for n in loaded.graph.nodes if n.op == "get_attr")  # fmt: skip
     inputs = [x]
@@ -803,7 +834,7 @@ def test_a_step_whose_worker_fails_is_compiled_by_the_recording_process(monkeypa
     import sys
 
     monkeypatch.setattr(sys, "executable", "/bin/false")
-    monkeypatch.setattr(lower, "compile_step", lambda gm, inputs, options: gm)  # (Inductor's part: not under test)
+    monkeypatch.setattr(lower, "compile_step", lambda gm, inputs, options, kernels=True: gm)  # (not under test)
     lin, x, step = _step_with_constant_ops()
     compiler = StepCompiler(lin, progress=False, kernels=False)
     graph = StepGraph(torch.device("cpu"), compiler=compiler)

@@ -112,9 +112,11 @@ _DECOMPOSING = threading.Lock()
 # loads every step from the cache when the block ends (about 0.5 s each), then measures its calibration on them.
 # Cold `transform(compile=True)` of the embedded 3M target (empty caches, 2-core CPU, 5 steps): 83-99 s against 144 s
 # one after another; the embedded Bamba 83 s; from a full cache 5.8 s, no worker started. The worker gets the
-# recorded graph node for node (`graph_data`). What the first warm-up measured or captured on the model (`_MEASURED`
-# in ssmspec.transform) is made anew by the second: measured on steps run op by op, it priced the default call's
-# drafts wrong (0.74x compiled plain decoding, against 0.92-0.97x)
+# recorded graph node for node with its shapes (`graph_data`), and points its products at the CPU kernel itself
+# (`compile_step`): a verify step is handed over as it is recorded, not after the kernel's build (on 2 cores the
+# workers were the bottleneck either way: 92-98 s against 94-99). What the first warm-up measured or captured on the
+# model (`_MEASURED` in ssmspec.transform) is made anew by the second: measured on steps run op by op, it priced the
+# default call's drafts wrong (0.74x compiled plain decoding, against 0.92-0.97x)
 # A step whose tensors (the model's weights it reads, its static inputs) exceed AHEAD_MAX_BYTES compiles in process:
 # a worker is handed a copy of them on disk
 AHEAD_MAX_BYTES = 1 << 30
@@ -210,16 +212,11 @@ class StepCompiler:
         short_cumsums_unrolled(gm, UNROLLED_CUMSUM)
         split_product_rows(gm, SPLIT_ROWS)
         options = self.options_for(gm)
-        if (self.inductor and self.kernels and all(t.device.type == "cpu" for t in inputs)
-                and rows_linears(gm, SMALL_MATMUL_ROWS, rewrite=False) and cpu_linear.available()):  # fmt: skip
-            rows_linears(gm, SMALL_MATMUL_ROWS)  # (a step without such products does not wait for the kernel's build)
-        for node in gm.graph.nodes:  # (the recorder's shapes, for the passes above; Inductor traces its own)
-            node.meta.pop("val", None)
         key = (gm.code, tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in inputs))
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is None and self._ahead is not None and _fits_a_worker(gm, inputs):
-                marker = _marker(gm, inputs, options)
+                marker = _marker(gm, inputs, options, self.kernels)
                 if not marker.exists():  # (else in the cache already: loaded at once)
                     compiled = self._compiled[key] = self._submit(key, gm, inputs, options, marker)
             if compiled is None:
@@ -262,8 +259,8 @@ class StepCompiler:
         pending = _Pending(key, gm, inputs, options, Path(self._ahead_dir) / f"step{len(self._ahead)}.pt")
         pending.marker = marker
         try:
-            torch.save({"graph": graph_data(gm), "inputs": inputs, "options": options,
-                        "kernel": cpu_linear.OP.split("::")[0] in gm.code}, pending.job)  # fmt: skip
+            torch.save({"graph": graph_data(gm), "inputs": inputs, "options": options, "kernels": self.kernels},
+                       pending.job)  # fmt: skip
         except Exception:  # noqa: BLE001 - an argument the job file cannot hold: compiled here, as outside `ahead`
             return self._compile(gm, inputs, options)
         if not self._pool:
@@ -323,7 +320,7 @@ class StepCompiler:
         bar = tqdm(total=1, desc=f"ssmspec: compiling a step ({len(gm.graph.nodes)} ops)", disable=not self.progress,
                    leave=False)  # fmt: skip
         try:
-            compiled = compile_step(gm, inputs, options)
+            compiled = compile_step(gm, inputs, options, kernels=self.kernels)
         except Exception as e:  # noqa: BLE001 - any compiler failure: the graph still runs, op by op
             warnings.warn(
                 f"ssmspec: Inductor failed on a captured step ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
@@ -340,10 +337,20 @@ class StepCompiler:
         return compiled
 
 
-def compile_step(gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any]) -> Callable[..., Any]:
+def compile_step(
+    gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any], kernels: bool = True
+) -> Callable[..., Any]:  # fmt: skip
     """Inductor's compiled function of a recorded step (torch internals: named here), with `options` and ssmspec's
     wrapper rewrite, in this process or a worker's (ssmspec.compile.worker): the same graph, inputs and options give
-    the same key in Inductor's on-disk cache."""
+    the same key in Inductor's on-disk cache. With `kernels`, its float32 products of 2 to SMALL_MATMUL_ROWS rows call
+    ssmspec's CPU kernel where it could be built (`gm` rewritten in place): decided here, as the step compiles, so that
+    recording a step never waits for the kernel's build (a warm-up records its verify steps while the kernel builds,
+    and hands them to workers at once)."""
+    if (kernels and all(t.device.type == "cpu" for t in inputs) and rows_linears(gm, SMALL_MATMUL_ROWS, rewrite=False)
+            and cpu_linear.available()):  # fmt: skip
+        rows_linears(gm, SMALL_MATMUL_ROWS)  # (a step without such products does not wait for the kernel's build)
+    for node in gm.graph.nodes:  # (the recorder's shapes, for the passes; Inductor traces its own)
+        node.meta.pop("val", None)
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -357,17 +364,18 @@ def compile_step(gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[s
 
 
 def graph_data(gm: fx.GraphModule) -> dict[str, Any]:
-    """A recorded step's graph as plain data for `torch.save` (a worker's job): its nodes, with ops named, and the
-    constants it reads. (Pickling the GraphModule itself re-traces its code when loaded, which folds the ops that read
-    no input, an index built from `arange` among them, into constants: another graph, another key in Inductor's
-    cache than the recording process's.)"""
+    """A recorded step's graph as plain data for `torch.save` (a worker's job): its nodes, with ops named and their
+    recorded shapes (meta tensors: the worker's passes read them), and the constants it reads. (Pickling the
+    GraphModule itself re-traces its code when loaded, which folds the ops that read no input, an index built from
+    `arange` among them, into constants: another graph, another key in Inductor's cache than the recording
+    process's.)"""
     nodes = []
     for node in gm.graph.nodes:
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
             target = _Op(target._schema.name, target._overloadname)
         args, kwargs = (fx.node.map_aggregate(a, _packed_value) for a in (node.args, node.kwargs))
-        nodes.append((node.op, node.name, target, args, kwargs))
+        nodes.append((node.op, node.name, target, args, kwargs, node.meta.get("val")))  # (shapes: meta tensors)
     constants = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     return {"nodes": nodes, "constants": constants}
 
@@ -375,12 +383,14 @@ def graph_data(gm: fx.GraphModule) -> dict[str, Any]:
 def graph_from_data(state: dict[str, Any]) -> fx.GraphModule:
     """The graph `graph_data` describes, node for node."""
     graph, made = fx.Graph(), {}
-    for op, name, target, args, kwargs in state["nodes"]:
+    for op, name, target, args, kwargs, val in state["nodes"]:
         if isinstance(target, _Op):
             namespace, op_name = target.name.split("::")
             target = getattr(getattr(getattr(torch.ops, namespace), op_name), target.overload or "default")
         args, kwargs = (fx.node.map_aggregate(a, lambda v: _unpacked_value(v, made)) for a in (args, kwargs))
         made[name] = graph.create_node(op, target, args, kwargs, name=name)
+        if val is not None:
+            made[name].meta["val"] = val
     root = nn.Module()
     for name, t in state["constants"].items():
         root.register_buffer(name, t, persistent=False)
@@ -529,12 +539,13 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _marker(gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any]) -> Path:
+def _marker(gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any], kernels: bool) -> Path:
     """Where a worker's compilation of this step is marked as in Inductor's cache (AHEAD_WORKERS): keyed by torch's
-    version, the graph's code, its inputs' layouts, the settings and the constants' values."""
+    version, the graph's code, its inputs' layouts, the settings (`kernels`: compile_step's) and the constants'
+    values."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    digest = hashlib.sha256(f"{torch.__version__}\n{gm.code}\n{_settings_text(options)}".encode())
+    digest = hashlib.sha256(f"{torch.__version__}\n{gm.code}\n{_settings_text(options)}\n{kernels}".encode())
     for t in inputs:
         digest.update(repr((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)).encode())
     for node in gm.graph.nodes:

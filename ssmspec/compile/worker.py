@@ -15,15 +15,12 @@ import traceback
 import torch
 
 from ssmspec.compile import lower
-from ssmspec.kernels import cpu_linear
 
 
 def compile_job(path: str) -> None:
     """Compile the step in job file `path` (torch.save of its graph's data, its inputs and Inductor settings)."""
     job = torch.load(path, weights_only=False)  # (written by the parent process, from its own recording)
-    if job["kernel"] and not cpu_linear.available():  # (the graph calls ssmspec's CPU product kernel)
-        raise RuntimeError("the CPU product kernel is not available in the worker")
-    lower.compile_step(lower.graph_from_data(job["graph"]), job["inputs"], job["options"])
+    lower.compile_step(lower.graph_from_data(job["graph"]), job["inputs"], job["options"], kernels=job["kernels"])
 
 
 def main(argv: list[str] | None = None) -> int:
