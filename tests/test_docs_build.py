@@ -292,13 +292,17 @@ def test_the_data_check_fails_on_a_file_without_provenance_or_older_than_its_cut
     registry = hooks._registry()
     head = registry.subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                    text=True).stdout.strip()  # fmt: skip
-    fresh = {"date": "2026-11-28", "machine": "a CPU", "command": "python benchmarks/x.py", "revision": head}
+    fresh = {"date": "2026-11-28", "machine": "a CPU", "torch": "2.13.0+cpu", "transformers": "5.23.0",
+             "command": "python benchmarks/x.py", "revision": head}  # fmt: skip
     before = registry.subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", registry.LOOP + "~1"],
                                      capture_output=True, text=True).stdout.strip()  # fmt: skip
     _data_dir(tmp_path, monkeypatch, e2e=fresh)
     hooks.check_data()  # a fresh file passes
     _data_dir(tmp_path, monkeypatch, e2e={k: v for k, v in fresh.items() if k != "revision"})
     with pytest.raises(ValueError, match="e2e.json: records no revision"):
+        hooks.check_data()
+    _data_dir(tmp_path, monkeypatch, e2e={k: v for k, v in fresh.items() if k != "transformers"})
+    with pytest.raises(ValueError, match="e2e.json: records no transformers"):
         hooks.check_data()
     _data_dir(tmp_path, monkeypatch, e2e={**fresh, "revision": before, "date": "2026-11-01"})
     with pytest.raises(ValueError, match=f"e2e.json: measured on code older than {registry.LOOP}"):
@@ -313,7 +317,8 @@ def test_all_py_reruns_what_the_docs_build_rejects_also_without_the_history(tmp_
     """benchmarks/all.py's stale files are the ones the data check rejects as older than their cut-off: by git
     ancestry, and by the cut-off's recorded date where git cannot tell (a checkout without the history)."""
     registry = hooks._registry()
-    old = {"date": "2026-11-01", "machine": "a CPU", "command": "python benchmarks/x.py", "revision": "0000000"}
+    old = {"date": "2026-11-01", "machine": "a CPU", "torch": "2.13.0+cpu", "transformers": "5.23.0",
+           "command": "python benchmarks/x.py", "revision": "0000000"}  # fmt: skip
     new = {**old, "date": registry.DATES[registry.LOOP]}
     monkeypatch.setattr(registry, "includes", lambda revision, cutoff, **_: None)  # (git cannot tell)
     for data, rejected in ((old, True), (new, False)):
@@ -329,8 +334,8 @@ def test_all_py_reruns_what_the_docs_build_rejects_also_without_the_history(tmp_
 def test_a_gpu_file_older_than_its_cutoff_passes_only_saying_so_on_its_page(tmp_path, monkeypatch):
     registry = hooks._registry()
     assert registry.FILES["batched_gpu"].needs == "cuda"
-    old = {"date": "2026-11-26", "machine": "NVIDIA H100", "command": "ssmspec bench --device cuda",
-           "revision": "3d8db7b"}  # fmt: skip
+    old = {"date": "2026-11-26", "machine": "NVIDIA H100", "torch": "2.11.0+cu130", "transformers": "5.23.0",
+           "command": "ssmspec bench --device cuda", "revision": "3d8db7b"}  # fmt: skip
     _data_dir(tmp_path, monkeypatch, batched_gpu=old)
     hooks.check_data()
     line = hooks.provenance("batched_gpu", old)
