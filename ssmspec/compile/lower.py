@@ -291,7 +291,7 @@ class StepCompiler:
                         with contextlib.suppress(OSError):
                             p.marker.parent.mkdir(parents=True, exist_ok=True)
                             p.marker.touch()
-                    p.gm = None
+                    p.gm, p.inputs = None, []  # (what it ran op by op: the compiled step holds what it needs)
                     bar.update()
         finally:
             bar.close()
@@ -376,8 +376,7 @@ def graph_data(gm: fx.GraphModule) -> dict[str, Any]:
             target = _Op(target._schema.name, target._overloadname)
         args, kwargs = (fx.node.map_aggregate(a, _packed_value) for a in (node.args, node.kwargs))
         nodes.append((node.op, node.name, target, args, kwargs, node.meta.get("val")))  # (shapes: meta tensors)
-    constants = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    return {"nodes": nodes, "constants": constants}
+    return {"nodes": nodes, "constants": _constants(gm)}
 
 
 def graph_from_data(state: dict[str, Any]) -> fx.GraphModule:
@@ -395,6 +394,11 @@ def graph_from_data(state: dict[str, Any]) -> fx.GraphModule:
     for name, t in state["constants"].items():
         root.register_buffer(name, t, persistent=False)
     return fx.GraphModule(root, graph)
+
+
+def _constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The constants a recorded step reads (its `get_attr` nodes' tensors: the model's weights), by name."""
+    return {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
 def _packed_value(value: Any) -> Any:
@@ -548,11 +552,10 @@ def _marker(gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, A
     digest = hashlib.sha256(f"{torch.__version__}\n{gm.code}\n{_settings_text(options)}\n{kernels}".encode())
     for t in inputs:
         digest.update(repr((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)).encode())
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            t = getattr(gm, node.target).detach()
-            digest.update(repr((node.target, tuple(t.shape), t.dtype)).encode())
-            digest.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for name, t in _constants(gm).items():
+        t = t.detach()
+        digest.update(repr((name, tuple(t.shape), t.dtype)).encode())
+        digest.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return Path(cache_dir()) / "ssmspec" / "steps" / digest.hexdigest()
 
 
@@ -568,7 +571,7 @@ def _settings_text(value: Any) -> str:
 def _fits_a_worker(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> bool:
     """Whether a step's tensors (the constants it reads, its inputs), all on the CPU, are at most AHEAD_MAX_BYTES:
     a worker gets a copy of them on disk."""
-    tensors = [*(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"), *inputs]
+    tensors = [*_constants(gm).values(), *inputs]
     if any(t.device.type != "cpu" for t in tensors):
         return False
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
