@@ -2,8 +2,8 @@
 fails on a missing import or an argument that no longer exists.
 
 A page's blocks run in order in one namespace (a later block continues an earlier one), in a scratch directory. The
-namespace starts with the objects a page's prose names but does not build (`prelude`: `model`, `ids`, `tok`,
-`path`, ...), never with modules: a block imports what it uses. A block preceded by
+namespace starts empty: a page's first block builds what the page uses (`model`, `ids`, a checkpoint's `path`, ...)
+and imports what it uses, so that a user who copies it gets a program that runs. A block preceded by
 `<!-- ssmspec:snippet replace: OLD => NEW; ... -->` runs with those texts replaced (a checkpoint path by an embedded
 model's, a slow compile option by a quick one), one preceded by `<!-- ssmspec:snippet skip: REASON -->` does not
 run, for that reason.
@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -46,26 +45,6 @@ def prepared(code: str, how: str) -> str | None:
     return code
 
 
-def prelude() -> dict:
-    """The objects pages name without building them: the embedded target (`hf_model` as loaded, `model`
-    transformed), its tokenizer, a prompt, a checkpoint directory, a draft model, a corpus index, a batch of prompts."""
-    import ssmspec
-    from ssmspec import models
-
-    hf_model, tok = models.load("mamba2-target")
-    ids = tok("import os\ndef walk(top):", return_tensors="pt").input_ids
-    texts = [(Path(ssmspec.__file__).parent / name).read_text() for name in ("__init__.py", "tree.py")]
-    return {
-        "hf_model": hf_model, "model": ssmspec.transform(models.load("mamba2-target")[0]), "tok": tok,
-        "tokenizer": tok, "ids": ids, "attention_mask": torch.ones_like(ids), "example_ids": ids,
-        "prompts": ["import os\ndef walk(top):", "def fib(n):\n    if n < 2:"],
-        "path": str(models.path("mamba2-target")), "draft": models.load("mamba2-draft")[0],
-        "my_model": models.load("mamba2-target")[0], "V": hf_model.config.vocab_size,
-        "token_id_sequences": [tok(t, return_tensors="pt").input_ids[0] for t in texts],
-        "index": ssmspec.SuffixIndex.from_texts(texts, tok),
-    }  # fmt: skip
-
-
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p.read_text())], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_python_block_of_a_page_runs(page, tmp_path, monkeypatch):
     from ssmspec.compile.lower import StepCompiler
@@ -75,7 +54,7 @@ def test_every_python_block_of_a_page_runs(page, tmp_path, monkeypatch):
     # function, shadows it as an attribute of the package)
     transform_module = importlib.import_module("ssmspec.transform")
     monkeypatch.setattr(transform_module, "StepCompiler", functools.partial(StepCompiler, inductor=False))
-    namespace = prelude()
+    namespace: dict = {}  # (nothing given: each page builds what it uses)
     found = blocks(page.read_text())
     ran = 0
     for i, (how, code) in enumerate(found):
