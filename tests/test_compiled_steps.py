@@ -611,8 +611,8 @@ def test_wide_products_of_few_rows_are_inductors_loops():
     few, many = torch.randn(1, 16), torch.randn(WIDE_ROWS + 1, 16)
     fusion = compiler.options_for(_recording(compiler, lambda: narrow(lin(few)[:, :16])))["post_grad_fusion_options"]
     assert fusion["decompose_mm_pass"]["cpu_max_other_dimension_decomposition"] >= 2100
-    assert compiler.options_for(_recording(compiler, lambda: lin(many))) == {**OPTIONS}
-    assert compiler.options_for(_recording(compiler, lambda: narrow(few))) == {**OPTIONS}
+    assert compiler.options_for(_recording(compiler, lambda: lin(many))) == lower.isa_options(OPTIONS)
+    assert compiler.options_for(_recording(compiler, lambda: narrow(few))) == lower.isa_options(OPTIONS)
     graph = StepGraph(torch.device("cpu"), compiler=compiler)
     with torch.no_grad():
         out = graph.capture(lambda: lin(few))
@@ -653,6 +653,64 @@ def test_products_of_a_few_rows_call_the_cpu_kernel():
                 assert kernel not in ops.ops
             graph.replay()
             torch.testing.assert_close(out, torch.relu(lin(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_affine_strides_are_answered_as_inductor_answers_them():
+    """`_stride_at_vec_range` gives Inductor's own stride for every index, affine or not, along each variable, and
+    asks Inductor only for those with a floor division, a modulus or a product of variables along the variable;
+    `_affine_strides` puts it in place for a compilation and takes it out after."""
+    import sympy
+    from torch._inductor.codegen import cpp
+    from torch._inductor.utils import sympy_index_symbol as sym
+    from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+    x0, x1, x2 = sym("x0"), sym("x1"), sym("x2")
+    original = cpp.stride_at_vec_range
+    asked = []
+    fast = lower._stride_at_vec_range(lambda *a: asked.append(a[:2]) or original(*a))
+    affine = [x0, x0 + 256 * x1 + 4096, 3 - x0, 16 * x1, sympy.Integer(7), 4 * x0 + 64 * x2 + x1, -2 * x1 + x0]
+    other = [4 * x0 + 16 * FloorDiv(x1, 32), x0 + 4 * ModularIndexing(x1, 1, 4), x0 * x1 + x2, FloorDiv(x0, 16),
+             4 * x0 - ModularIndexing(4 * x0, 1, 4) + 3]  # fmt: skip
+    for index in affine + other:
+        for var in (x0, x1, x2):
+            got, want = fast(index, var, 16), original(index, var, 16)
+            assert got == want, (index, var, got, want)
+            assert ((index, var) in asked) == (index in other and any(
+                t.has(var) and not (t == var or (t.is_Mul and t.args[0].is_Integer and t.args[1] == var))
+                for t in (index.args if index.is_Add else (index,))
+            ))  # fmt: skip
+    assert asked and all(index in other for index, _ in asked)
+    with lower._affine_strides():
+        assert cpp.stride_at_vec_range.ssmspec_original is original
+    assert cpp.stride_at_vec_range is original
+
+
+def test_the_vector_isa_checked_alone_is_the_one_inductor_picks(monkeypatch):
+    """Where `vector_isa` checked this CPU's first instruction set alone, it is the one Inductor's own pick (every set
+    checked) returns, and `isa_options` lets a compilation skip the other checks; where ATEN_CPU_CAPABILITY narrows
+    the choice it is Inductor's pick and no setting is added. A compilation under `cpp.vec_isa_ok` leaves Inductor's
+    list of valid sets as it found it: unchecked ones made under it are dropped."""
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as vec
+
+    from ssmspec.kernels import cpu_linear
+
+    isa, alone = cpu_linear.vector_isa()
+    assert str(isa) == str(vec.pick_vec_isa())
+    assert ("cpp.vec_isa_ok" in lower.isa_options(lower.OPTIONS)) == alone
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    narrowed, alone = cpu_linear._pick_isa()
+    assert not alone and str(narrowed) == str(vec.pick_vec_isa())
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    checked = vec.valid_vec_isa_list()
+    for before in (False, True):
+        vec.valid_vec_isa_list.cache_clear()
+        if before:
+            vec.valid_vec_isa_list()
+        with lower._isa_list_kept({"cpp.vec_isa_ok": True}), config.patch({"cpp.vec_isa_ok": True}):
+            vec.valid_vec_isa_list()
+        assert vec.valid_vec_isa_list.cache_info().currsize == int(before)
+    assert [str(i) for i in vec.valid_vec_isa_list()] == [str(i) for i in checked]
 
 
 def test_a_step_without_products_of_a_few_rows_does_not_wait_for_the_kernel(monkeypatch):

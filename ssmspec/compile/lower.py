@@ -116,7 +116,10 @@ _DECOMPOSING = threading.Lock()
 # (`compile_step`): a verify step is handed over as it is recorded, not after the kernel's build (on 2 cores the
 # workers were the bottleneck either way: 92-98 s against 94-99). What the first warm-up measured or captured on the
 # model (`_MEASURED` in ssmspec.transform) is made anew by the second: measured on steps run op by op, it priced the
-# default call's drafts wrong (0.74x compiled plain decoding, against 0.92-0.97x)
+# default call's drafts wrong (0.74x compiled plain decoding, against 0.92-0.97x). On a 2-core Xeon (AVX-512, AMX),
+# with Inductor's instruction-set check of one set instead of four (`isa_options`) and affine strides answered
+# directly (`_affine_strides`), cold runs alternated with the code before them: 123-133 s against 149 s; from a full
+# cache 9.2-9.3 s against 9.3-9.5
 # A step whose tensors (the model's weights it reads, its static inputs) exceed AHEAD_MAX_BYTES compiles in process:
 # a worker is handed a copy of them on disk
 AHEAD_MAX_BYTES = 1 << 30
@@ -125,6 +128,81 @@ AHEAD_MAX_BYTES = 1 << 30
 # marker in Inductor's cache directory), is loaded from the cache at once instead: a warm-up from a full cache starts
 # no worker
 AHEAD_WORKERS = 4
+
+
+# Inductor's C++ code generation asks, for every index expression of every loop it vectorizes, its stride along the
+# vectorized variable (`stride_at_vec_range`), and answers with sympy's general `simplify`: on a verify step of the
+# embedded target (1,284 ops) about 5,800 such questions took 6 s of its 41 s compilation, nearly all of them about
+# affine indices (`x0 + 256*x1 + 4096`), whose stride is the variable's coefficient. `_affine_strides` answers those
+# directly and hands every other index (floor divisions, moduli, products of variables) to Inductor's own; the
+# generated code is the same byte for byte (tests/test_compiled_steps.py)
+
+
+def _stride_at_vec_range(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's `stride_at_vec_range` with affine indices answered directly (see above)."""
+    import sympy
+
+    def stride(index: Any, var: Any, vec_length: int | None = None) -> Any:
+        if not isinstance(index, sympy.Expr):
+            return original(index, var, vec_length)
+        coefficient = 0
+        for term in index.args if index.is_Add else (index,):
+            if not term.has(var):
+                continue  # (the same before and after a step of var: it cancels in the stride)
+            if term == var:
+                coefficient += 1
+            elif term.is_Mul and len(term.args) == 2 and term.args[0].is_Integer and term.args[1] == var:
+                coefficient += int(term.args[0])
+            else:
+                return original(index, var, vec_length)
+        return sympy.Integer(coefficient)
+
+    stride.ssmspec_original = original
+    return stride
+
+
+@contextlib.contextmanager
+def _affine_strides() -> Iterator[None]:
+    """`_stride_at_vec_range` in Inductor's C++ code generation while a step compiles (torch internals: named here),
+    under _DECOMPOSING (one compilation at a time in this process)."""
+    from torch._inductor.codegen import cpp
+
+    original = getattr(cpp, "stride_at_vec_range", None)
+    if original is None or hasattr(original, "ssmspec_original"):
+        yield
+        return
+    cpp.stride_at_vec_range = _stride_at_vec_range(original)
+    try:
+        yield
+    finally:
+        cpp.stride_at_vec_range = original
+
+
+def isa_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with `cpp.vec_isa_ok` where this CPU's vector instruction set was checked alone and is the one
+    Inductor picks (ssmspec.kernels.cpu_linear.vector_isa): the same settings in every process of this machine, so
+    that a worker's compilation and this process's load share a cache key, and no process builds Inductor's check of
+    every other set. On the 2-core CPU, cold `transform(compile=True)` of the embedded target spent 20 s in those
+    checks (4 builds), in the process recording the steps while the workers waited on them."""
+    if "cpp.vec_isa_ok" in options or not cpu_linear.vector_isa()[1]:
+        return options
+    return {**options, "cpp.vec_isa_ok": True}
+
+
+@contextlib.contextmanager
+def _isa_list_kept(options: dict[str, Any]) -> Iterator[None]:
+    """A compilation with `cpp.vec_isa_ok` (`isa_options`) leaves Inductor's cached list of valid instruction sets as
+    it found it (torch internals: named here): one made under the setting, unchecked, is dropped, so that another
+    compilation in this process without it checks them as it would have."""
+    from torch._inductor import cpu_vec_isa
+
+    cached = cpu_vec_isa.valid_vec_isa_list
+    empty = options.get("cpp.vec_isa_ok") and hasattr(cached, "cache_info") and cached.cache_info().currsize == 0
+    try:
+        yield
+    finally:
+        if empty:
+            cached.cache_clear()
 
 
 def _decompose_pass() -> Any:
@@ -137,10 +215,10 @@ def _decompose_pass() -> Any:
 
 @contextlib.contextmanager
 def _decomposition(options: dict[str, Any]) -> Iterator[None]:
-    """The decompose_mm_pass thresholds of `options` in force while Inductor compiles."""
+    """The decompose_mm_pass thresholds of `options` in force while Inductor compiles (and `_affine_strides`)."""
     module = _decompose_pass()
     settings = options.get("post_grad_fusion_options", {}).get("decompose_mm_pass") or {}
-    with _DECOMPOSING:
+    with _DECOMPOSING, _affine_strides():
         saved = {name: getattr(module, name) for name in settings if hasattr(module, name)}
         for name in saved:
             setattr(module, name, settings[name])
@@ -297,20 +375,21 @@ class StepCompiler:
             bar.close()
 
     def options_for(self, gm: fx.GraphModule) -> dict[str, Any]:
-        """The Inductor settings `gm` compiles with: `options`, and in a step whose matrix products have at most
-        WIDE_ROWS rows (their shapes as recorded), one of them wider than Inductor computes in its loops, every
-        product as Inductor's loops (WIDE_OPTIONS)."""
+        """The Inductor settings `gm` compiles with: `options` (with `isa_options`), and in a step whose matrix
+        products have at most WIDE_ROWS rows (their shapes as recorded), one of them wider than Inductor computes in
+        its loops, every product as Inductor's loops (WIDE_OPTIONS)."""
+        options = isa_options(self.options) if self.inductor else self.options
         shapes = matmul_shapes(gm)
-        settings = self.options.get("post_grad_fusion_options", {}).get("decompose_mm_pass")
+        settings = options.get("post_grad_fusion_options", {}).get("decompose_mm_pass")
         if settings is None or not shapes or max(rows for rows, _ in shapes) > WIDE_ROWS:
-            return self.options
+            return options
         default = _decompose_pass().CPU_MAX_OTHER_DIMENSION_DECOMPOSITION
         limit = settings.get("cpu_max_other_dimension_decomposition", default)
         if all(width <= limit for _, width in shapes):
-            return self.options
-        fusion = dict(self.options["post_grad_fusion_options"])
+            return options
+        fusion = dict(options["post_grad_fusion_options"])
         fusion["decompose_mm_pass"] = {**WIDE_OPTIONS, **settings}
-        return {**self.options, "post_grad_fusion_options": fusion}
+        return {**options, "post_grad_fusion_options": fusion}
 
     def _compile(self, gm: fx.GraphModule, inputs: list[torch.Tensor], options: dict[str, Any]) -> Callable[..., Any]:
         if not self.inductor:
@@ -359,7 +438,7 @@ def compile_step(
     # a tracing context with a shape environment, as Dynamo gives Inductor: its FX graph cache keys on it (and its
     # wrapper's intermediate buffers as raw pointers: ssmspec.compile.wrapper)
     with (tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad(), _decomposition(options),
-          wrapper.rewriting()):  # fmt: skip
+          wrapper.rewriting(), _isa_list_kept(options)):  # fmt: skip
         return compile_fx(gm, inputs, config_patches=dict(options))
 
 

@@ -81,6 +81,45 @@ def _load() -> None:
         _STATE["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
+_ISA_LOCK = threading.Lock()
+_ISA: dict[str, Any] = {}  # "isa": Inductor's vector ISA for this process, "alone": whether it was checked alone
+
+
+def vector_isa() -> tuple[Any, bool]:
+    """Inductor's vector instruction set for this CPU's C++ code (its `pick_vec_isa`), and whether it was found by
+    checking only itself (torch internals: named here).
+
+    Inductor picks the first instruction set its list names that the CPU has and that passes its check (a test
+    program built and loaded), but checks every one the CPU has first: on a cold cache four builds (AMX, AVX-512 VNNI,
+    AVX-512, AVX2) of about 5 s each, in every process that compiles. Where nothing narrows the choice (no
+    ATEN_CPU_CAPABILITY, `cpp.simdlen` or `cpp.vec_isa_ok`), the first one the CPU has is checked alone with
+    Inductor's own check; if it passes it is the one Inductor would pick, and True says so: a compilation with
+    `cpp.vec_isa_ok` then picks it without building the others (ssmspec.compile.lower.isa_options)."""
+    with _ISA_LOCK:
+        if "isa" not in _ISA:
+            _ISA["isa"], _ISA["alone"] = _pick_isa()
+        return _ISA["isa"], _ISA["alone"]
+
+
+def _pick_isa() -> tuple[Any, bool]:
+    import os
+    import platform
+    import sys
+
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as vec
+
+    narrowed = (os.environ.get("ATEN_CPU_CAPABILITY") or config.cpp.simdlen is not None
+                or config.cpp.vec_isa_ok is not None or config.is_fbcode())  # fmt: skip
+    if narrowed or platform.machine() not in ("x86_64", "AMD64") or sys.platform not in ("linux", "win32"):
+        return vec.pick_vec_isa(), False
+    has = vec.x86_isa_checker()
+    candidates = [isa for isa in vec.supported_vec_isa_list if all(flag in has for flag in str(isa).split())]
+    if candidates and candidates[0]:  # (Inductor's check of that one set, cached on it)
+        return candidates[0], True
+    return vec.pick_vec_isa(), False
+
+
 def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
@@ -90,10 +129,9 @@ def _build() -> Path:
     ISA and C++ builder, named here)."""
     from filelock import FileLock
     from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    isa = pick_vec_isa()
+    isa, _ = vector_isa()
     if not isa:
         raise RuntimeError("no vector instruction set Inductor supports on this CPU")
     source = SOURCE.read_text()
@@ -112,4 +150,4 @@ def _build() -> Path:
     return target
 
 
-__all__ = ["OP", "available", "prepare", "reference"]
+__all__ = ["OP", "available", "prepare", "reference", "vector_isa"]
