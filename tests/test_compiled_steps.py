@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -739,7 +740,6 @@ def test_a_step_handed_to_a_worker_is_recorded_without_waiting_for_the_kernel(mo
     """Inside `ahead`, a step with a product of more than SPLIT_ROWS rows is handed to a worker as recorded, without
     asking for the kernel (whose build a warm-up's first verify step would otherwise wait for); the kernel is asked
     for where the step compiles (here the recording process, its worker unable to start)."""
-    import sys
 
     from ssmspec.compile.lower import SPLIT_ROWS
     from ssmspec.kernels import cpu_linear
@@ -747,7 +747,8 @@ def test_a_step_handed_to_a_worker_is_recorded_without_waiting_for_the_kernel(mo
     asked = []
     monkeypatch.setattr(cpu_linear, "available", lambda: asked.append(1) or False)
     monkeypatch.setattr(cpu_linear, "prepare", lambda: None)
-    monkeypatch.setattr(sys, "executable", "/bin/false")
+    monkeypatch.setattr(lower, "_worker_command", lambda: ["/bin/false"])  # (not sys.executable: Inductor's
+    # checks of the vector instruction sets run it, and cache what they find for the process)
     lin = torch.nn.Linear(8, 4)
     x = torch.randn(SPLIT_ROWS + 1, 8)
     compiler = StepCompiler(lin, progress=False)
@@ -889,9 +890,9 @@ def test_steps_recorded_ahead_compile_in_worker_processes_and_load_from_the_cach
 def test_a_step_whose_worker_fails_is_compiled_by_the_recording_process(monkeypatch):
     """A worker that cannot run (here: no interpreter) leaves its steps to this process, compiled as outside
     `ahead`, with the same result."""
-    import sys
 
-    monkeypatch.setattr(sys, "executable", "/bin/false")
+    monkeypatch.setattr(lower, "_worker_command", lambda: ["/bin/false"])  # (not sys.executable: Inductor's
+    # checks of the vector instruction sets run it, and cache what they find for the process)
     monkeypatch.setattr(lower, "compile_step", lambda gm, inputs, options, kernels=True: gm)  # (not under test)
     lin, x, step = _step_with_constant_ops()
     compiler = StepCompiler(lin, progress=False, kernels=False)
@@ -902,3 +903,54 @@ def test_a_step_whose_worker_fails_is_compiled_by_the_recording_process(monkeypa
         assert compiler.handed_ahead == 1 and compiler.compiled_ahead == 0 and compiler.compilations == 1
         assert graph.compiled.compiled is not None
         assert torch.allclose(graph.replay(), step(), rtol=1e-6, atol=1e-6)  # (the products split into rows)
+
+
+def test_a_step_sent_to_a_worker_whose_output_ended_is_done(monkeypatch, tmp_path):
+    """A worker process whose output has ended answers nothing more: a step sent to it afterwards is done (not
+    compiled) at once, even where the write into its input succeeds (a warm-up otherwise waits for it forever)."""
+    import io
+
+    from ssmspec.compile.lower import _Pending, _Worker
+
+    monkeypatch.setattr(lower, "_worker_command", lambda: ["/bin/false"])  # (not sys.executable: Inductor's
+    # checks of the vector instruction sets run it, and cache what they find for the process)
+    worker = _Worker(tmp_path / "worker.log")
+    worker.process.wait(timeout=30)
+    for _ in range(500):  # its reader sees the end of its output
+        if worker.ended:
+            break
+        time.sleep(0.01)
+    assert worker.ended
+    monkeypatch.setattr(worker.process, "stdin", io.StringIO())  # a write that does not fail
+    pending = _Pending((), None, [], {}, tmp_path / "step0.pt")
+    worker.send(pending)
+    assert pending.done.wait(5) and not pending.ok and worker.in_hand() == 0
+    worker.close()
+
+
+def test_a_step_held_by_a_worker_that_exited_is_taken_back(monkeypatch, tmp_path):
+    """A worker process that exited while another process holds its pipes (here a child it left behind) never answers
+    and its output does not end: the steps it held are taken back (done, not compiled) once it has been gone a moment,
+    so that `ahead` compiles them itself instead of waiting."""
+    import os
+    import signal
+
+    from ssmspec.compile.lower import _Pending, _Worker
+
+    monkeypatch.setattr(lower, "_worker_command", lambda: ["sh", "-c", "sleep 60 & echo $! >&2; exit 0"])
+    worker = _Worker(tmp_path / "worker.log")
+    try:
+        pending = _Pending((), None, [], {}, tmp_path / "step0.pt")
+        worker.send(pending)
+        worker.process.wait(timeout=30)
+        assert not pending.done.wait(0.2) and not worker.ended  # (the child holds the pipes)
+        deadline = time.monotonic() + 30
+        while not pending.done.is_set() and time.monotonic() < deadline:
+            worker.check_exited()
+            time.sleep(0.05)
+        assert pending.done.is_set() and not pending.ok and worker.in_hand() == 0
+    finally:
+        child = (tmp_path / "worker.log").read_text().strip()
+        if child:
+            os.kill(int(child), signal.SIGKILL)
+        worker.close()

@@ -359,6 +359,8 @@ class StepCompiler:
         try:
             while waiting:
                 done = [p for p in waiting if p.done.wait(0.02 if p is waiting[0] else 0)]
+                for worker in self._pool if not done else ():
+                    worker.check_exited()
                 for p in done:
                     waiting.remove(p)
                     hits = counters["inductor"]["fxgraph_cache_hit"]
@@ -537,16 +539,21 @@ class _Pending:
         return (self.compiled if self.compiled is not None else self.gm)(*args)
 
 
+# seconds a worker process may have exited before the steps it still holds are taken back (its answers were read)
+EXITED_GRACE = 2.0
+
+
 class _Worker:
     """A worker process (ssmspec.compile.worker) with this process's threads, Inductor cache and ssmspec: it is sent
     job files one line each and answers a line for each, read by a thread that marks the step done."""
 
     def __init__(self, log: Path) -> None:
-        command = [sys.executable, "-m", "ssmspec.compile.worker", "--threads", str(torch.get_num_threads())]
         with open(log, "wb") as out:
-            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out,
-                                            env=_worker_env(), text=True)  # fmt: skip
+            self.process = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=out, env=_worker_env(), text=True)  # fmt: skip
         self.sent: dict[str, _Pending] = {}
+        self.ended = False  # the process's output has ended: nothing sent from now on is answered
+        self.exited = 0.0  # when the process was first found to have exited (`check_exited`)
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="ssmspec-step-worker", daemon=True).start()
 
@@ -556,8 +563,12 @@ class _Worker:
             return len(self.sent)
 
     def send(self, pending: _Pending) -> None:
-        """Send a step's job; a worker that has ended leaves it done, not compiled."""
+        """Send a step's job; a worker that has ended leaves it done, not compiled (also where its output ended before
+        this call: a write into its input need not fail then, and its reader will not answer)."""
         with self._lock:
+            if self.ended:
+                pending.done.set()
+                return
             self.sent[str(pending.job)] = pending
         try:
             assert self.process.stdin is not None
@@ -580,9 +591,19 @@ class _Worker:
     def _end(self) -> None:
         """The process ended: every step in hand is done, not compiled."""
         with self._lock:
-            left, self.sent = list(self.sent.values()), {}
+            left, self.sent, self.ended = list(self.sent.values()), {}, True
         for pending in left:
             pending.done.set()
+
+    def check_exited(self) -> None:
+        """Where the process exited EXITED_GRACE seconds ago and its output has not ended (another process may hold
+        its pipe), every step still in hand is done, not compiled: a warm-up never waits for a worker that is gone."""
+        if self.ended or self.process.poll() is None:
+            return
+        now = time.monotonic()
+        self.exited = self.exited or now
+        if now - self.exited >= EXITED_GRACE:
+            self._end()
 
     def close(self) -> None:
         """End the process: at once where it still has steps in hand (a block that failed), else once it reads the
@@ -610,6 +631,11 @@ def _disk_cache() -> bool:
     from torch._inductor import config
 
     return bool(config.fx_graph_cache) and not bool(getattr(config, "force_disable_caches", False))
+
+
+def _worker_command() -> list[str]:
+    """The command that starts a worker process: this Python, with this process's threads."""
+    return [sys.executable, "-m", "ssmspec.compile.worker", "--threads", str(torch.get_num_threads())]
 
 
 def _worker_env() -> dict[str, str]:
