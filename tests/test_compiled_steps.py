@@ -934,10 +934,13 @@ def test_a_step_held_by_a_worker_that_exited_is_taken_back(monkeypatch, tmp_path
     so that `ahead` compiles them itself instead of waiting."""
     import os
     import signal
+    import sys
 
     from ssmspec.compile.lower import _Pending, _Worker
 
-    monkeypatch.setattr(lower, "_worker_command", lambda: ["sh", "-c", "sleep 60 & echo $! >&2; exit 0"])
+    # (a child forked before the worker exits keeps its stdin and stdout; it writes its pid to the log and sleeps)
+    leave = "import os, sys, time\np = os.fork()\nif p == 0:\n    time.sleep(60)\nelse:\n    print(p, file=sys.stderr)"
+    monkeypatch.setattr(lower, "_worker_command", lambda: [sys.executable, "-c", leave])
     worker = _Worker(tmp_path / "worker.log")
     try:
         pending = _Pending((), None, [], {}, tmp_path / "step0.pt")
