@@ -208,7 +208,7 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
                     trees=(info is None or bool(info.trees)) and not chains,
                     head=small and (not compiled or head_chains), sampling=sampling, user_set=call.user_set,
                     head_kind="mtp" if isinstance(head, MTPModule) else "draft_head",
-                    compiled=head_chains)  # fmt: skip
+                    compiled=head_chains, whole=whole and call.input_ids.shape[0] == 1)  # fmt: skip
     asked = speculation is not None and speculation.drafter != "auto"
     if asked:
         why = "asked for (SpecConfig.drafter)"
@@ -236,9 +236,11 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
         if speculation is not None and (speculation.tree_budget, speculation.num_draft_tokens) != (None, None):
             source = "as given"
         elif speculation is None and draft is None and call.config.prompt_lookup_num_tokens is not None:
-            source = "prompt_lookup_num_tokens deep, the default tree's shape"
+            source = "prompt_lookup_num_tokens deep, the default's shape (nodes per level)"
         elif draft is not None and "num_assistant_tokens" in call.user_set:
             source = "num_assistant_tokens deep"
+        elif whole and not sampling and spec.drafter == "prompt_lookup" and not spec.tree and speculation is None:
+            source = "n-gram lookup's default on steps compiled whole: chains, from their size sweep"
         else:
             source = "the drafter's default, from its size sweep" + (", sampling" if sampling else "")
         shape = f"a tree of up to {spec.tree_budget} nodes" if spec.tree else f"a chain of {spec.num_draft_tokens}"

@@ -180,6 +180,35 @@ def test_a_model_with_compiled_steps_plans_captured_steps_and_its_heads_chains(s
     assert dict(_plan(model, max_new_tokens=12).reasons)["drafter"].startswith("prompt_lookup: the model's draft head")
 
 
+def test_n_gram_lookup_on_compiled_steps_drafts_chains_when_greedy():
+    """On a model whose steps are compiled whole, n-gram lookup's greedy default for one prompt drafts adaptive chains
+    (defaults.NGRAM_CHAIN: a tree is verified padded to its bucket there), `prompt_lookup_num_tokens=k` chains k deep;
+    a sampled call that asks for n-grams and a batch keep the tree's shape, and the same model eager drafts NGRAM's
+    trees. Greedy output identical to HF's."""
+    from ssmspec.compile.lower import StepCompiler
+    from ssmspec.speculate.defaults import NGRAM, NGRAM_CHAIN
+
+    ref, model = _model()
+    eager = _plan(model, max_new_tokens=12)
+    assert eager.spec.tree and (eager.spec.tree_budget, eager.spec.num_draft_tokens) == (
+        NGRAM.tree_budget, NGRAM.num_draft_tokens)  # fmt: skip
+    model.__dict__["_ssmspec_step_compiler"] = StepCompiler(model, progress=False, inductor=False)
+    model.ssmspec_graphs = True
+    plan = _plan(model, max_new_tokens=12)
+    assert plan.spec.drafter == "prompt_lookup" and not plan.spec.tree and plan.spec.adaptive
+    chain = (NGRAM_CHAIN.tree_budget, NGRAM_CHAIN.num_draft_tokens)
+    assert (plan.spec.tree_budget, plan.spec.num_draft_tokens) == chain
+    assert "chains" in dict(plan.reasons)["sizes"]
+    deep = _plan(model, max_new_tokens=12, prompt_lookup_num_tokens=6)
+    assert not deep.spec.tree and deep.spec.num_draft_tokens == 6 and deep.spec.tree_budget == 6
+    sampled = _plan(model, max_new_tokens=12, do_sample=True, prompt_lookup_num_tokens=4)
+    assert sampled.spec.tree and sampled.spec.num_draft_tokens == 4
+    two = spec_plan.plan_call(model, IDS.repeat(2, 1), None, kwargs={"max_new_tokens": 12},
+                              **model._speculative_call(None, None, None, None))  # fmt: skip
+    assert two.spec.tree and two.spec.num_draft_tokens == NGRAM.num_draft_tokens  # (a batch keeps the trees)
+    assert torch.equal(model.generate(IDS, max_new_tokens=12), ref.generate(IDS, max_new_tokens=12, do_sample=False))
+
+
 def test_a_greedy_call_on_compiled_steps_prices_against_its_own_plain_steps(monkeypatch):
     """The adaptive policy of a greedy call on steps compiled whole prices and judges drafts against the plain steps
     the loop takes (`Goodput(loop_base=True)`: a compiled step the calibration times alone is up to twice as slow); an
