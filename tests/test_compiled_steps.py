@@ -736,19 +736,23 @@ def test_a_step_without_products_of_a_few_rows_does_not_wait_for_the_kernel(monk
         assert asked == want
 
 
+def _workers_that_fail(monkeypatch) -> None:
+    """Worker processes start as /bin/false, which exits at once (not sys.executable: Inductor's checks of the vector
+    instruction sets run it, and cache what they find for the process)."""
+    monkeypatch.setattr(lower, "_worker_command", lambda: ["/bin/false"])
+
+
 def test_a_step_handed_to_a_worker_is_recorded_without_waiting_for_the_kernel(monkeypatch):
     """Inside `ahead`, a step with a product of more than SPLIT_ROWS rows is handed to a worker as recorded, without
     asking for the kernel (whose build a warm-up's first verify step would otherwise wait for); the kernel is asked
     for where the step compiles (here the recording process, its worker unable to start)."""
-
     from ssmspec.compile.lower import SPLIT_ROWS
     from ssmspec.kernels import cpu_linear
 
     asked = []
     monkeypatch.setattr(cpu_linear, "available", lambda: asked.append(1) or False)
     monkeypatch.setattr(cpu_linear, "prepare", lambda: None)
-    monkeypatch.setattr(lower, "_worker_command", lambda: ["/bin/false"])  # (not sys.executable: Inductor's
-    # checks of the vector instruction sets run it, and cache what they find for the process)
+    _workers_that_fail(monkeypatch)
     lin = torch.nn.Linear(8, 4)
     x = torch.randn(SPLIT_ROWS + 1, 8)
     compiler = StepCompiler(lin, progress=False)
@@ -890,9 +894,7 @@ def test_steps_recorded_ahead_compile_in_worker_processes_and_load_from_the_cach
 def test_a_step_whose_worker_fails_is_compiled_by_the_recording_process(monkeypatch):
     """A worker that cannot run (here: no interpreter) leaves its steps to this process, compiled as outside
     `ahead`, with the same result."""
-
-    monkeypatch.setattr(lower, "_worker_command", lambda: ["/bin/false"])  # (not sys.executable: Inductor's
-    # checks of the vector instruction sets run it, and cache what they find for the process)
+    _workers_that_fail(monkeypatch)
     monkeypatch.setattr(lower, "compile_step", lambda gm, inputs, options, kernels=True: gm)  # (not under test)
     lin, x, step = _step_with_constant_ops()
     compiler = StepCompiler(lin, progress=False, kernels=False)
@@ -912,8 +914,7 @@ def test_a_step_sent_to_a_worker_whose_output_ended_is_done(monkeypatch, tmp_pat
 
     from ssmspec.compile.lower import _Pending, _Worker
 
-    monkeypatch.setattr(lower, "_worker_command", lambda: ["/bin/false"])  # (not sys.executable: Inductor's
-    # checks of the vector instruction sets run it, and cache what they find for the process)
+    _workers_that_fail(monkeypatch)
     worker = _Worker(tmp_path / "worker.log")
     worker.process.wait(timeout=30)
     for _ in range(500):  # its reader sees the end of its output

@@ -359,8 +359,9 @@ class StepCompiler:
         try:
             while waiting:
                 done = [p for p in waiting if p.done.wait(0.02 if p is waiting[0] else 0)]
-                for worker in self._pool if not done else ():
-                    worker.check_exited()
+                if not done:  # (a worker gone while another process holds its pipes: its steps given back)
+                    for worker in self._pool:
+                        worker.check_exited()
                 for p in done:
                     waiting.remove(p)
                     hits = counters["inductor"]["fxgraph_cache_hit"]

@@ -64,13 +64,12 @@ MTP_SAMPLING = SpecConfig(tree_budget=9, num_draft_tokens=3)
 HEAD_CHAIN = SpecConfig(tree=False, tree_budget=3, num_draft_tokens=3)
 NGRAM = SpecConfig(tree_budget=16, num_draft_tokens=8)  # n-gram lookup (and the corpus): SpecConfig's documented sizes
 # n-gram lookup on a model whose steps are compiled whole on a CPU, greedy, one prompt: chains 4 deep, adaptive, instead
-# of NGRAM's
-# trees (a tree of 9 to 17 nodes is verified padded to its bucket, at 2-3x a plain step there). Over compiled plain
-# decoding (2-core CPU, 12 held-out prompts of 128 tokens, 128 new tokens, best of 3 alternated in one process): the
-# 3M target 0.98x (NGRAM 0.95x), the embedded Bamba 1.20x (1.10x), the 19.6M Nemotron-H (asked for n-grams: its
-# default is its head's chains) 1.16x (1.07x), the worst
-# prompt 0.91-0.93x (0.83-0.86x); with 64-token prompts 1.15x, 1.17x, 1.15x (1.04x, 1.12x, 1.00x). A batch keeps the
-# trees: 4 prompts of the 3M target, 64 new tokens, chains 0.90x and trees 0.97x
+# of NGRAM's trees (a tree of 9 to 17 nodes is verified padded to its bucket, at 2-3x a plain step there). Over compiled
+# plain decoding (2-core CPU, 12 held-out prompts of 128 tokens, 128 new tokens, best of 3 alternated in one process):
+# the 3M target 0.98x (NGRAM 0.95x), the embedded Bamba 1.20x (1.10x), the 19.6M Nemotron-H (asked for n-grams: its
+# default is its head's chains) 1.16x (1.07x), the worst prompt 0.91-0.93x (0.83-0.86x); with 64-token prompts 1.15x,
+# 1.17x, 1.15x (1.04x, 1.12x, 1.00x). A batch keeps the trees: 4 prompts of the 3M target, 64 new tokens, chains 0.90x
+# and trees 0.97x
 NGRAM_CHAIN = SpecConfig(tree=False, tree_budget=4, num_draft_tokens=4)
 
 
@@ -116,9 +115,9 @@ def spec_for(
     on a model whose steps are compiled whole on a CPU (n-gram lookup's greedy default: its chains, NGRAM_CHAIN).
     """
     mtp = head_kind == "mtp"
-    if speculation is None:
-        speculation = _default(config, draft, head, sampling, user_set, mtp, compiled, whole)
     spec = speculation
+    if spec is None:
+        spec = _default(config, draft, head, sampling, user_set, mtp, compiled, whole)
     if spec.drafter == "auto":  # the call's draft model, else the model's draft head, else n-gram lookup
         if draft is not None:
             spec = replace(spec, drafter="draft_model")

@@ -201,6 +201,8 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
     plain_sampled = (speculation is None and draft is None and sampling and whole
                      and call.config.prompt_lookup_num_tokens is None)  # fmt: skip
     head_chains = whole and isinstance(head, DraftHead) and not sampling
+    # (n-gram lookup's greedy default there, for one prompt: its chains, defaults.NGRAM_CHAIN)
+    ngram_chains = whole and not sampling and call.input_ids.shape[0] == 1
     small = head is not None and (
         size_share(head, model) <= HEAD_MAX_SHARE or (sampling and isinstance(head, DraftHead))
     )
@@ -208,7 +210,7 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
                     trees=(info is None or bool(info.trees)) and not chains,
                     head=small and (not compiled or head_chains), sampling=sampling, user_set=call.user_set,
                     head_kind="mtp" if isinstance(head, MTPModule) else "draft_head",
-                    compiled=head_chains, whole=whole and call.input_ids.shape[0] == 1)  # fmt: skip
+                    compiled=head_chains, whole=ngram_chains)  # fmt: skip
     asked = speculation is not None and speculation.drafter != "auto"
     if asked:
         why = "asked for (SpecConfig.drafter)"
@@ -239,7 +241,7 @@ def _spec(model: nn.Module, call: Plan, speculation: SpecConfig | None, draft, h
             source = "prompt_lookup_num_tokens deep, the default's shape (nodes per level)"
         elif draft is not None and "num_assistant_tokens" in call.user_set:
             source = "num_assistant_tokens deep"
-        elif whole and not sampling and spec.drafter == "prompt_lookup" and not spec.tree and speculation is None:
+        elif ngram_chains and speculation is None and spec.drafter == "prompt_lookup" and not spec.tree:
             source = "n-gram lookup's default on steps compiled whole: chains, from their size sweep"
         else:
             source = "the drafter's default, from its size sweep" + (", sampling" if sampling else "")
