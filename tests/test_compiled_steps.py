@@ -571,6 +571,32 @@ def test_the_one_region_passes_keep_every_value():
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+def test_a_large_weights_products_call_the_kernel_from_one_row(monkeypatch):
+    """A compiled step's products of a weight with KERNEL_WEIGHTS elements or more call ssmspec's CPU kernel at one row
+    and at a few rows (not split), those of a smaller weight stay Inductor's loops at one row; the eager step's
+    values."""
+    monkeypatch.setattr(lower, "KERNEL_WEIGHTS", 24 * 40)
+    torch.manual_seed(0)
+    big, small = torch.nn.Linear(40, 24), torch.nn.Linear(40, 8)  # 960 and 320 weight elements
+    one, few = torch.randn(1, 40), torch.randn(lower.SPLIT_ROWS, 40)
+    model = torch.nn.ModuleList([big, small])
+
+    def step():
+        return big(one), small(one), big(few)
+
+    graph = StepGraph(torch.device("cpu"), compiler=StepCompiler(model, progress=False))
+    with torch.no_grad():
+        out = graph.capture(step)
+        one.copy_(torch.randn(1, 40))
+        ops = _Ops()
+        with ops:
+            graph.compiled(*graph.inputs)
+        assert [op for op in ops.ops if op != "aten.detach.default"] == ["ssmspec_cpu.rows_linear.default"] * 2
+        graph.replay()
+        for got, want in zip(out, step()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_products_of_a_few_rows_and_sums_over_nodes_compile_into_one_region():
     """A compiled step whose products have at most SPLIT_ROWS rows and whose batched products and cumsums run over a
     few nodes dispatches no op (one function of Inductor's loops: no kernel, MKL or ATen call between them), with the

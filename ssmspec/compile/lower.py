@@ -3,10 +3,10 @@
 On a GPU a captured step is a CUDA graph; on a CPU the same step (the same static tensors, the same contract) is
 recorded once as an FX graph of its ATen ops (ssmspec.compile.graphs) and compiled here by Inductor with its C++
 wrapper, after ssmspec's passes (depthwise convolutions unrolled so that Inductor fuses them; float32 matrix products
-of 2 to SMALL_MATMUL_ROWS rows pointed at ssmspec's CPU kernel), with one-row products as Inductor's loops
-(`OPTIONS`). A replay is then one call into the compiled code: no Python between the ops, no guards, no op dispatch
-but the C++ dispatcher's call of that kernel. The model's parameters and buffers are the graph's constants, read where
-they live on every call (a weight changed in place is seen).
+of 2 to SMALL_MATMUL_ROWS rows, and those of 1 row with a large weight, pointed at ssmspec's CPU kernel), with other
+one-row products as Inductor's loops (`OPTIONS`). A replay is then one call into the compiled code: no Python between
+the ops, no guards, no op dispatch but the C++ dispatcher's call of that kernel. The model's parameters and buffers are
+the graph's constants, read where they live on every call (a weight changed in place is seen).
 
 Compiled graphs are kept per model, keyed by the graph's code and its inputs' layouts, so a step recorded again over
 another call's buffers reuses its compilation; Inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`) serves the same
@@ -55,8 +55,9 @@ from ssmspec.kernels import cpu_linear
 # rows (tight loop, 2-core AVX2 CPU: the embedded target's 4-, 8- and 16-node greedy steps 2.2, 3.3 and 5.8 plain steps
 # against 2.7, 4.2 and 7.0; the 19.6M Nemotron-H's 2- and 4-node ones 1.33 and 1.71 against 1.66 and 2.16; 81 MB of
 # weights streamed from memory, 8 and 16 rows 0.80 and 0.77 the time of 4-row groups each reading them). One-row
-# products stay Inductor's loops, fused with the work around them: through the kernel, compiled plain decoding on
-# held-out code ran at 0.88x on the embedded Bamba (13 of 16 alternated rounds slower) and 1.01x on the target
+# products of small weights stay Inductor's loops, fused with the work around them: all of them through the kernel,
+# compiled plain decoding on held-out code ran at 0.88x on the embedded Bamba (13 of 16 alternated rounds slower) and
+# 1.01x on the target (large weights: KERNEL_WEIGHTS)
 SMALL_MATMUL_ROWS = 32
 # A verify step compiled whole is as fast as the fewest external calls let it be: each (a product through the kernel or
 # MKL, ATen's cumsum or sort) ends the step's one OpenMP region and starts another, and its arguments go through the
@@ -69,6 +70,16 @@ SMALL_MATMUL_ROWS = 32
 # (2-core AVX-512 CPU, alternated in one process); on the 19.6M Nemotron-H 1.07 and 1.23 against 1.18 and 1.42.
 # Products of more rows stay the kernel's: at 8 rows split ones cost the medium model 1.94 plain steps against 1.70
 SPLIT_ROWS = 4
+# Products whose weight has at least KERNEL_WEIGHTS elements (2 MiB of float32) call the kernel from one row up, and
+# are not split at 2 to SPLIT_ROWS rows: there a product is a long pass over its weight, the kernel's 8 sums in flight
+# per loaded vector (one FMA each) take fewer instructions than Inductor's loops (a multiply and an add per row, one
+# reduction per output and row), and its call's cost (the region it ends, the dispatcher) is small beside the pass.
+# On the 19.6M Nemotron-H (in_proj 2192 x 512, MLP 1024 x 512 and 512 x 1024, LM head 2048 x 512; 2-core Xeon,
+# steps alternated in one process, two runs), the plain step took 0.86-0.87 of its time, and a greedy step of 2, 4 and
+# 8 nodes 0.85-0.88, 1.04-1.07 and 1.38-1.42 plain steps of before against 1.07-1.10, 1.43 and 1.45-1.46. On the 3M
+# target, whose LM head alone is that large, the same within noise (0.99, 0.98, 1.05 against 1.00, 0.95, 1.04); taking
+# its 1104 x 256 in_proj too (a quarter of it) made it slower (1.03, 1.00, 1.14 against 1.00, 0.95, 1.06)
+KERNEL_WEIGHTS = 1 << 19
 FUSED_BMM_INNER = 64
 FUSED_BMM_OUTPUTS = 4096
 UNROLLED_CUMSUM = 64
@@ -288,7 +299,7 @@ class StepCompiler:
         unroll_depthwise_convs(gm)
         small_bmms_as_sums(gm, FUSED_BMM_INNER, FUSED_BMM_OUTPUTS)
         short_cumsums_unrolled(gm, UNROLLED_CUMSUM)
-        split_product_rows(gm, SPLIT_ROWS)
+        split_product_rows(gm, SPLIT_ROWS, below=KERNEL_WEIGHTS if self.kernels else None)  # (large: `compile_step`)
         options = self.options_for(gm)
         key = (gm.code, tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in inputs))
         with self._lock:
@@ -424,13 +435,16 @@ def compile_step(
 ) -> Callable[..., Any]:  # fmt: skip
     """Inductor's compiled function of a recorded step (torch internals: named here), with `options` and ssmspec's
     wrapper rewrite, in this process or a worker's (ssmspec.compile.worker): the same graph, inputs and options give
-    the same key in Inductor's on-disk cache. With `kernels`, its float32 products of 2 to SMALL_MATMUL_ROWS rows call
-    ssmspec's CPU kernel where it could be built (`gm` rewritten in place): decided here, as the step compiles, so that
+    the same key in Inductor's on-disk cache. With `kernels`, its float32 products of 2 to SMALL_MATMUL_ROWS rows (of 1
+    row up with a weight of KERNEL_WEIGHTS elements or more) call ssmspec's CPU kernel where it could be built (`gm`
+    rewritten in place; where it could not, those of large weights are split: SPLIT_ROWS): decided here, so that
     recording a step never waits for the kernel's build (a warm-up records its verify steps while the kernel builds,
     and hands them to workers at once)."""
-    if (kernels and all(t.device.type == "cpu" for t in inputs) and rows_linears(gm, SMALL_MATMUL_ROWS, rewrite=False)
-            and cpu_linear.available()):  # fmt: skip
-        rows_linears(gm, SMALL_MATMUL_ROWS)  # (a step without such products does not wait for the kernel's build)
+    on_cpu = all(t.device.type == "cpu" for t in inputs)
+    if kernels and on_cpu and rows_linears(gm, SMALL_MATMUL_ROWS, rewrite=False, large=KERNEL_WEIGHTS):
+        if cpu_linear.available():  # (a step without such products does not wait for the kernel's build)
+            rows_linears(gm, SMALL_MATMUL_ROWS, large=KERNEL_WEIGHTS)
+    split_product_rows(gm, SPLIT_ROWS)  # (what the kernel did not take: large weights' products where it is not built)
     for node in gm.graph.nodes:  # (the recorder's shapes, for the passes; Inductor traces its own)
         node.meta.pop("val", None)
     from torch._guards import TracingContext, tracing

@@ -302,12 +302,16 @@ def _plain_products(graph: fx.Graph) -> list[tuple[fx.Node, tuple[object, object
     return products
 
 
-def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: bool = True) -> int:
+def rows_linears(
+    gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: bool = True, large: int | None = None
+) -> int:  # fmt: skip
     """Point each float32 matrix product of `min_rows` to `max_rows` rows of a recorded CPU step (`mm`, `addmm` with
     a 1-D bias; shapes in `meta["val"]`) at `ssmspec_cpu::rows_linear` (ssmspec.kernels.cpu_linear, which must be
-    loaded); returns how many. Inductor's own loops sum each output in one dependent chain, a row at a time; the kernel
-    keeps several sums in flight and reads each weight from memory once for all rows (measured: ssmspec.compile.lower,
-    SMALL_MATMUL_ROWS). `rewrite=False` only counts them (the graph as it was; the kernel need not be loaded)."""
+    loaded), and with `large`, each one of 1 to `max_rows` rows whose weight has at least `large` elements; returns
+    how many. Inductor's own loops sum each output in one dependent chain, a row at a time; the kernel keeps several
+    sums in flight and reads each weight from memory once for all rows (measured: ssmspec.compile.lower,
+    SMALL_MATMUL_ROWS and KERNEL_WEIGHTS). `rewrite=False` only counts them (the graph as it was; the kernel need not
+    be loaded)."""
     aten = torch.ops.aten
     graph = gm.graph
     count = 0
@@ -317,7 +321,8 @@ def rows_linears(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, rewrite: 
             continue
         if {av.dtype, bv.dtype, out.dtype} != {torch.float32}:
             continue
-        if not min_rows <= av.shape[0] <= max_rows:
+        least = 1 if large is not None and bv.numel() >= large else min_rows
+        if not least <= av.shape[0] <= max_rows:
             continue
         if bias is not None:
             biasv = bias.meta.get("val") if isinstance(bias, fx.Node) else None
@@ -408,17 +413,21 @@ def short_cumsums_unrolled(gm: fx.GraphModule, max_length: int) -> int:
     return _finished(gm, count)
 
 
-def split_product_rows(gm: fx.GraphModule, max_rows: int, min_rows: int = 2) -> int:
+def split_product_rows(gm: fx.GraphModule, max_rows: int, min_rows: int = 2, below: int | None = None) -> int:
     """Rewrite each matrix product of `min_rows` to `max_rows` rows (`mm`, `addmm` with default beta and alpha) of a
-    recorded CPU step as one product per row, concatenated; returns how many. Inductor computes a one-row product in
-    its own loops, and the rows' loops, reading the same weight over the same ranges, fuse into one pass over it with
-    a sum per row in flight."""
+    recorded CPU step as one product per row, concatenated (with `below`, only those whose weight has fewer elements,
+    or whose weight's shape is not recorded); returns how many. Inductor computes a one-row product in its own loops,
+    and the rows' loops, reading the same weight over the same ranges, fuse into one pass over it with a sum per row
+    in flight."""
     aten = torch.ops.aten
     graph = gm.graph
     count = 0
     for node, (bias, a, b) in _plain_products(graph):
         av, out = a.meta.get("val") if isinstance(a, fx.Node) else None, node.meta.get("val")
         if not (isinstance(av, torch.Tensor) and av.dim() == 2 and min_rows <= av.shape[0] <= max_rows):
+            continue
+        bv = b.meta.get("val") if isinstance(b, fx.Node) else None
+        if below is not None and isinstance(bv, torch.Tensor) and bv.numel() >= below:
             continue
         with graph.inserting_before(node):
             parts = []

@@ -1,5 +1,6 @@
 """Matrix products of a few rows on a CPU: `ssmspec_cpu::rows_linear(x, weight, bias)`, a C++ kernel (cpu_linear.cpp)
-that a captured CPU step calls for its linears of 2 or more rows (ssmspec.compile.passes.rows_linears).
+that a captured CPU step calls for its linears of 2 or more rows, and of one row with a large weight
+(ssmspec.compile.passes.rows_linears; ssmspec.compile.lower.KERNEL_WEIGHTS).
 
 Inductor's loops sum each output of a product in one chain of dependent vector additions, a row at a time: they run
 at the adder's latency, and a verify step of k nodes pays k passes over every weight. The kernel keeps 8 sums in flight,

@@ -95,6 +95,34 @@ def test_the_pass_points_products_of_a_few_float32_rows_at_the_kernel():
             torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
 
 
+def test_products_of_large_weights_take_the_kernel_from_one_row_and_are_not_split():
+    """With `large`, a product whose weight has at least that many elements calls the kernel from one row up, one of a
+    smaller weight only from `min_rows`; `split_product_rows(below=...)` splits only the smaller weights' products,
+    and what it leaves unsplit it splits without `below`. Every value stays the graph's."""
+    from ssmspec.compile.passes import split_product_rows
+
+    gen = torch.Generator().manual_seed(5)
+    big, small = torch.randn(48, 40, generator=gen), torch.randn(8, 40, generator=gen)  # 1,920 and 320 elements
+
+    def step(x1, x3):
+        return torch.mm(x1, big.t()), torch.mm(x1, small.t()), torch.mm(x3, big.t()), torch.mm(x3, small.t())
+
+    args = (torch.randn(1, 40, generator=gen), torch.randn(3, 40, generator=gen))
+    kernel, mm = torch.ops.ssmspec_cpu.rows_linear.default, torch.ops.aten.mm.default
+    want = make_fx(step)(*args)(*args)
+    taken = make_fx(step)(*args)
+    assert rows_linears(taken, max_rows=8, rewrite=False, large=big.numel()) == 3  # (not the small weight's one row)
+    assert rows_linears(taken, max_rows=8, large=big.numel()) == 3
+    assert [n.target for n in taken.graph.nodes].count(mm) == 1
+    split = make_fx(step)(*args)
+    assert split_product_rows(split, 4, below=big.numel()) == 1  # (the small weight's 3 rows)
+    assert split_product_rows(split, 4) == 1  # (then the large one's)
+    assert [n.target for n in split.graph.nodes].count(mm) == 2 + 3 + 3
+    for module in (taken, split):
+        for g, t in zip(module(*args), want):
+            torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(13, 33), (64, 256), (1027, 300), (2048, 8)])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(threads, n, k):
