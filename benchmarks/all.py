@@ -32,9 +32,9 @@ LOOP = "5388010"  # the speculative call (drafter auto: a head where small; a pl
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
-# what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 5 to 32 rows
-# in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time; built beside the first steps' compilation) and of 2
-# to 4 fused one-row products, each small verify step one OpenMP region (sums over nodes, running cumsums, the tree SSD
+# what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 5 to 32 rows,
+# and of a weight of 2^19 elements or more from one row, in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a
+# time; built beside the first steps' compilation) and the others of 2 to 4 fused one-row products, each small verify step one OpenMP region (sums over nodes, running cumsums, the tree SSD
 # node-major), each step's C++ wrapper built at -O1 apart from its kernels, its intermediates pooled (Inductor's memory
 # planning) and its near-tie check fused, the wrapper's kernel-only buffers raw pointers into those pools, attention
 # K/V written in place, a draft head's next chain drafted in the greedy step's own graph (the chains it did not draft
