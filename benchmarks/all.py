@@ -46,10 +46,10 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # time those calls and the warm-up; `ssmspec bench
 # --compiled` times the forward compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them
 # (llama-bench once a round, its fastest kept)
-COMPILED_CPU = "e357478"
+COMPILED_CPU = "6401a8e"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
-         TRACED: "2026-11-23", COMPILED_CPU: "2026-12-02"}  # fmt: skip
+         TRACED: "2026-11-23", COMPILED_CPU: "2026-12-03"}  # fmt: skip
 
 
 @dataclass(frozen=True)
