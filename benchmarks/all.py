@@ -33,19 +33,19 @@ VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup pe
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # what `transform(model, compile=True)` runs on a CPU: its steps compiled whole, their float32 products of 5 to 32 rows,
-# and of a weight of 2^19 elements or more from one row, in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a
-# time; built beside the first steps' compilation) and the others of 2 to 4 fused one-row products, each small verify step one OpenMP region (sums over nodes, running cumsums, the tree SSD
-# node-major), each step's C++ wrapper built at -O1 apart from its kernels, its intermediates pooled (Inductor's memory
-# planning) and its near-tie check fused, the wrapper's kernel-only buffers raw pointers into those pools, attention
-# K/V written in place, a draft head's next chain drafted in the greedy step's own graph (the chains it did not draft
-# compiled apart), chains refilled in place, a step that drafted nothing a plain step's replay, and the default call's
-# policy on those steps, which prices a step at its bucket's forward, holds a priced depth for a few steps and judges
-# drafts against the loop's plain steps, a lone row's acceptance pulled once toward its prior, the step overhead
-# and how far apart its pricings had grown carried from call to call, its plain runs lasting until a shadow draft is
-# due and paid for, and the warm-up's steps compiled side by side in worker processes (the files that
-# time those calls and the warm-up; `ssmspec bench
-# --compiled` times the forward compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them
-# (llama-bench once a round, its fastest kept)
+# and of a weight of 2^19 elements or more from one row, in ssmspec's C++ kernel (8 sums in flight, reduced 4 at a time;
+# built beside the first steps' compilation) and the others of 2 to 4 fused one-row products, each small verify step one
+# OpenMP region (sums over nodes, running cumsums, the tree SSD node-major), each step's C++ wrapper built at -O1 apart
+# from its kernels, its intermediates pooled (Inductor's memory planning) and its near-tie check fused, the wrapper's
+# kernel-only buffers raw pointers into those pools, attention K/V written in place, a draft head's next chain drafted
+# in the greedy step's own graph (the chains it did not draft compiled apart), chains refilled in place, a step that
+# drafted nothing a plain step's replay, and the default call's policy on those steps, which prices a step at its
+# bucket's forward, holds a priced depth for a few steps and judges drafts against the loop's plain steps, a lone row's
+# acceptance pulled once toward its prior, the step overhead and how far apart its pricings had grown carried from call
+# to call, its plain runs lasting until a shadow draft is due and paid for, and the warm-up's steps compiled side by
+# side in worker processes (the files that time those calls and the warm-up; `ssmspec bench --compiled` times the
+# forward compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them (llama-bench once a round, its
+# fastest kept)
 COMPILED_CPU = "6401a8e"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",

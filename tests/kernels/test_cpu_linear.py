@@ -108,7 +108,7 @@ def test_products_of_large_weights_take_the_kernel_from_one_row_and_are_not_spli
         return torch.mm(x1, big.t()), torch.mm(x1, small.t()), torch.mm(x3, big.t()), torch.mm(x3, small.t())
 
     args = (torch.randn(1, 40, generator=gen), torch.randn(3, 40, generator=gen))
-    kernel, mm = torch.ops.ssmspec_cpu.rows_linear.default, torch.ops.aten.mm.default
+    mm = torch.ops.aten.mm.default
     want = make_fx(step)(*args)(*args)
     taken = make_fx(step)(*args)
     assert rows_linears(taken, max_rows=8, rewrite=False, large=big.numel()) == 3  # (not the small weight's one row)
