@@ -299,7 +299,9 @@ class StepCompiler:
         unroll_depthwise_convs(gm)
         small_bmms_as_sums(gm, FUSED_BMM_INNER, FUSED_BMM_OUTPUTS)
         short_cumsums_unrolled(gm, UNROLLED_CUMSUM)
-        split_product_rows(gm, SPLIT_ROWS, below=KERNEL_WEIGHTS if self.kernels else None)  # (large: `compile_step`)
+        # (a large weight's products are left to `compile_step`, which points them at the kernel or splits them; a
+        # graph run op by op, never compiled, is split here whole)
+        split_product_rows(gm, SPLIT_ROWS, below=KERNEL_WEIGHTS if self.kernels and self.inductor else None)
         options = self.options_for(gm)
         key = (gm.code, tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in inputs))
         with self._lock:
