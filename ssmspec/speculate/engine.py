@@ -103,7 +103,8 @@ def speculative_generate(
         return input_ids.clone(), stats, runner
     rows = Rows(input_ids, attention_mask, decoding, eos_token_ids, pad_token_id, max_new_tokens, stats)
     extra = {"model_inputs": model_inputs} if model_inputs else {}  # only the generic path takes them
-    logits = runner.prefill(input_ids, attention_mask, all_positions=proposer.topk > 0, **extra)
+    logits = runner.prefill(input_ids, attention_mask, all_positions=proposer.topk > 0, keep=proposer.prompt_positions,
+                            **extra)  # fmt: skip
     logits = proposer.start(runner, rows, attention_mask, logits)
     if isinstance(runner, ModelRunner):  # (a greedy step compiled whole drafts the drafter's next chain in its graph)
         runner.step_draft = proposer.step_draft

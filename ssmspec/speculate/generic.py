@@ -219,11 +219,12 @@ class GenericRunner:
     @torch.no_grad()
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_positions: bool = False,
-        model_inputs: dict | None = None,
+        model_inputs: dict | None = None, keep: int = 1,
     ) -> torch.Tensor:  # fmt: skip
         """HF's forward over each row of the (padded) prompt (with `model_inputs`: a multimodal prompt's pixel
         values, grids, token types, as HF's generate takes them: one prompt); returns the last position's logits
-        [B, V] ([B, L, V] with `all_positions`)."""
+        [B, V] ([B, L, V] with `all_positions`). `keep` is ModelRunner.prefill's: here every position's logits and
+        features are computed (a row's forward is HF's own, called as its generate calls it)."""
         if model_inputs and input_ids.shape[0] != 1:
             raise UnsupportedModelError(type(self.model).__name__, ONE_PROMPT)
         self.rows, logits, feats = [], [], []

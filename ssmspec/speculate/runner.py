@@ -52,6 +52,12 @@ def takes_position_ids(model: nn.Module) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward takes HF's `logits_to_keep` (its LM head run on the last positions only), as HF's
+    generate checks before its own prefill."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def bucket(n: int, largest: int | None = None) -> int:
     """The static node count a tree of n nodes is padded to: the next power of two, or `largest` (the biggest tree
     the drafter can make) where that power of two is more than half of it: a full tree is never padded, and no bucket
@@ -134,6 +140,7 @@ class ModelRunner:
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
         self.takes_positions = takes_position_ids(model)
+        self.takes_logits_to_keep = takes_logits_to_keep(model)
         self.commit_strategy = commit
         # one-node trees go through HF's decode path (True) or the tree path (False); None: whichever measures faster
         # on this model (`single_node_path`: once per model, batch size, dtype and device)
@@ -246,9 +253,12 @@ class ModelRunner:
         if why is not None:
             raise UnsupportedModelError(type(self.model).__name__, f"cannot capture its verify steps: {why}")
 
-    def _call(self, input_ids, attention_mask, position_ids, eager: bool = False) -> torch.Tensor:
-        """The model's logits for these tokens on this runner's cache (`eager`: without its compiled forward)."""
+    def _call(self, input_ids, attention_mask, position_ids, eager: bool = False, keep: int = 0) -> torch.Tensor:
+        """The model's logits for these tokens on this runner's cache (`eager`: without its compiled forward; `keep`:
+        of the last `keep` positions only, where the model takes HF's logits_to_keep; 0: every position's)."""
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
+        if keep and self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         if self.takes_positions:
@@ -266,10 +276,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_positions: bool = False
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_positions: bool = False, keep: int = 1
     ) -> torch.Tensor:
-        """Process the (padded) prompt with HF's own forward; returns the last position's logits [B, V] (every
-        position's, [B, L, V], with `all_positions`)."""
+        """Process the (padded) prompt with HF's own forward; returns the last position's logits [B, V] (the last
+        `keep` positions' [B, keep, V], or every position's for `keep` 0, with `all_positions`). The LM head runs on
+        the last `keep` positions only, where the model takes HF's logits_to_keep, as in HF's own prefill (features
+        captured for a drafter are those positions')."""
         if input_ids.shape[0] > 1 and self.info is not None and not self.info.batches:
             raise UnsupportedModelError(type(self.model).__name__, batches_inexact(self.info.limits["batches"]))
         self.release()
@@ -278,7 +290,7 @@ class ModelRunner:
         self.cache.in_place_layout = self.graphs
         self.captured = {}  # (they read the previous call's cache)
         mask = attention_mask.to(torch.long)
-        logits = self._call(input_ids, mask, positions_from_mask(mask), eager=self.eager_prefill)
+        logits = self._call(input_ids, mask, positions_from_mask(mask), eager=self.eager_prefill, keep=keep)
         self.cache.start(mask)
         if self.graphs:
             self._take_workspace()

@@ -35,8 +35,10 @@ def test_features_are_what_the_lm_head_reads(family):
     kind = GenericRunner if model.ssmspec_info.path == "generic" else ModelRunner
     runner = kind(model, max_depth=4, max_nodes=5, capture_features=True)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
-    runner.prefill(ids, torch.ones_like(ids))
+    runner.prefill(ids, torch.ones_like(ids), keep=0)  # (every position's: an MTP layer reads them all)
     assert runner.features.shape[:2] == (1, 5)
+    runner.prefill(ids, torch.ones_like(ids))  # (the last position's, as HF's prefill computes them)
+    assert runner.features.shape[:2] == (1, 1 if kind is ModelRunner else 5)
     logits = runner.verify(TokenTree.chain(torch.tensor([[9, 3, 4]])))
     head = model.get_output_embeddings()
     torch.testing.assert_close(head(runner.features).to(logits.dtype), logits, rtol=1e-6, atol=1e-6)

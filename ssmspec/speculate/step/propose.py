@@ -34,6 +34,8 @@ class Proposer:
         self.history = bool(drafter.target_history)  # every committed position's features (an MTP layer)
         self.wants_features = bool(drafter.target_features) or self.history
         self.topk = int(drafter.target_topk)
+        # the prompt's last positions whose logits or features the drafter reads after the prefill (0: all of them)
+        self.prompt_positions = 0 if self.history else PROMPT_TOPK_POSITIONS if self.topk else 1
         self.calls_every_step = bool(drafter.works_ahead)
         # the target's features at the last step's commit, not yet handed to the drafter: (features [B, N, H], the
         # committed node per row, the rows to tell); deferred to the next drafting call, so a run of plain steps (a
