@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,8 @@ from torch import nn
 from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import ALL_CACHE_NAMES
+
+from ssmspec.hf.instance import forward_takes
 
 # modules whose forward keeps its decoding state on the module instead of in the cache object ("module.path:Class"
 # -> attribute names): HF's RecurrentGemma (its conv window and RG-LRU state, None before a prefill, which then
@@ -79,7 +80,7 @@ class HFState:
         self.ids = input_ids
         kwargs: dict[str, Any] = {**(model_inputs or {}), "attention_mask": attention_mask.to(torch.long),
                                   "use_cache": True}  # fmt: skip
-        if "position_ids" in inspect.signature(model.forward).parameters:
+        if forward_takes(model, "position_ids"):
             kwargs["position_ids"] = model._prepare_position_ids_for_generation(input_ids, kwargs)
         config = copy.deepcopy(model.generation_config)
         # HF's cache for this model, as its generate makes it (models whose forward makes its own leave it unset)

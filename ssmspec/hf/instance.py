@@ -18,6 +18,7 @@ path); `Agreement` makes those measurements the same on every process.
 
 from __future__ import annotations
 
+import inspect
 import types
 import zlib
 from collections.abc import Sequence
@@ -60,6 +61,12 @@ def restore_own_forward(module: nn.Module) -> None:
         setattr(module, HOOKED_FORWARD, types.MethodType(type(module).forward, module))
     else:
         module.__dict__.pop("forward", None)
+
+
+def forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the model's forward takes the keyword `name` (position_ids, HF's logits_to_keep), as HF's generate
+    checks before passing it."""
+    return name in inspect.signature(model.forward).parameters
 
 
 def offloaded(model: nn.Module) -> bool:

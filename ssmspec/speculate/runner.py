@@ -47,17 +47,6 @@ def cache_kwarg(model: nn.Module) -> str:
     raise ValueError(f"{type(model).__name__}.forward takes neither past_key_values nor cache_params")
 
 
-def takes_position_ids(model: nn.Module) -> bool:
-    """Whether the model's forward takes position_ids."""
-    return "position_ids" in inspect.signature(model.forward).parameters
-
-
-def takes_logits_to_keep(model: nn.Module) -> bool:
-    """Whether the model's forward takes HF's `logits_to_keep` (its LM head run on the last positions only), as HF's
-    generate checks before its own prefill."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
 def bucket(n: int, largest: int | None = None) -> int:
     """The static node count a tree of n nodes is padded to: the next power of two, or `largest` (the biggest tree
     the drafter can make) where that power of two is more than half of it: a full tree is never padded, and no bucket
@@ -139,8 +128,9 @@ class ModelRunner:
     ) -> None:  # fmt: skip
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
-        self.takes_positions = takes_position_ids(model)
-        self.takes_logits_to_keep = takes_logits_to_keep(model)
+        self.takes_positions = hf_instance.forward_takes(model, "position_ids")
+        # (its LM head on the last positions only: a prefill's)
+        self.takes_logits_to_keep = hf_instance.forward_takes(model, "logits_to_keep")
         self.commit_strategy = commit
         # one-node trees go through HF's decode path (True) or the tree path (False); None: whichever measures faster
         # on this model (`single_node_path`: once per model, batch size, dtype and device)
