@@ -28,7 +28,8 @@ DATA = ROOT / "docs" / "data"
 PROVENANCE = ("date", "machine", "torch", "transformers", "revision", "command")
 
 # cut-offs: the last commit that changed what a group of files measures
-LOOP = "5388010"  # the speculative call (drafter auto: a head where small; a plain step asks the drafter nothing)
+LOOP = "9e0c0bf"  # the speculative call (drafter auto: a head where small; a plain step asks the drafter nothing; the
+# prefill runs the LM head on the last prompt position unless the drafter reads more)
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
@@ -48,7 +49,7 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # fastest kept)
 COMPILED_CPU = "6401a8e"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
-DATES = {LOOP: "2026-11-28", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
+DATES = {LOOP: "2026-12-03", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
          TRACED: "2026-11-23", COMPILED_CPU: "2026-12-03"}  # fmt: skip
 
 
