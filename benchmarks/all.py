@@ -72,7 +72,7 @@ def _verify(name: str, options: str, cutoff: str = VERIFY) -> DataFile:
                     "the verify step's cost")  # fmt: skip
 
 
-_DEFAULTS = '--methods "HF greedy" "ssmspec default" "tree draft head + n-gram" "ssmspec autoregressive"'
+_DEFAULTS = '--methods "HF greedy" "ssmspec default" "ssmspec default without a draft head" "ssmspec autoregressive"'
 _E2E = "python benchmarks/e2e.py --prompts 12 --max-new-tokens 128 --repeats 1 --compiled"
 
 FILES: dict[str, DataFile] = {

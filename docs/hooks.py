@@ -899,8 +899,8 @@ _PROMPT_SETS = {"held-out code": "e2e_defaults", "third-party code": "e2e_third_
 
 
 def _plot_prompt_sets(_: str) -> str:
-    series = {"default (n-gram tree)": "ssmspec default", "the draft head + n-grams, asked for": "tree draft head + "
-              "n-gram", "ssmspec plain decoding": "ssmspec autoregressive"}  # fmt: skip
+    series = {"default (the draft head + n-grams)": "ssmspec default", "n-gram tree (no head)": "ssmspec default "
+              "without a draft head", "ssmspec plain decoding": "ssmspec autoregressive"}  # fmt: skip
     values = {label: [load(f)["methods"][m]["speedup_vs_hf"] for f in _PROMPT_SETS.values()]
               for label, m in series.items()}  # fmt: skip
     return bar_plot(list(_PROMPT_SETS), values, title="Speed-up over HF greedy per prompt set (embedded target)",

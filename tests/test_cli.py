@@ -28,8 +28,8 @@ def test_demo_prints_only_its_own_results_and_what_it_measured():
     for line in ("HF greedy:", "ssmspec AR:", "speculative:", "accepted:", "identical:    yes", "measured:"):
         assert line in out
     assert "[transformers]" not in out and "Warning" not in out and "Loading" not in out
-    # the drafter named as the call's plan chose it (the embedded target's head is over HEAD_MAX_SHARE: n-grams)
-    assert "[tree, prompt lookup, up to 16 nodes, depth 8]" in out
+    # the drafter named as the call's plan chose it (the embedded target's head is within HEAD_MAX_SHARE: fused)
+    assert "[tree, the draft head + prompt lookup, up to 16 nodes, depth 8]" in out
 
 
 def test_generate_prints_the_continuation(capsys):

@@ -182,8 +182,10 @@ def build_drafter(
             return drafter
         # the head's tree fused with prompt lookup's (context, and the corpus if any), as RASD fuses a retrieval
         # tree into a draft model's: n-grams add what the head does not foresee (repeated code), at the cost of
-        # a lookup (measured faster than the head alone, greedy and sampling: docs, "Draft heads")
-        return FusedDrafter(drafter, PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index))
+        # a lookup (measured faster than the head alone, greedy and sampling: docs, "Draft heads"); a greedy step
+        # whose n-gram trees reach its depth runs no head level (`retrieval_first`)
+        lookup = PromptLookupDrafter(spec.max_matching_ngram_size, tree=True, corpus=index)
+        return FusedDrafter(drafter, lookup, retrieval_first=True)
     if spec.drafter == "prompt_lookup":
         drafter: Drafter = PromptLookupDrafter(spec.max_matching_ngram_size, tree=spec.tree, corpus=index,
                                                recycle=spec.recycle)  # fmt: skip

@@ -262,3 +262,48 @@ def test_fused_drafter_gives_a_sampled_draft_the_whole_budget(do_sample):
     assert len(tokens) - 1 <= 8
     if do_sample:  # the draft's tree as drafted, its 8 nodes
         assert (tokens[1:], parents) == ([5, 7, 8, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 0, 0, 0, 0, 0])
+
+
+class _CountingStub(_StubDraft):
+    """`_StubDraft` that counts its proposals."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, contexts, max_nodes, max_depth):
+        self.calls += 1
+        return super().propose(contexts, max_nodes, max_depth)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_retrieval_first_runs_the_draft_only_where_retrieval_falls_short_of_the_depth(do_sample):
+    """With `retrieval_first`, a greedy step whose retrieved trees reach its depth in every row is retrieval's tree
+    alone, the draft not run; where a row's retrieval is shallower (or a sampled step) both draft and are fused."""
+    from ssmspec.speculate.decoding import Decoding
+    from ssmspec.speculate.drafters import FusedDrafter, PromptLookupDrafter
+    from ssmspec.speculate.engine import SpecStats
+
+    # "2" continues 9 1 1 (3 deep); "4" continues 7 only (1 deep)
+    corpus = SuffixIndex.from_sequences([[2, 9, 1, 1], [0, 4, 7]])
+    draft = _CountingStub()
+    fused = FusedDrafter(draft, PromptLookupDrafter(2, tree=True, corpus=corpus), prune_below=0.0,
+                         retrieval_first=True)  # fmt: skip
+    fused.set_decoding(Decoding(do_sample=do_sample))
+    fused.start(None, None)
+    alone = PromptLookupDrafter(2, tree=True, corpus=corpus)
+    alone.start(None, None)
+    deep = fused.propose([[0, 2]], 6, 3)
+    if do_sample:
+        assert draft.calls == 1
+    else:
+        assert draft.calls == 0 and deep == alone.propose([[0, 2]], 6, 3)  # retrieval's own tree, 3 deep
+    draft.calls = 0
+    ((tokens, parents, *_),) = fused.propose([[0, 4]], 6, 3)  # retrieval reaches depth 1 of 3: the draft runs
+    assert draft.calls == 1 and 5 in {t for t, p in zip(tokens, parents) if p == 0} and 7 in tokens
+    draft.calls = 0
+    fused.propose([[0, 2], [0, 4]], 6, 3)  # one row short: the draft runs for the batch
+    assert draft.calls == 1
+    stats = SpecStats()
+    fused.finish(stats)
+    assert stats.drafter["retrieved_only"] == (0 if do_sample else 1)

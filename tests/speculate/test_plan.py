@@ -136,15 +136,15 @@ def test_ssmspec_plan_and_generate_explain(capsys):
     """`ssmspec plan` prints the default call's plan and generates nothing; `generate --explain` prints it on stderr
     before the continuation; sampling options without --sample are a usage error."""
     assert main(["plan", "def add(a, b):\n", "--max-new-tokens", "8"]) == 0
-    out = capsys.readouterr()  # (the embedded target's head holds 13% of it: greedy, n-gram lookup drafts)
-    assert out.out.splitlines()[1].startswith("drafter  prompt_lookup: the model's draft head holds over 10%")
+    out = capsys.readouterr()  # (the embedded target's head holds 13% of it: within HEAD_MAX_SHARE, fused)
+    assert out.out.splitlines()[1] == "drafter  draft_head: the model's draft head, fused with n-gram lookup"
     assert "verify steps" not in out.err
     assert main(["plan", "def f():\n", "--sample", "--temperature", "0.7", "--chain"]) == 0
     out = capsys.readouterr().out
     assert "sampling" in out.splitlines()[0] and "a chain of" in out
     assert main(["generate", "def f():\n", "--max-new-tokens", "6", "--explain"]) == 0
     out = capsys.readouterr()
-    assert "drafter  prompt_lookup" in out.err and "verify steps" in out.err and out.out.strip()
+    assert "drafter  draft_head" in out.err and "verify steps" in out.err and out.out.strip()
     assert main(["plan", "def f():\n", "--top-p", "0.9"]) == 2
     assert "add --sample" in capsys.readouterr().err
 

@@ -217,3 +217,11 @@ class NoDrafter(Drafter):
 
     def propose(self, contexts, max_nodes, max_depth):
         return [([ctx[-1]], [-1]) for ctx in contexts]
+
+
+def depth_of(parents: list[int]) -> int:
+    """How deep a drafted tree goes (`parents`: each node's parent, the root's -1)."""
+    depth = [0] * len(parents)
+    for t in range(1, len(depth)):
+        depth[t] = depth[parents[t]] + 1
+    return max(depth)

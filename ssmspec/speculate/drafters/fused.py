@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ssmspec.speculate.drafters.base import Draft, Wrapper
+from ssmspec.speculate.drafters.base import Draft, Wrapper, depth_of
 from ssmspec.speculate.drafters.draft_model import DraftModelDrafter
 from ssmspec.speculate.drafters.head import HeadDrafter
 from ssmspec.speculate.drafters.ngram import PromptLookupDrafter
@@ -27,31 +27,46 @@ class FusedDrafter(Wrapper):
     next to the draft's sampled ones, only where they do not collide with a sampled node's parent (a node's
     children are either all sampled or all deterministic, which the verifier requires).
 
+    With `retrieval_first` (a draft head or MTP layer: ssmspec.speculate.defaults.build_drafter), a greedy step asks
+    retrieval first, and where every row's retrieved tree already reaches the step's depth, that is the step's draft
+    and the draft is not run: its levels cost a forward each and add branches to a path repeated text already
+    spells out; where retrieval falls short (and on every sampled step), both draft and are fused as above. Greedy,
+    128 new tokens, 2-core CPU, against ssmspec's plain decoding, alternated in one process (held-out code / prose /
+    random-token prompts): the embedded 19.6M Nemotron-H's head 2.18x / 2.88x / 1.99x against 2.09x / 2.38x / 1.96x
+    fused every step; the embedded Nemotron-H's MTP layer 1.96x / 2.15x / 2.34x against 1.74x / 1.76x / 1.98x; the 3M
+    target's head 1.57x / 1.68x / 1.57x against its n-gram trees alone at 1.57x / 1.38x / 1.40x.
+
     Args:
         draft: the draft model's drafter.
         retrieval: a PromptLookupDrafter (with a corpus) in tree mode.
         draft_share: the draft model's share of the node budget.
         prune_below: the draft probability under which a retrieved branch is pruned (0: no pruning).
+        retrieval_first: greedy steps draft with `draft` only where retrieval does not reach the step's depth.
     """
 
     def __init__(
         self, draft: DraftModelDrafter | HeadDrafter, retrieval: PromptLookupDrafter, draft_share: float = 0.5,
-        prune_below: float = 0.01,
+        prune_below: float = 0.01, retrieval_first: bool = False,
     ) -> None:  # fmt: skip
         self.draft = draft
         self.retrieval = retrieval
         self.inner = (draft, retrieval)
         self.draft_share = draft_share
         self.prune_below = prune_below
+        self.retrieval_first = retrieval_first
         self.pruned = 0  # retrieved branches pruned in this generate call
+        self.retrieved_only = 0  # greedy steps retrieval drafted alone (`retrieval_first`) in this generate call
 
     def start(self, input_ids, attention_mask):
         self.pruned = 0
+        self.retrieved_only = 0
         super().start(input_ids, attention_mask)
 
     def finish(self, stats) -> None:
         super().finish(stats)
         stats.drafter["pruned"] = self.pruned
+        if self.retrieval_first:
+            stats.drafter["retrieved_only"] = self.retrieved_only
 
     def propose(self, contexts, max_nodes, max_depth):
         if self.decoding is not None and self.decoding.do_sample:
@@ -62,6 +77,11 @@ class FusedDrafter(Wrapper):
             share = max_nodes
         else:
             share = max(1, int(round(max_nodes * self.draft_share))) if max_nodes > 1 else max_nodes
+            if self.retrieval_first and max_depth > 0:
+                retrieved = self.retrieval.propose(contexts, max_nodes, max_depth)
+                if all(depth_of(parents) >= max_depth for _, parents, *_ in retrieved):
+                    self.retrieved_only += 1
+                    return retrieved
         drafted = self.draft.propose(contexts, share, max_depth)
         if share == max_nodes and all(len(d[0]) - 1 >= max_nodes for d in drafted):
             return drafted  # (nothing left for retrieval to fill)

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ssmspec.speculate.drafters.base import Draft
+from ssmspec.speculate.drafters.base import Draft, depth_of
 from ssmspec.tree import TokenTree
 
 
@@ -303,11 +303,3 @@ class StepReport:
             if shadow is not None and len(shadow[0]) > 1:
                 report.shadow_hits[r] = emitted[r][0] in shadow[0][1:]
         return report
-
-
-def depth_of(parents: list[int]) -> int:
-    """How deep a drafted tree goes (`parents`: each node's parent, the root's -1)."""
-    depth = [0] * len(parents)
-    for t in range(1, len(depth)):
-        depth[t] = depth[parents[t]] + 1
-    return max(depth)
