@@ -45,12 +45,13 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # acceptance pulled once toward its prior, the step overhead and how far apart its pricings had grown carried from call
 # to call, its plain runs lasting until a shadow draft is due and paid for, and the warm-up's steps compiled side by
 # side in worker processes (the files that time those calls and the warm-up; `ssmspec bench --compiled` times the
-# forward compiled by Dynamo, without the kernel); and how llama.cpp is timed beside them (llama-bench once a round, its
-# fastest kept)
-COMPILED_CPU = "6401a8e"
+# forward compiled by Dynamo, without the kernel); the drafter the default takes there (a head of up to 15% of the
+# model: the 3M target's own head chains); and how llama.cpp is timed beside them (llama-bench once a round, its fastest
+# kept)
+COMPILED_CPU = "2c6ed4e"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
 DATES = {LOOP: "2026-12-03", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
-         TRACED: "2026-11-23", COMPILED_CPU: "2026-12-03"}  # fmt: skip
+         TRACED: "2026-11-23", COMPILED_CPU: "2026-12-04"}  # fmt: skip
 
 
 @dataclass(frozen=True)
