@@ -20,7 +20,7 @@ from ssmspec.speculate.generic import GenericRunner
 from ssmspec.speculate.plan import LoopSettings
 from ssmspec.speculate.policy import StepPolicy
 from ssmspec.speculate.runner import ModelRunner
-from ssmspec.speculate.step import Proposal, StepReport
+from ssmspec.speculate.step import Proposal, StepPlan, StepReport
 from ssmspec.speculate.step.accept import accept
 from ssmspec.speculate.step.emit import Rows
 from ssmspec.speculate.step.propose import Proposer
@@ -148,19 +148,51 @@ def speculative_generate(
                     emitted = [[g[-1]] for g in rows.generated]
                     policy.observe(StepReport.of_rows(proposal, 1, active, emitted, 1))
                     continue
-            verified = verifier.verify(proposal, rows)
-            accepted = accept(verified, decoding, stats.near_tie_tolerance, proposer.topk)
-            proposer.observe(verified, accepted, rows)  # the drafter learns from the target's verdict
-            kept = rows.keep(verified, accepted)  # each row's accepted path, cut where it stops
-            runner.commit(torch.tensor(kept.cut, dtype=torch.long), kept.hold)  # (on the host: uploaded as needed)
-            rows.emit(kept, verified, accepted)
-            policy.observe(StepReport.of(verified, accepted, kept))
+            policy.observe(general_step(runner, rows, proposal, proposer, verifier, decoding, stats))
+            if not lean and plan.depth == 0 and not plan.shadow and not proposer.calls_every_step:
+                # the plain steps the policy would take anyway (a batch where speculation does not pay), taken back
+                # to back without planning or observing each: at batch 4 on the embedded target those were about
+                # 2% of a plain step
+                general_plain_run(runner, rows, proposer, verifier, decoding, stats, policy)
     finally:  # the drafter's thread and counters, also when a step fails
         drafter.finish(stats)
     policy.finish(stats)
     sequences = rows.result(runner)
     runner.release()  # (its buffers and captured steps, for the model's next call)
     return sequences, stats, runner
+
+
+def general_step(
+    runner, rows: Rows, proposal: Proposal, proposer: Proposer, verifier: Verifier, decoding: Decoding,
+    stats: SpecStats,
+) -> StepReport:  # fmt: skip
+    """One step the general way: the proposal verified, accepted (greedy or sampled, HF's processors per node), the
+    drafter told the verdict, each row's accepted path committed and emitted; returns the step's report."""
+    verified = verifier.verify(proposal, rows)
+    accepted = accept(verified, decoding, stats.near_tie_tolerance, proposer.topk)
+    proposer.observe(verified, accepted, rows)  # the drafter learns from the target's verdict
+    kept = rows.keep(verified, accepted)  # each row's accepted path, cut where it stops
+    runner.commit(torch.tensor(kept.cut, dtype=torch.long), kept.hold)  # (on the host: uploaded as needed)
+    rows.emit(kept, verified, accepted)
+    return StepReport.of(verified, accepted, kept)
+
+
+def general_plain_run(
+    runner, rows: Rows, proposer: Proposer, verifier: Verifier, decoding: Decoding, stats: SpecStats,
+    policy: StepPolicy,
+) -> None:  # fmt: skip
+    """The plain steps the policy has decided ahead (`StepPolicy.plain_run`), each a `general_step` of a drafter-less
+    proposal, reported together (`StepPolicy.observe_plain`): what `plain_run` is for steps compiled whole."""
+    ahead = policy.plain_run(rows)
+    if not ahead:
+        return
+    active = [r for r in range(rows.batch) if not rows.done[r]]
+    plan = StepPlan(depth=0, budget=1, cap=policy.cap, shadow=0)
+    started, taken = time.perf_counter(), 0
+    while taken < ahead and not rows.finished:
+        general_step(runner, rows, proposer.propose(plan, rows), proposer, verifier, decoding, stats)
+        taken += 1
+    policy.observe_plain(taken, time.perf_counter() - started, active)
 
 
 def plain_step(

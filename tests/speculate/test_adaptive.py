@@ -1058,3 +1058,42 @@ def test_on_steps_compiled_whole_a_priced_speculative_depth_holds_for_the_next_s
     assert depth.choose(rows, 4, 4)[0] > 0
     goodput.forced = 4  # (a back-off: plain steps, the hold ended)
     assert depth.choose(rows, 4, 4)[0] == 0 and depth.held_for == 0
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_an_eager_call_takes_the_plain_steps_the_policy_decided_ahead_without_planning_each(monkeypatch, do_sample):
+    """Where drafts are far from paying (a batch whose rows rarely accept), an eager call takes the plain steps the
+    policy decides ahead (`StepPolicy.plain_run`) without planning or observing each, as a compiled one does: planned
+    steps and run steps add up to the call's, most steps are in runs, and the output is HF's greedy output (a row
+    stopping at EOS inside a run), or the seeded sampled output of the same call planning every step."""
+    ref = cached_tiny_model("mamba2")
+    model = ssmspec.transform(copy.deepcopy(ref))
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(3))
+    eos = int(ref.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)[0, ids.shape[1] + 23])
+    kwargs = dict(max_new_tokens=40, eos_token_id=eos, pad_token_id=0, do_sample=do_sample)
+    calibration.fixed(model, 2, {1: 1.0, 2: 3.0, 4: 5.0, 8: 9.0})  # (drafts far from paying, whatever is measured)
+    model._ssmspec_acceptance = {}
+    drafter = RandomDrafter(96, chain=True)
+    monkeypatch.setattr("ssmspec.speculate.plan.build_drafter", lambda *a, **k: drafter)
+    spec = SpecConfig(drafter="prompt_lookup", adaptive=True, tree=False, num_draft_tokens=4)
+    plans, runs = [], []
+    plan, observe_plain = policy.StepPolicy.plan, policy.StepPolicy.observe_plain
+    monkeypatch.setattr(policy.StepPolicy, "plan", lambda self, rows: plans.append(1) or plan(self, rows))
+    monkeypatch.setattr(policy.StepPolicy, "observe_plain",
+                        lambda self, n, *a: runs.append(n) or observe_plain(self, n, *a))  # fmt: skip
+
+    def call():
+        generator = torch.Generator().manual_seed(0) if do_sample else None
+        return model.generate(ids, **kwargs, speculation=spec, generator=generator, return_dict_in_generate=True)
+
+    out = call()
+    steps = out.spec_stats["verify_steps"]
+    assert max(out.spec_stats["tree_nodes_per_step"]) == 1  # (never drafted)
+    assert len(plans) + sum(runs) == steps and sum(runs) > steps // 2 and max(runs) >= 4
+    if not do_sample:  # (row 0 stops at its EOS, 23 tokens in)
+        assert torch.equal(out.sequences, ref.generate(ids, **kwargs))
+        return
+    monkeypatch.setattr(policy.StepPolicy, "plain_run", lambda self, rows: 0)  # every step planned
+    runs.clear()
+    again = call()
+    assert not runs and torch.equal(again.sequences, out.sequences)
