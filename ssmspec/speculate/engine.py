@@ -151,8 +151,8 @@ def speculative_generate(
             policy.observe(general_step(runner, rows, proposal, proposer, verifier, decoding, stats))
             if not lean and plan.depth == 0 and not plan.shadow and not proposer.calls_every_step:
                 # the plain steps the policy would take anyway (a batch where speculation does not pay), taken back
-                # to back without planning or observing each: at batch 4 on the embedded target those were about
-                # 2% of a plain step
+                # to back without planning or observing each: at batch 4 on the embedded target planning and
+                # observing every step took 8 ms of a 600 ms call, in runs 4
                 general_plain_run(runner, rows, proposer, verifier, decoding, stats, policy)
     finally:  # the drafter's thread and counters, also when a step fails
         drafter.finish(stats)
