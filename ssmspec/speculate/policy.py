@@ -436,10 +436,10 @@ class AdaptiveDepth:
         self.goodput.recalibrate(calibration.curve(), calibration.decode_seconds())
 
     def finish(self) -> None:
-        """Keep the call's acceptance profile as the next greedy call's prior, on steps compiled whole the plain
-        step's seconds its loop measured back to back (`Goodput.plain_prior`), and what its drafted steps took beyond
-        their forwards (`Goodput.overhead_prior`), and there how far from paying its last pricings found drafts
-        (FAR_PRICED)."""
+        """Keep the call's acceptance profile as the next greedy call's prior, what its drafted steps took beyond
+        their forwards (`Goodput.overhead_prior`: read on steps compiled whole and at a batch), and on steps compiled
+        whole the plain step's seconds its loop measured back to back (`Goodput.plain_prior`) and how far from paying
+        its last pricings found drafts (FAR_PRICED)."""
         if self.profiles is not None:
             self.profiles[self.profile_key] = self.acceptance.profile()
             if self.goodput.run_seconds:

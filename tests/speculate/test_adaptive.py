@@ -949,10 +949,10 @@ def test_a_step_padded_to_its_bucket_is_priced_at_the_buckets_forward():
 
 
 def test_a_greedy_call_prices_its_first_drafted_steps_with_the_overhead_the_call_before_measured():
-    """On steps compiled whole, what a drafted step took beyond its forward is kept on the model per batch size and
-    drafter (`STEP_OVERHEAD`) and is the next greedy call's prior (`Goodput.overhead_prior`): a call priced from
-    PRIOR_FIXED alone tried drafts its steps then showed to cost more. A sampled call's pricing follows no timing, and
-    an eager loop's is as it was: both keep PRIOR_FIXED."""
+    """On steps compiled whole, and eager at a batch, what a drafted step took beyond its forward is kept on the model
+    per batch size and drafter (`STEP_OVERHEAD`) and is the next greedy call's prior (`Goodput.overhead_prior`): a
+    call priced from PRIOR_FIXED alone tried drafts its steps then showed to cost more. A sampled call's pricing
+    follows no timing, and an eager loop's at batch 1 is as it was: both keep PRIOR_FIXED."""
     from ssmspec.compile.lower import StepCompiler
     from ssmspec.speculate.adaptive import Goodput
 
@@ -960,6 +960,10 @@ def test_a_greedy_call_prices_its_first_drafted_steps_with_the_overhead_the_call
     fresh = Goodput(curve, 1e-3, loop_base=True)
     assert fresh.overhead.fit() == pytest.approx((Goodput.PRIOR_FIXED * 1e-3, Goodput.PRIOR_SLOPE))
     assert Goodput(curve, 1e-3, overhead_prior=(2e-3, 1e-4)).overhead.fit() == fresh.overhead.fit()  # (eager)
+    assert Goodput(curve, 1e-3, batch=4, overhead_prior=(2e-3, 1e-4)).overhead.fit() == (2e-3, 1e-4)  # (a batch)
+    assert Goodput(curve, 1e-3, batch=4, measured=False, overhead_prior=(2e-3, 1e-4)).overhead.fit() == pytest.approx(
+        fresh.overhead.fit()
+    )
     carried = Goodput(curve, 1e-3, loop_base=True, overhead_prior=(2e-3, 1e-4))
     assert carried.overhead.fit() == (2e-3, 1e-4) and carried.cost(4) > fresh.cost(4)
     carried.recalibrate(curve, 1e-3)  # (the calibration's base does not replace a measured prior)
