@@ -28,8 +28,12 @@ DATA = ROOT / "docs" / "data"
 PROVENANCE = ("date", "machine", "torch", "transformers", "revision", "command")
 
 # cut-offs: the last commit that changed what a group of files measures
-LOOP = "9e0c0bf"  # the speculative call (drafter auto: a head where small; a plain step asks the drafter nothing; the
-# prefill runs the LM head on the last prompt position unless the drafter reads more)
+LOOP = "2c6ed4e"  # the speculative call (drafter auto: a head of up to 15% of the model, its tree fused with n-grams,
+# which a greedy step asks first and verifies alone where they reach its depth; a plain step asks the drafter nothing;
+# the prefill runs the LM head on the last prompt position unless the drafter reads more)
+# the speculative call at a batch: its drafted steps priced first with the overhead the last call at that batch size
+# measured, and the batched benchmark's repeats run in alternating order (the files that time calls at a batch)
+BATCHED = "92e5950"
 VERIFY = "27d6b4b"  # the runner's verify step (one capture and bucket lookup per step)
 SAMPLING = "9306ed9"  # what a sampled call draws: the drafters' distributions and the acceptance
 TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
@@ -50,7 +54,7 @@ TRACED = "113270f"  # the captured CUDA step and the GPU benchmark's sections
 # kept)
 COMPILED_CPU = "2c6ed4e"
 # each cut-off's commit date: what a checkout without the history (a shallow clone) compares a file's date with
-DATES = {LOOP: "2026-12-03", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
+DATES = {LOOP: "2026-12-04", BATCHED: "2026-12-04", VERIFY: "2026-11-28", SAMPLING: "2026-11-28",
          TRACED: "2026-11-23", COMPILED_CPU: "2026-12-04"}  # fmt: skip
 
 
@@ -64,8 +68,8 @@ class DataFile:
     needs: str = "cpu"  # "cuda": a CUDA GPU; "llama.cpp": a llama.cpp build (benchmarks/llamacpp.py --work)
 
 
-def _bench(name: str, options: str) -> DataFile:
-    return DataFile(f"ssmspec bench {options} --json docs/data/{name}.json", LOOP, "the speculative call")
+def _bench(name: str, options: str, cutoff: str = LOOP) -> DataFile:
+    return DataFile(f"ssmspec bench {options} --json docs/data/{name}.json", cutoff, "the speculative call")
 
 
 def _verify(name: str, options: str, cutoff: str = VERIFY) -> DataFile:
@@ -96,9 +100,9 @@ FILES: dict[str, DataFile] = {
     "e2e_prose": _bench("e2e_prose", f"--prompt-set prose --prompts 8 --repeats 2 {_DEFAULTS}"),
     "e2e_random": _bench("e2e_random", f"--prompt-set random --prompts 8 --repeats 2 {_DEFAULTS}"),
     "e2e_third_party_default": _bench("e2e_third_party_default", f"--prompt-set third-party --repeats 2 {_DEFAULTS}"),
-    "batched": _bench("batched", "--batch 1 4 8 16 32 --repeats 3"),
-    "batched_prose": _bench("batched_prose", "--batch 1 4 8 16 32 --prompt-set prose --repeats 2"),
-    "batched_compiled": _bench("batched_compiled", "--batch 1 4 8 16 32 --compiled --repeats 2"),
+    "batched": _bench("batched", "--batch 1 4 8 16 32 --repeats 3", BATCHED),
+    "batched_prose": _bench("batched_prose", "--batch 1 4 8 16 32 --prompt-set prose --repeats 2", BATCHED),
+    "batched_compiled": _bench("batched_compiled", "--batch 1 4 8 16 32 --compiled --repeats 2", BATCHED),
     "sampling": DataFile("python benchmarks/sampling.py --skip-tests", LOOP, "the sampled call"),
     "sampling_tests": DataFile(
         "python benchmarks/sampling.py --skip-speed --samples 5000", SAMPLING, "the sampled distribution"
@@ -112,13 +116,13 @@ FILES: dict[str, DataFile] = {
     "generic": DataFile("python benchmarks/generic.py --json docs/data/generic.json", LOOP, "the generic path"),
     "first_call": DataFile(
         "python benchmarks/first_call.py --batch 1 16 --tokens 128 --json docs/data/first_call.json",
-        LOOP,
+        BATCHED,
         "a first call",
     ),  # fmt: skip
     "memory": DataFile(
         "python benchmarks/memory.py --model bamba-hybrid --batch 8 --tokens 6000 --rounds 3 --json "
         "docs/data/memory.json",
-        LOOP,
+        BATCHED,
         "a long call's memory",
     ),  # fmt: skip
     "model_size": DataFile(
