@@ -382,7 +382,8 @@ class Goodput:
         self.decode_seconds = decode_seconds or 0.0  # 0: unknown (a curve given without its timing)
         self.batch = batch
         # what speculative steps take beyond their forward (the first one, which also sets the drafter up, aside)
-        # the overhead's prior as a call before measured it (steps compiled whole, where it was measured to matter)
+        # the overhead's prior as a call before measured it (steps compiled whole and a batch, where it was measured to
+        # matter)
         self.carried = measured and (loop_base or batch > 1) and overhead_prior is not None
         prior = overhead_prior if self.carried else (self.PRIOR_FIXED * self.decode_seconds, self.PRIOR_SLOPE)
         self.overhead = StepOverhead(*prior)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,7 +135,7 @@ def speculative_generate(
                 if chosen is not None:
                     policy.observe(StepReport.plain({r: rows.generated[r][-1] for r in active}, proposal))
                     # the steps the policy would take plainly anyway, back to back, reported together
-                    chosen = plain_run(runner, rows, chosen, proposer, policy)
+                    chosen = plain_run(policy, rows, lambda t: plain_step(runner, rows, t, proposer), chosen)
                     continue
             chosen = None  # (a general step: the next plain step reads its input from the rows)
             proposal = proposal or proposer.propose(plan, rows)
@@ -153,7 +154,9 @@ def speculative_generate(
                 # the plain steps the policy would take anyway (a batch where speculation does not pay), taken back
                 # to back without planning or observing each: at batch 4 on the embedded target planning and
                 # observing every step took 8 ms of a 600 ms call, in runs 4
-                general_plain_run(runner, rows, proposer, verifier, decoding, stats, policy)
+                plain = StepPlan(depth=0, budget=1, cap=policy.cap, shadow=0)
+                plain_run(policy, rows, lambda _: general_step(
+                    runner, rows, proposer.propose(plain, rows), proposer, verifier, decoding, stats))  # fmt: skip
     finally:  # the drafter's thread and counters, also when a step fails
         drafter.finish(stats)
     policy.finish(stats)
@@ -177,24 +180,6 @@ def general_step(
     return StepReport.of(verified, accepted, kept)
 
 
-def general_plain_run(
-    runner, rows: Rows, proposer: Proposer, verifier: Verifier, decoding: Decoding, stats: SpecStats,
-    policy: StepPolicy,
-) -> None:  # fmt: skip
-    """The plain steps the policy has decided ahead (`StepPolicy.plain_run`), each a `general_step` of a drafter-less
-    proposal, reported together (`StepPolicy.observe_plain`): what `plain_run` is for steps compiled whole."""
-    ahead = policy.plain_run(rows)
-    if not ahead:
-        return
-    active = [r for r in range(rows.batch) if not rows.done[r]]
-    plan = StepPlan(depth=0, budget=1, cap=policy.cap, shadow=0)
-    started, taken = time.perf_counter(), 0
-    while taken < ahead and not rows.finished:
-        general_step(runner, rows, proposer.propose(plan, rows), proposer, verifier, decoding, stats)
-        taken += 1
-    policy.observe_plain(taken, time.perf_counter() - started, active)
-
-
 def plain_step(
     runner: ModelRunner, rows: Rows, tokens: torch.Tensor | None = None, proposer: Proposer | None = None
 ) -> torch.Tensor | None:
@@ -213,16 +198,18 @@ def plain_step(
     return picks[0].clone()  # (a measurement between steps may replay the step before the next one reads it)
 
 
-def plain_run(runner: ModelRunner, rows: Rows, tokens: torch.Tensor, proposer: Proposer, policy: StepPolicy):
-    """The plain steps the policy has decided ahead (`StepPolicy.plain_run`), taken back to back as `plain_step`s and
-    reported together (`StepPolicy.observe_plain`); returns the last one's tokens (the next step's input)."""
+def plain_run(policy: StepPolicy, rows: Rows, step: Callable[[Any], Any], tokens: Any = None) -> Any:
+    """The plain steps the policy has decided ahead (`StepPolicy.plain_run`), taken back to back and reported together
+    (`StepPolicy.observe_plain`): each `step(tokens)` takes one and returns the next one's input (steps compiled
+    whole: `plain_step`'s tokens on the device; an eager `general_step` reads its input from the rows); returns the last
+    one's."""
     ahead = policy.plain_run(rows)
     if not ahead:
         return tokens
     active = [r for r in range(rows.batch) if not rows.done[r]]
     started, taken = time.perf_counter(), 0
     while taken < ahead and not rows.finished:
-        tokens = plain_step(runner, rows, tokens, proposer)
+        tokens = step(tokens)
         taken += 1
     policy.observe_plain(taken, time.perf_counter() - started, active)
     return tokens
